@@ -1,0 +1,168 @@
+"""Model configuration and size presets (SmolLM / SmolLM3 family shapes)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+ROPE_TYPES = ("default", "yarn")
+
+
+@dataclass
+class ModelConfig:
+    """Shape and numerics of a decoder-only transformer in the Llama / SmolLM3 layout."""
+
+    vocab_size: int = 8192
+    """Number of token ids; the embedding and output matrices have this many rows."""
+    hidden_size: int = 128
+    """Width of the residual stream."""
+    num_layers: int = 4
+    """Number of transformer blocks."""
+    num_heads: int = 4
+    """Query heads; `hidden_size` must divide evenly into them."""
+    num_kv_heads: int = 2
+    """Key/value heads (grouped-query attention); must divide `num_heads`."""
+    intermediate_size: int = 384
+    """Width of the SwiGLU hidden layer."""
+    max_seq_len: int = 256
+    """Longest sequence the model is meant for (exported as `max_position_embeddings`)."""
+    rope_theta: float = 10000.0
+    """RoPE base; raising it is ABF (adjusted base frequency)."""
+    rope_scaling: dict | None = None
+    """RoPE scaling in transformers' `rope_parameters` form, e.g. `{"rope_type": "yarn",
+    "factor": 4.0, "original_max_position_embeddings": 256, "beta_fast": 32, "beta_slow": 1}`."""
+    nope_interval: int = 0
+    """0: RoPE in every layer; k: layer i has no RoPE when (i + 1) % k == 0 (SmolLM3 uses 4)."""
+    tie_embeddings: bool = True
+    """Share the input embedding with the output projection."""
+    rms_norm_eps: float = 1e-6
+    """Epsilon of every RMSNorm."""
+    init_std: float = 0.02
+    """Std of the normal initialization; residual output projections get
+    `init_std / sqrt(2 * num_layers)`."""
+    qk_norm: bool = False
+    """RMSNorm over each query and key head before RoPE (no SmolLM3 equivalent: not exportable)."""
+    bos_token_id: int | None = None
+    """Beginning-of-sequence id, written into the exported configs."""
+    eos_token_id: int | None = None
+    """End-of-sequence id, written into the exported configs."""
+    pad_token_id: int | None = None
+    """Padding id; the export falls back to `eos_token_id`, then 0."""
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads"):
+            _require_positive(self, name)
+        for name in ("intermediate_size", "max_seq_len", "rope_theta", "rms_norm_eps", "init_std"):
+            _require_positive(self, name)
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"hidden_size={self.hidden_size} must be divisible by num_heads={self.num_heads}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} must be divisible by num_kv_heads={self.num_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(
+                f"head_dim = hidden_size / num_heads = {self.head_dim} must be even for RoPE"
+            )
+        if self.nope_interval < 0:
+            raise ValueError(f"nope_interval={self.nope_interval} must be >= 0 (0 disables NoPE)")
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value < self.vocab_size:
+                raise ValueError(f"{name}={value} must be in [0, vocab_size={self.vocab_size})")
+        _validate_rope_scaling(self.rope_scaling)
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head."""
+        return self.hidden_size // self.num_heads
+
+    def uses_rope(self, layer_idx: int) -> bool:
+        """Whether layer `layer_idx` applies RoPE (SmolLM3's `no_rope_layers` convention)."""
+        return self.nope_interval == 0 or (layer_idx + 1) % self.nope_interval != 0
+
+    def num_parameters(self, non_embedding: bool = False) -> int:
+        """Count parameters exactly as the model built from this config holds them.
+
+        Args:
+            non_embedding: leave out the token embedding and, when untied, the output projection.
+        """
+        hidden, head_dim = self.hidden_size, self.head_dim
+        attention = hidden * (self.num_heads + 2 * self.num_kv_heads) * head_dim
+        attention += self.num_heads * head_dim * hidden + (2 * head_dim if self.qk_norm else 0)
+        mlp = 3 * hidden * self.intermediate_size
+        per_layer = attention + mlp + 2 * hidden  # two RMSNorm weights
+        body = self.num_layers * per_layer + hidden  # final norm
+        if non_embedding:
+            return body
+        embeddings = self.vocab_size * hidden * (1 if self.tie_embeddings else 2)
+        return body + embeddings
+
+    def to_dict(self) -> dict:
+        """Plain-JSON form (round-trips through `ModelConfig(**d)`)."""
+        return dataclasses.asdict(self)
+
+
+def _require_positive(cfg: ModelConfig, name: str) -> None:
+    value = getattr(cfg, name)
+    if not value > 0:
+        raise ValueError(f"{name}={value} must be > 0")
+
+
+def _validate_rope_scaling(rope_scaling: dict | None) -> None:
+    if rope_scaling is None:
+        return
+    rope_type = rope_scaling.get("rope_type")
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"rope_scaling.rope_type={rope_type!r} must be one of {ROPE_TYPES}")
+    if rope_type != "yarn":
+        return
+    factor = rope_scaling.get("factor")
+    if factor is None or factor < 1:
+        raise ValueError(f"rope_scaling.factor={factor} must be >= 1 for yarn")
+    original = rope_scaling.get("original_max_position_embeddings")
+    if original is None or original <= 0:
+        raise ValueError(
+            f"rope_scaling.original_max_position_embeddings={original} must be > 0 for yarn"
+        )
+    beta_fast, beta_slow = rope_scaling.get("beta_fast") or 32, rope_scaling.get("beta_slow") or 1
+    if beta_fast < beta_slow:
+        raise ValueError(
+            f"rope_scaling.beta_fast={beta_fast} must be >= rope_scaling.beta_slow={beta_slow}"
+        )
+
+
+# Shapes follow the released SmolLM2 (135M, 360M, 1.7B) and SmolLM3 (3B) configs; sequence
+# lengths and RoPE bases are the pretraining ones (context is extended later with ABF + YaRN).
+PRESETS: dict[str, dict] = {
+    "debug": {},
+    "135m": dict(
+        vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3,
+        intermediate_size=1536, max_seq_len=2048, rope_theta=100000.0, rms_norm_eps=1e-5,
+    ),
+    "360m": dict(
+        vocab_size=49152, hidden_size=960, num_layers=32, num_heads=15, num_kv_heads=5,
+        intermediate_size=2560, max_seq_len=2048, rope_theta=100000.0, rms_norm_eps=1e-5,
+    ),
+    "1.7b": dict(
+        vocab_size=49152, hidden_size=2048, num_layers=24, num_heads=32, num_kv_heads=32,
+        intermediate_size=8192, max_seq_len=2048, rope_theta=130000.0, rms_norm_eps=1e-5,
+    ),
+    "3b": dict(
+        vocab_size=128256, hidden_size=2048, num_layers=36, num_heads=16, num_kv_heads=4,
+        intermediate_size=11008, max_seq_len=4096, rope_theta=50000.0, nope_interval=4,
+    ),
+}  # fmt: skip
+
+
+def preset(name: str, **overrides) -> ModelConfig:
+    """Build a preset config ("debug", "135m", "360m", "1.7b", "3b"), with field overrides."""
+    if name not in PRESETS:
+        raise ValueError(f"preset name={name!r} must be one of {sorted(PRESETS)}")
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = set(overrides) - fields
+    if unknown:
+        raise ValueError(f"unknown ModelConfig field(s) {sorted(unknown)} in preset overrides")
+    return ModelConfig(**{**PRESETS[name], **overrides})
