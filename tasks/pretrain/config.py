@@ -1,0 +1,287 @@
+"""Typed configuration of the pretraining step.
+
+One pydantic model, :class:`TrainConfig`, with nested sections. Every check that can fail runs in
+a validator, so a bad value is rejected before any compute, naming the field and the value.
+Fields marked ``json_schema_extra={"versioned": False}`` are execution-only: they do not change the
+output's content hash (log intervals, progress bars, ...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+UNVERSIONED = {"versioned": False}
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelSpec(_Section):
+    """Which architecture to train: a preset from ``model.config`` plus field overrides."""
+
+    preset: str = Field("debug", description="Preset name from model.config.preset.")
+    overrides: dict[str, Any] = Field(
+        default_factory=dict, description="ModelConfig fields to replace, e.g. {'num_layers': 4}."
+    )
+
+    def build(self) -> Any:
+        """Return the resolved ``model.config.ModelConfig``."""
+        from model.config import preset
+
+        base = preset(self.preset)
+        names = {f.name for f in dataclasses.fields(base)}
+        unknown = sorted(set(self.overrides) - names)
+        if unknown:
+            raise ValueError(f"model.overrides: unknown ModelConfig field(s) {unknown}")
+        return dataclasses.replace(base, **self.overrides)
+
+    @model_validator(mode="after")
+    def _check_buildable(self) -> ModelSpec:
+        try:
+            import model.config  # noqa: F401
+        except ImportError:  # NOTE: lets configs be parsed where model/ is absent (docs, UI).
+            return self
+        cfg = self.build()
+        check_architecture(cfg)
+        return self
+
+
+def _get(cfg: Any, *names: str) -> Any:
+    for name in names:
+        if hasattr(cfg, name):
+            return getattr(cfg, name)
+    return None
+
+
+def check_architecture(cfg: Any) -> None:
+    """Fail with a message naming the field if heads do not divide the hidden size."""
+    hidden = _get(cfg, "hidden_size", "dim", "d_model")
+    heads = _get(cfg, "num_heads", "num_attention_heads", "n_heads")
+    kv_heads = _get(cfg, "num_kv_heads", "num_key_value_heads", "n_kv_heads") or heads
+    head_dim = _get(cfg, "head_dim")
+    if hidden and heads and head_dim is None and hidden % heads:
+        raise ValueError(f"model: hidden_size={hidden} is not divisible by num_heads={heads}")
+    if heads and kv_heads and heads % kv_heads:
+        raise ValueError(f"model: num_heads={heads} is not divisible by num_kv_heads={kv_heads}")
+
+
+class OptimizerConfig(_Section):
+    """AdamW everywhere, or Muon on 2-D hidden matrices with AdamW for the rest."""
+
+    name: Literal["adamw", "muon"] = Field("adamw", description="Optimizer family.")
+    lr: float = Field(3e-3, gt=0, description="Peak learning rate of the AdamW groups.")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas.")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    weight_decay: float = Field(
+        0.1, ge=0, description="AdamW decoupled weight decay (never on embeddings/norms/biases)."
+    )
+    muon_lr: float = Field(0.02, gt=0, description="Peak learning rate of the Muon group.")
+    muon_momentum: float = Field(0.95, ge=0, lt=1, description="Muon momentum.")
+    muon_weight_decay: float = Field(0.0, ge=0, description="Muon weight decay.")
+    muon_adjust_lr: Literal["original", "match_rms_adamw"] = Field(
+        "original", description="torch.optim.Muon adjust_lr_fn."
+    )
+    grad_clip: float = Field(1.0, ge=0, description="Max global grad norm; 0 disables clipping.")
+    fused: bool = Field(
+        False,
+        description="Use the fused AdamW kernel (faster; not bitwise equal to the default).",
+    )
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, value: tuple[float, float]) -> tuple[float, float]:
+        if not all(0 <= b < 1 for b in value):
+            raise ValueError(f"optimizer.betas must lie in [0, 1), got {value}")
+        return value
+
+
+class ScheduleConfig(_Section):
+    """Learning-rate schedule, defined over the TOTAL run (all curriculum stages).
+
+    A stage trains the step range [start, start + max_steps), where start is the step of the
+    checkpoint it was initialised from; the multiplier at a global step only depends on that
+    step, so stage k continues exactly where stage k-1 stopped.
+    """
+
+    name: Literal["constant", "cosine", "wsd", "multistep", "linear"] = Field(
+        "cosine", description="Schedule shape after warmup."
+    )
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup steps from 0.")
+    total_steps: int | None = Field(
+        None, gt=0, description="Steps of the whole run; None means this stage's last step."
+    )
+    min_lr_ratio: float = Field(
+        0.1, ge=0, le=1, description="Floor as a fraction of peak (cosine, wsd, linear)."
+    )
+    decay_fraction: float = Field(
+        0.2, gt=0, le=1, description="WSD: share of total_steps spent decaying at the end."
+    )
+    decay_shape: Literal["linear", "cosine", "sqrt"] = Field(
+        "linear", description="WSD: shape of the final decay ('sqrt' is 1-sqrt)."
+    )
+    milestones: list[float] = Field(
+        default_factory=lambda: [0.8, 0.9],
+        description="multistep: fractions of total_steps where the LR is multiplied by gamma.",
+    )
+    gamma: float = Field(0.316, gt=0, le=1, description="multistep: factor at each milestone.")
+
+    @field_validator("milestones")
+    @classmethod
+    def _milestones_sorted(cls, value: list[float]) -> list[float]:
+        if any(not 0 < m < 1 for m in value) or value != sorted(value):
+            raise ValueError(f"schedule.milestones must be increasing in (0, 1), got {value}")
+        return value
+
+
+class BatchConfig(_Section):
+    """Per-process micro-batch, gradient accumulation and batch-size warmup."""
+
+    micro_batch_size: int = Field(8, gt=0, description="Sequences per process per micro-step.")
+    grad_accum_steps: int = Field(1, gt=0, description="Micro-steps per optimizer step.")
+    warmup_start_micro_batch: int | None = Field(
+        None, gt=0, description="Batch-size warmup: micro-batch at step 0 (None: no warmup)."
+    )
+    warmup_steps: int = Field(0, ge=0, description="Batch-size warmup: steps to reach full size.")
+
+    @model_validator(mode="after")
+    def _warmup_consistent(self) -> BatchConfig:
+        start = self.warmup_start_micro_batch
+        if start is not None and start > self.micro_batch_size:
+            raise ValueError(
+                f"batch.warmup_start_micro_batch={start} exceeds "
+                f"batch.micro_batch_size={self.micro_batch_size}"
+            )
+        return self
+
+
+class CheckpointConfig(_Section):
+    """When to write checkpoints and how many to keep."""
+
+    interval: int = Field(100, gt=0, description="Save every this many optimizer steps.")
+    keep_last: int = Field(2, gt=0, description="Keep this many step checkpoints (plus final).")
+
+
+class GuardConfig(_Section):
+    """Stability guards: NaN/Inf and loss-spike detection, and what to do about them."""
+
+    enabled: bool = Field(True, description="Turn the guards on.")
+    policy: Literal["skip", "rewind", "stop"] = Field(
+        "skip",
+        description="skip the batch, rewind to the last checkpoint with a lower LR, or stop.",
+    )
+    window: int = Field(50, ge=2, description="Moving window of accepted losses for the z-score.")
+    min_history: int = Field(10, ge=2, description="Losses needed before spikes are detected.")
+    zscore: float = Field(6.0, gt=0, description="A loss this many std above the mean is a spike.")
+    rewind_lr_factor: float = Field(
+        0.5, gt=0, le=1, description="LR multiplier applied at each rewind (compounds)."
+    )
+    max_events: int = Field(
+        20, gt=0, description="Abort the run after this many guard events (a diverged run)."
+    )
+
+
+class TrackerConfig(_Section):
+    """Where metrics go besides metrics.jsonl."""
+
+    tensorboard: bool = Field(True, description="TensorBoard files under out_dir/tb.")
+    others: list[Literal["wandb", "mlflow"]] = Field(
+        default_factory=list, description="accelerate trackers to log to as well."
+    )
+    project: str = Field("llmflow", description="Project / experiment name for trackers.")
+
+
+class DebugConfig(_Section):
+    """Fault injection for tests. Never set in real runs."""
+
+    scale_loss_at_steps: list[int] = Field(
+        default_factory=list, description="Optimizer steps whose loss is multiplied by loss_scale."
+    )
+    loss_scale: float = Field(100.0, description="Factor for scale_loss_at_steps (nan allowed).")
+    crash_after_step: int | None = Field(
+        None, description="Exit the process abruptly (os._exit(3)) after this step."
+    )
+
+
+class TrainConfig(_Section):
+    """Everything the pretraining step needs besides its data and output folders."""
+
+    model: ModelSpec = Field(default_factory=ModelSpec, description="Architecture.")
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="Optimizer.")
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig, description="LR schedule.")
+    batch: BatchConfig = Field(default_factory=BatchConfig, description="Batch sizes.")
+    max_steps: int | None = Field(None, gt=0, description="Optimizer steps in this stage.")
+    num_tokens: int | None = Field(
+        None, gt=0, description="Tokens to train on in this stage (alternative to max_steps)."
+    )
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Saving.")
+    guard: GuardConfig = Field(default_factory=GuardConfig, description="Stability guards.")
+    seed: int = Field(0, description="Seed of the initialisation and data order.")
+    z_loss: float = Field(0.0, ge=0, description="z-loss weight (PaLM); 0 disables.")
+    compile: bool = Field(False, description="torch.compile each transformer block.")
+    deterministic: bool = Field(
+        True,
+        description="torch.use_deterministic_algorithms on CPU (bitwise-exact resume).",
+        json_schema_extra=UNVERSIONED,
+    )
+    eval_batches: int = Field(4, gt=0, description="Validation batches per evaluation.")
+    log_interval: int = Field(
+        10, gt=0, description="Steps between metric logs.", json_schema_extra=UNVERSIONED
+    )
+    eval_interval: int = Field(
+        100, gt=0, description="Steps between validations.", json_schema_extra=UNVERSIONED
+    )
+    progress_bar: bool = Field(
+        True, description="tqdm bar on rank 0 when stderr is a TTY.", json_schema_extra=UNVERSIONED
+    )
+    tracker: TrackerConfig = Field(
+        default_factory=TrackerConfig, description="Trackers.", json_schema_extra=UNVERSIONED
+    )
+    debug: DebugConfig = Field(default_factory=DebugConfig, description="Fault injection.")
+
+    @model_validator(mode="after")
+    def _length_given(self) -> TrainConfig:
+        if (self.max_steps is None) == (self.num_tokens is None):
+            raise ValueError("set exactly one of max_steps and num_tokens")
+        total = self.schedule.total_steps
+        if total is not None and self.max_steps is not None and self.schedule.warmup_steps > total:
+            raise ValueError(
+                f"schedule.warmup_steps={self.schedule.warmup_steps} exceeds "
+                f"schedule.total_steps={total}"
+            )
+        return self
+
+    def model_config_obj(self) -> Any:
+        """Return the resolved ModelConfig."""
+        return self.model.build()
+
+    def save(self, path: Path) -> None:
+        """Write the config as JSON."""
+        Path(path).write_text(json.dumps(self.model_dump(mode="json"), indent=2))
+
+    @classmethod
+    def load(cls, path: Path) -> TrainConfig:
+        """Read a config from a JSON or YAML file."""
+        text = Path(path).read_text()
+        if str(path).endswith((".yaml", ".yml")):
+            import yaml
+
+            return cls.model_validate(yaml.safe_load(text))
+        return cls.model_validate_json(text)
+
+
+def versioned_fields(cfg: BaseModel) -> dict[str, Any]:
+    """Return the config as a dict without execution-only fields (for content hashes)."""
+    out: dict[str, Any] = {}
+    for name, field in type(cfg).model_fields.items():
+        extra = field.json_schema_extra
+        if isinstance(extra, dict) and extra.get("versioned") is False:
+            continue
+        value = getattr(cfg, name)
+        out[name] = versioned_fields(value) if isinstance(value, BaseModel) else value
+    return out

@@ -1,0 +1,98 @@
+"""Process group, device, FSDP2 sharding and seeding for the trainer."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Where this process runs: rank, world size, device."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def setup_runtime() -> Runtime:
+    """Join the process group started by torchrun / accelerate launch (env://), if any."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo")
+    rank = dist.get_rank() if world_size > 1 else 0
+    return Runtime(rank, world_size, local_rank, device)
+
+
+def teardown_runtime() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def shard_model(model: nn.Module, runtime: Runtime) -> nn.Module:
+    """Apply FSDP2 per transformer block and at the root, as torchtitan does.
+
+    bf16 parameters with fp32 gradient reduction on GPU; plain fp32 on CPU.
+    """
+    mesh = init_device_mesh(runtime.device.type, (runtime.world_size,))
+    if runtime.device.type == "cuda":
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    else:
+        policy = MixedPrecisionPolicy()
+    for block in model.layers:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
+
+
+def sharding_report(model: nn.Module) -> dict[str, int]:
+    """Count parameters that are DTensors sharded on dim 0, and local vs global elements."""
+    sharded = local = total = 0
+    for param in model.parameters():
+        total += param.numel()
+        if isinstance(param, DTensor) and any(isinstance(p, Shard) for p in param.placements):
+            sharded += 1
+            local += param.to_local().numel()
+        else:
+            local += param.numel()
+    num_params = sum(1 for _ in model.parameters())
+    return {
+        "num_params": num_params,
+        "num_sharded": sharded,
+        "local_numel": local,
+        "global_numel": total,
+    }
+
+
+def all_reduce_sum(value: torch.Tensor, runtime: Runtime) -> torch.Tensor:
+    """Sum a tensor over ranks (in place; returns it)."""
+    if runtime.distributed:
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    return value
+
+
+def param_checksum(model: nn.Module) -> float:
+    """A float64 fingerprint of all (unsharded) parameters: equal across ranks after init."""
+    with torch.no_grad():
+        return float(sum((p.double() * (i + 1)).sum() for i, p in enumerate(model.parameters())))

@@ -1,0 +1,187 @@
+"""Start the trainer as its own process and watch it (Prefect-free).
+
+``pretrain()`` is the plain entry point the Prefect task wraps: it writes the config into
+``out_dir``, builds the command (``accelerate launch``, ``torchrun`` or plain ``python``), streams
+every output line to ``on_line``, enforces a wall-clock deadline by killing the process group, and
+returns the headline metrics the trainer wrote to ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from tasks.pretrain.config import TrainConfig
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+TRAIN_MODULE = "tasks.pretrain.train"
+
+
+class TrainingFailed(RuntimeError):
+    """The trainer exited non-zero or ran past its deadline; the message ends with its output."""
+
+    def __init__(self, message: str, returncode: int | None, tail: list[str]) -> None:
+        super().__init__(message + "\n--- last lines of output ---\n" + "\n".join(tail))
+        self.returncode = returncode
+        self.tail = tail
+
+
+def build_command(
+    train_args: list[str],
+    *,
+    num_processes: int = 1,
+    accelerate_config: Path | None = None,
+) -> list[str]:
+    """Return the argv that runs the trainer.
+
+    Args:
+        train_args: Arguments of ``python -m tasks.pretrain.train``.
+        num_processes: Processes on this machine (torchrun on CPU when > 1 and no config).
+        accelerate_config: An accelerate YAML (``deployments/accelerate/*.yaml``); wins if set.
+    """
+    if accelerate_config is not None:
+        launcher = [sys.executable, "-m", "accelerate.commands.launch"]
+        launcher += ["--config_file", str(accelerate_config)]
+        if num_processes > 1:
+            launcher += ["--num_processes", str(num_processes)]
+        return launcher + ["-m", TRAIN_MODULE, *train_args]
+    if num_processes > 1:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        launcher += ["--nproc_per_node", str(num_processes)]
+        return launcher + ["-m", TRAIN_MODULE, *train_args]
+    return [sys.executable, "-m", TRAIN_MODULE, *train_args]
+
+
+def run_streaming(
+    command: list[str],
+    *,
+    on_line: Callable[[str], Any] = print,
+    timeout_s: float | None = None,
+    env: dict[str, str] | None = None,
+    tail_lines: int = 50,
+) -> list[str]:
+    """Run ``command`` from the repo root, stream lines, enforce the deadline; return the tail.
+
+    Raises:
+        TrainingFailed: on a non-zero exit or when ``timeout_s`` passes (process group killed).
+    """
+    full_env = {**os.environ, **(env or {})}
+    full_env["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO_ROOT), *filter(None, [full_env.get("PYTHONPATH")])]
+    )
+    full_env.setdefault("PYTHONUNBUFFERED", "1")
+    proc = subprocess.Popen(
+        command,
+        cwd=REPO_ROOT,
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        bufsize=1,
+        start_new_session=True,  # NOTE: own process group, so a kill reaches torchrun's children
+    )
+    lines: queue.Queue[str | None] = queue.Queue()
+    reader = threading.Thread(target=_pump, args=(proc.stdout, lines), daemon=True)
+    reader.start()
+    tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        wait = None if deadline is None else max(deadline - time.monotonic(), 0)
+        try:
+            line = lines.get(timeout=min(wait, 1.0) if wait is not None else None)
+        except queue.Empty:
+            if deadline is not None and time.monotonic() >= deadline:
+                _kill_group(proc)
+                raise TrainingFailed(
+                    f"trainer exceeded its deadline of {timeout_s}s; killed", None, list(tail)
+                ) from None
+            continue
+        if line is None:
+            break
+        tail.append(line)
+        on_line(line)
+    returncode = proc.wait()
+    if returncode != 0:
+        raise TrainingFailed(f"trainer exited with code {returncode}", returncode, list(tail))
+    return list(tail)
+
+
+def _pump(stream: Any, lines: queue.Queue) -> None:
+    for raw in stream:
+        lines.put(raw.rstrip("\r\n"))
+    lines.put(None)
+
+
+def _kill_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """SIGTERM the process group, then SIGKILL what is left after ``grace_s``."""
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def train_arguments(
+    config_path: Path,
+    data_dir: Path,
+    out_dir: Path,
+    val_dir: Path | None = None,
+    init_from: Path | None = None,
+) -> list[str]:
+    """Return the CLI arguments of ``tasks.pretrain.train``."""
+    args = ["--config", str(config_path), "--data-dir", str(data_dir), "--out-dir", str(out_dir)]
+    if val_dir is not None:
+        args += ["--val-dir", str(val_dir)]
+    if init_from is not None:
+        args += ["--init-from", str(init_from)]
+    return args
+
+
+def pretrain(
+    cfg: TrainConfig,
+    data_dir: Path,
+    out_dir: Path,
+    *,
+    val_dir: Path | None = None,
+    init_from: Path | None = None,
+    num_processes: int = 1,
+    accelerate_config: Path | None = None,
+    on_line: Callable[[str], Any] = print,
+    timeout_s: float | None = None,
+) -> dict[str, Any]:
+    """Train (or resume training) into ``out_dir``; return headline metrics.
+
+    Fails before starting the process when the config does not fit the data or the run
+    (vocab size, sequence length, Muon with several processes, init_from architecture).
+
+    Returns:
+        The trainer's ``summary.json``: final_loss, val_loss, tokens_seen, tokens_per_s, steps, ...
+    """
+    from tasks.pretrain.validate import validate_run
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    world = num_processes if accelerate_config is None else max(num_processes, 1)
+    validate_run(cfg, Path(data_dir), val_dir, init_from, world_size=world)
+    config_path = out_dir / "train_config.json"
+    cfg.save(config_path)
+    args = train_arguments(config_path, data_dir, out_dir, val_dir, init_from)
+    command = build_command(args, num_processes=num_processes, accelerate_config=accelerate_config)
+    on_line("launching: " + " ".join(command))
+    run_streaming(command, on_line=on_line, timeout_s=timeout_s)
+    return json.loads((out_dir / "summary.json").read_text())

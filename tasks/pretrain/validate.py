@@ -1,0 +1,67 @@
+"""Checks that a config fits its data and run before any compute starts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from tasks.pretrain.checkpoint import check_same_architecture, resolve_init_from
+from tasks.pretrain.config import TrainConfig
+
+
+def read_meta(data_dir: Path) -> dict[str, Any]:
+    """Read a packed dataset's ``meta.json`` (FileNotFoundError names the folder)."""
+    path = Path(data_dir) / "meta.json"
+    if not path.exists():
+        raise FileNotFoundError(f"data_dir={data_dir}: no meta.json (not a packed dataset)")
+    return json.loads(path.read_text())
+
+
+def check_data(cfg: TrainConfig, data_dir: Path, role: str = "data_dir") -> dict[str, Any]:
+    """Raise ValueError when the data's vocab or sequence length does not fit the model."""
+    meta = read_meta(data_dir)
+    model_cfg = cfg.model_config_obj()
+    if meta["vocab_size"] != model_cfg.vocab_size:
+        raise ValueError(
+            f"model.vocab_size={model_cfg.vocab_size} differs from {role} meta.json "
+            f"vocab_size={meta['vocab_size']} ({data_dir})"
+        )
+    if meta["seq_len"] > model_cfg.max_seq_len:
+        raise ValueError(
+            f"{role} meta.json seq_len={meta['seq_len']} exceeds model.max_seq_len="
+            f"{model_cfg.max_seq_len}"
+        )
+    return meta
+
+
+def validate_run(
+    cfg: TrainConfig,
+    data_dir: Path,
+    val_dir: Path | None,
+    init_from: Path | None,
+    world_size: int,
+) -> None:
+    """Fail fast, naming the mismatch: data vs model, Muon under FSDP, init_from architecture."""
+    meta = check_data(cfg, data_dir)
+    if val_dir is not None:
+        val_meta = check_data(cfg, val_dir, role="val_dir")
+        if val_meta["seq_len"] != meta["seq_len"]:
+            raise ValueError(
+                f"val_dir seq_len={val_meta['seq_len']} differs from data_dir seq_len="
+                f"{meta['seq_len']}"
+            )
+    if cfg.optimizer.name == "muon" and world_size > 1:
+        raise ValueError(
+            f"optimizer.name='muon' with {world_size} processes: Muon needs whole matrices and "
+            "is single-process for now; use optimizer.name='adamw' under FSDP"
+        )
+    if init_from is not None:
+        source = resolve_init_from(init_from)
+        check_same_architecture(source, cfg.model_config_obj())
+        state = json.loads((source / "trainer_state.json").read_text())
+        if state.get("optimizer") != cfg.optimizer.name:
+            raise ValueError(
+                f"init_from={init_from} used optimizer.name={state.get('optimizer')!r}, "
+                f"this stage sets optimizer.name={cfg.optimizer.name!r}"
+            )
