@@ -149,9 +149,7 @@ class Trainer:
     def _load(self, path: Path, resume: bool) -> None:
         ckpt.check_same_architecture(path, self.model_config)
         trainer_state, rank_state = ckpt.load_checkpoint(path, self.model, self.optimizers)
-        for optimizer, lrs in zip(self.optimizers, self.base_lrs):  # the config's LRs win
-            for group, lr in zip(optimizer.param_groups, lrs):
-                group["base_lr"] = lr
+        self._reset_base_lrs()
         self.state.update(trainer_state["train"])
         if not resume:
             return
@@ -162,6 +160,12 @@ class Trainer:
             return
         ckpt.set_rng_state(rank_state["rng"])
         self.loader.load_state_dict(rank_state["loader"])
+
+    def _reset_base_lrs(self) -> None:
+        """A loaded optimizer state carries the old run's LRs; the config's LRs win."""
+        for optimizer, lrs in zip(self.optimizers, self.base_lrs, strict=True):
+            for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+                group["base_lr"] = lr
 
     def _stage_steps(self) -> int:
         if self.cfg.max_steps is not None:
@@ -202,7 +206,7 @@ class Trainer:
         )
         num_valid, num_tokens = all_reduce_sum(totals, rt).tolist()
         loss_sum = torch.zeros((), dtype=torch.float64, device=rt.device)
-        for batch, count in zip(batches, counts):
+        for batch, count in zip(batches, counts, strict=True):
             batch = {k: v.to(rt.device, non_blocking=True) for k, v in batch.items()}
             with self.autocast:
                 logits = self.model(batch["input_ids"], batch["position_ids"], batch["cu_seqlens"])
@@ -389,9 +393,7 @@ class Trainer:
         counters = {k: getattr(self.guard, k) for k in ("num_events", "num_skipped")}
         kept = {k: self.state[k] for k in ("batches_drawn", "train_time_s", "end_step")}
         trainer_state, _ = ckpt.load_checkpoint(target, self.model, self.optimizers)
-        for optimizer, lrs in zip(self.optimizers, self.base_lrs):
-            for group, lr in zip(optimizer.param_groups, lrs):
-                group["base_lr"] = lr
+        self._reset_base_lrs()
         self.state.update(trainer_state["train"], **kept)
         lr_scale = self.guard.lr_scale * self.cfg.guard.rewind_lr_factor
         num_rewinds = self.guard.num_rewinds + 1
