@@ -1,0 +1,59 @@
+"""Content hashes for configs and files: what makes an output's address."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from pydantic import BaseModel
+
+HASH_CHARS = 16
+
+
+def canonical_json(obj: Any) -> str:
+    """JSON with sorted keys and no whitespace, so equal values hash equally."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def _is_versioned(field_info: Any) -> bool:
+    extra = field_info.json_schema_extra
+    return not (isinstance(extra, dict) and extra.get("versioned") is False)
+
+
+def versioned_fields(value: Any) -> Any:
+    """The parts of a config that define an output's content.
+
+    Fields declared with ``json_schema_extra={"versioned": False}`` (worker counts, log
+    intervals) are dropped, recursively, so changing them never changes a hash.
+    """
+    if isinstance(value, BaseModel):
+        out = {}
+        for name, info in type(value).model_fields.items():
+            if _is_versioned(info):
+                out[name] = versioned_fields(getattr(value, name))
+        return out
+    if isinstance(value, dict):
+        return {str(k): versioned_fields(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [versioned_fields(v) for v in value]
+    if hasattr(value, "__dataclass_fields__"):
+        return {k: versioned_fields(getattr(value, k)) for k in value.__dataclass_fields__}
+    return value
+
+
+def digest(obj: Any) -> str:
+    """Short sha256 of the canonical JSON of ``obj``."""
+    return hashlib.sha256(canonical_json(obj).encode()).hexdigest()[:HASH_CHARS]
+
+
+def step_hash(step: str, version: str, config: Any, input_hashes: dict[str, Any]) -> str:
+    """The address of a step's output: its versioned config, its inputs' hashes, its code version."""
+    return digest(
+        {
+            "step": step,
+            "version": version,
+            "config": versioned_fields(config),
+            "inputs": input_hashes,
+        }
+    )

@@ -1,0 +1,308 @@
+"""Content-addressed artifact store over fsspec, and the runner every step goes through.
+
+Every step writes ``{root}/{step}/{name}-{hash}``. The hash covers the step's versioned config,
+its inputs' hashes and its code version. An output is complete once ``_COMMITTED`` exists in it;
+that marker is written last (locally the whole directory appears by one atomic rename), so a
+crash never leaves an output that looks complete. A complete output is never recomputed.
+
+Work happens in a *partial* directory whose path is fixed by the hash, so a retried or restarted
+step finds the previous attempt's state (a trainer resumes from its checkpoints there). Local
+partial directories are guarded by a file lock, so concurrent runs of one step don't interleave.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+from pydantic import BaseModel
+
+from tasks import lineage
+from tasks.hashing import step_hash
+
+COMMIT_MARKER = "_COMMITTED"
+PARTIAL_DIR = ".partial"
+log = logging.getLogger("llmflow.store")
+
+
+def default_cache_dir() -> Path:
+    """Local cache for remote inputs and partial work of remote outputs."""
+    return Path(os.environ.get("LLMFLOW_CACHE", Path.home() / ".cache" / "llmflow"))
+
+
+class Store:
+    """Outputs under one root: a local folder or any fsspec URI (``s3://bucket/prefix``)."""
+
+    def __init__(self, root: str | os.PathLike, cache_dir: Path | None = None):
+        root = str(root)
+        self.fs, _ = fsspec.core.url_to_fs(root)
+        self.is_local = isinstance(self.fs, LocalFileSystem)
+        self.root = str(Path(root).expanduser().resolve()) if self.is_local else root.rstrip("/")
+        self.cache_dir = cache_dir or default_cache_dir()
+
+    # -- addresses -------------------------------------------------------------------------
+    def uri(self, step: str, name: str, digest: str) -> str:
+        return f"{self.root}/{step}/{name}-{digest}"
+
+    def is_complete(self, uri: str) -> bool:
+        return self.fs.exists(f"{uri}/{COMMIT_MARKER}")
+
+    def read_lineage(self, uri: str) -> dict[str, Any]:
+        with self.fs.open(f"{uri.rstrip('/')}/{lineage.LINEAGE_FILE}", "r") as f:
+            return json.load(f)
+
+    def input_hash(self, uri: str) -> str:
+        """The hash of a complete output, read from its lineage record."""
+        if not self.is_complete(uri):
+            raise FileNotFoundError(f"input {uri} is not a complete output (no {COMMIT_MARKER})")
+        return self.read_lineage(uri)["hash"]
+
+    # -- local views -----------------------------------------------------------------------
+    def local_path(self, uri: str) -> Path:
+        """A local directory holding the output at ``uri`` (downloaded once for remote roots)."""
+        if self.is_local:
+            return Path(uri)
+        target = self.cache_dir / "inputs" / hashlib.sha256(uri.encode()).hexdigest()[:24]
+        if not (target / COMMIT_MARKER).exists():
+            tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            self.fs.get(f"{uri}/", f"{tmp}/", recursive=True)
+            shutil.rmtree(target, ignore_errors=True)
+            tmp.rename(target)
+        return target
+
+    def partial_uri(self, step: str, name: str, digest: str) -> str:
+        return f"{self.root}/{step}/{PARTIAL_DIR}/{name}-{digest}"
+
+    @contextlib.contextmanager
+    def workdir(self, step: str, name: str, digest: str) -> Iterator[Path]:
+        """The fixed working directory of one output, locked against concurrent writers."""
+        if self.is_local:
+            work = Path(self.partial_uri(step, name, digest))
+        else:
+            work = self.cache_dir / "partial" / step / f"{name}-{digest}"
+        work.parent.mkdir(parents=True, exist_ok=True)
+        lock_path = work.with_name(work.name + ".lock")
+        with open(lock_path, "w") as lock_file:
+            fcntl.flock(lock_file, fcntl.LOCK_EX)
+            try:
+                work.mkdir(exist_ok=True)
+                if not self.is_local:
+                    self._pull_partial(step, name, digest, work)
+                yield work
+            finally:
+                fcntl.flock(lock_file, fcntl.LOCK_UN)
+
+    def _pull_partial(self, step: str, name: str, digest: str, work: Path) -> None:
+        remote = self.partial_uri(step, name, digest)
+        if self.fs.exists(remote) and not any(work.iterdir()):
+            log.info("resuming from remote partial state %s", remote)
+            self.fs.get(f"{remote}/", f"{work}/", recursive=True)
+
+    def sync_partial(self, step: str, name: str, digest: str, work: Path) -> None:
+        """Push the working directory to the remote partial area (after a checkpoint)."""
+        if not self.is_local:
+            self.fs.put(f"{work}/", f"{self.partial_uri(step, name, digest)}/", recursive=True)
+
+    def commit(self, work: Path, uri: str, step: str, name: str, digest: str) -> None:
+        """Publish a finished working directory at ``uri``; the commit marker comes last."""
+        if self.is_local:
+            (work / COMMIT_MARKER).write_text(_now())
+            final = Path(uri)
+            if final.exists():  # an incomplete leftover: never trusted, replaced
+                shutil.rmtree(final)
+            os.rename(work, final)
+            return
+        if self.fs.exists(uri):
+            self.fs.rm(uri, recursive=True)
+        self.fs.put(f"{work}/", f"{uri}/", recursive=True)
+        with self.fs.open(f"{uri}/{COMMIT_MARKER}", "w") as f:
+            f.write(_now())
+        partial = self.partial_uri(step, name, digest)
+        if self.fs.exists(partial):
+            self.fs.rm(partial, recursive=True)
+        shutil.rmtree(work, ignore_errors=True)
+
+    def list_outputs(self, step: str) -> list[str]:
+        """Complete outputs of one step, newest first."""
+        base = f"{self.root}/{step}"
+        if not self.fs.exists(base):
+            return []
+        found = []
+        for path in self.fs.ls(base, detail=False):
+            name = path.rstrip("/").rsplit("/", 1)[-1]
+            uri = f"{base}/{name}"
+            if not name.startswith(".") and self.is_complete(uri):
+                found.append(uri)
+        return sorted(found, key=lambda u: self.read_lineage(u).get("ended_at", ""), reverse=True)
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat()
+
+
+def file_sha256(fs: fsspec.AbstractFileSystem, path: str) -> str:
+    """Streaming sha256 of one raw input file."""
+    digest = hashlib.sha256()
+    with fs.open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+@dataclass
+class StepContext:
+    """What a step function sees: its config, local inputs, and a local directory to fill."""
+
+    step: str
+    config: BaseModel
+    out_dir: Path
+    inputs: dict[str, Path | list[Path]]
+    sources: list[dict[str, Any]] = field(default_factory=list)
+    log: logging.Logger = log
+    sync: Callable[[], None] = lambda: None
+    artifacts: list[dict[str, Any]] = field(default_factory=list)
+
+    def report_table(self, key: str, rows: list[dict[str, Any]], description: str = "") -> None:
+        """Ask the orchestrator to publish a table (a Prefect table artifact)."""
+        self.artifacts.append({"kind": "table", "key": key, "rows": rows, "description": description})
+
+    def report_markdown(self, key: str, markdown: str, description: str = "") -> None:
+        """Ask the orchestrator to publish a markdown report."""
+        self.artifacts.append({"kind": "markdown", "key": key, "markdown": markdown, "description": description})
+
+
+@dataclass
+class StepResult:
+    """What a flow gets back from a step: the output's URI and how it was obtained."""
+
+    step: str
+    uri: str
+    hash: str
+    cached: bool
+    seconds: float
+    metrics: dict[str, Any] = field(default_factory=dict)
+    artifacts: list[dict[str, Any]] = field(default_factory=list)
+
+
+def resolve_inputs(store: Store, inputs: dict[str, str | list[str]]) -> dict[str, Any]:
+    """Hashes of the step's inputs, by name (lists keep their order)."""
+    hashes: dict[str, Any] = {}
+    for key, value in inputs.items():
+        if isinstance(value, list):
+            hashes[key] = [store.input_hash(v) for v in value]
+        else:
+            hashes[key] = store.input_hash(value)
+    return hashes
+
+
+def output_address(
+    store: Store,
+    step: str,
+    name: str,
+    version: str,
+    config: BaseModel,
+    inputs: dict[str, str | list[str]],
+    sources: list[dict[str, Any]] | None = None,
+) -> tuple[str, str, dict[str, Any]]:
+    """The (uri, hash, input hashes) a step with these arguments writes to."""
+    input_hashes = resolve_inputs(store, inputs)
+    if sources:
+        input_hashes["__sources__"] = [s["sha256"] for s in sources]
+    digest = step_hash(step, version, config, input_hashes)
+    return store.uri(step, name, digest), digest, input_hashes
+
+
+def run_step(
+    store: Store,
+    step: str,
+    name: str,
+    version: str,
+    config: BaseModel,
+    fn: Callable[[StepContext], dict[str, Any] | None],
+    inputs: dict[str, str | list[str]] | None = None,
+    sources: list[dict[str, Any]] | None = None,
+    run_info: dict[str, Any] | None = None,
+) -> StepResult:
+    """Run one step through the store: skip it if its output exists, else build and commit it.
+
+    Args:
+        store: Where outputs live.
+        step: Step name, the first path component (``curate``).
+        name: Output label, the second (``quickstart``).
+        version: The step's code version; bump it when the step's output semantics change.
+        config: The step's pydantic config; its versioned fields enter the hash.
+        fn: Does the work into ``ctx.out_dir`` and returns headline metrics.
+        inputs: Upstream outputs by name (one URI or a list of URIs each).
+        sources: Raw files (dicts with ``uri`` and ``sha256``) for steps that read outside the store.
+        run_info: Extra lineage fields (e.g. the Prefect flow-run id).
+    """
+    inputs = inputs or {}
+    started = time.perf_counter()
+    uri, digest, input_hashes = output_address(store, step, name, version, config, inputs, sources)
+    if store.is_complete(uri):
+        return StepResult(step, uri, digest, True, time.perf_counter() - started, _metrics(store, uri))
+    with store.workdir(step, name, digest) as work:
+        if store.is_complete(uri):  # another run finished it while we waited for the lock
+            return StepResult(step, uri, digest, True, time.perf_counter() - started, _metrics(store, uri))
+        local_inputs = {
+            k: [store.local_path(u) for u in v] if isinstance(v, list) else store.local_path(v)
+            for k, v in inputs.items()
+        }
+        ctx = StepContext(
+            step=step,
+            config=config,
+            out_dir=work,
+            inputs=local_inputs,
+            sources=sources or [],
+            log=logging.getLogger(f"llmflow.{step}"),
+            sync=lambda: store.sync_partial(step, name, digest, work),
+        )
+        started_at = _now()
+        metrics = fn(ctx) or {}
+        record = {
+            "step": step,
+            "name": name,
+            "hash": digest,
+            "uri": uri,
+            "version": version,
+            "config": config.model_dump(mode="json"),
+            "inputs": [
+                {"name": k, "uri": u, "hash": h}
+                for k, v in inputs.items()
+                for u, h in (zip(v, input_hashes[k]) if isinstance(v, list) else [(v, input_hashes[k])])
+            ],
+            "sources": sources or [],
+            "code": {**lineage.code_version(), "step_version": version},
+            "packages": lineage.package_versions(),
+            "host": lineage.host_info(),
+            "run": run_info or {},
+            "started_at": started_at,
+            "ended_at": _now(),
+            "metrics": metrics,
+        }
+        (work / lineage.LINEAGE_FILE).write_text(lineage.dumps(record))
+        store.commit(work, uri, step, name, digest)
+    seconds = time.perf_counter() - started
+    return StepResult(step, uri, digest, False, seconds, metrics, ctx.artifacts)
+
+
+def _metrics(store: Store, uri: str) -> dict[str, Any]:
+    try:
+        return store.read_lineage(uri).get("metrics", {})
+    except FileNotFoundError:
+        return {}
