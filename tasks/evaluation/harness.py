@@ -1,0 +1,245 @@
+"""Run lm-eval's ``simple_evaluate`` with the ``hf`` backend on one exported checkpoint."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from tasks.errors import BadInputError
+from tasks.evaluation.config import EvalConfig
+from tasks.evaluation.suite import build_suite, missing_data_reason, read_manifest
+
+RESULTS_FILE = "results.json"
+log = logging.getLogger("llmflow.evaluation")
+
+
+class EvalTaskError(BadInputError):
+    """A task name lm-eval does not know, or a task whose data cannot be loaded."""
+
+
+class ModelLoadError(BadInputError):
+    """The exported model directory cannot be loaded (missing or truncated files)."""
+
+
+def evaluate(
+    cfg: EvalConfig,
+    hf_model_dir: Path,
+    out_dir: Path,
+    heldout_dir: Path | None = None,
+    suite_dir: Path | None = None,
+) -> dict[str, Any]:
+    """Evaluate one Hugging Face model directory on ``cfg.tasks``; write ``results.json``.
+
+    Args:
+        cfg: Tasks, limits and execution settings.
+        hf_model_dir: A local directory ``AutoModelForCausalLM.from_pretrained`` loads, tokenizer
+            included.
+        out_dir: An existing local directory; receives ``results.json`` (and
+            ``samples_<task>.jsonl`` when ``cfg.log_samples``).
+        heldout_dir: Held-out parquet documents for the ``ppl_<domain>`` tasks, or None.
+        suite_dir: A suite ``build_suite`` already wrote (reused across checkpoints); None builds
+            one in a temporary directory.
+
+    Returns:
+        Headline metrics: ``"<task>/<metric>"`` values, ``requests_per_second`` and counts.
+
+    Raises:
+        EvalTaskError: a task is unknown or its data is unavailable (the message names it).
+        ModelLoadError: the model directory does not load (the message names it).
+    """
+    if suite_dir is not None:
+        return _evaluate_with_suite(
+            cfg, Path(hf_model_dir), Path(out_dir), Path(suite_dir), heldout_dir
+        )
+    with tempfile.TemporaryDirectory(prefix="llmflow-suite-") as tmp:
+        suite = build_suite(cfg, heldout_dir, Path(tmp))
+        return _evaluate_with_suite(cfg, Path(hf_model_dir), Path(out_dir), suite, heldout_dir)
+
+
+def _evaluate_with_suite(
+    cfg: EvalConfig, model_dir: Path, out_dir: Path, suite_dir: Path, heldout_dir: Path | None
+) -> dict[str, Any]:
+    from lm_eval import simple_evaluate
+
+    manager = task_manager(cfg, suite_dir, heldout_dir)
+    specs, leaf_tasks = load_tasks(cfg, manager, heldout_dir)
+    lm = load_model(cfg, model_dir)
+    start = time.perf_counter()
+    raw = simple_evaluate(
+        model=lm,
+        tasks=specs,
+        task_manager=manager,
+        num_fewshot=cfg.num_fewshot,
+        limit=cfg.limit,
+        batch_size=cfg.batch_size,
+        log_samples=cfg.log_samples,
+        bootstrap_iters=cfg.bootstrap_iters,
+    )
+    seconds = time.perf_counter() - start
+    num_requests = sum(len(task.instances) for task in leaf_tasks)
+    results = summarize(raw, cfg, model_dir, read_manifest(suite_dir), seconds, num_requests)
+    results["batch_sizes"] = [_scalar(b) for b in getattr(lm, "batch_sizes", {}).values()]
+    (out_dir / RESULTS_FILE).write_text(json.dumps(results, indent=1, sort_keys=True))
+    if cfg.log_samples:
+        write_samples(raw.get("samples", {}), out_dir)
+    return headline(results)
+
+
+def task_manager(cfg: EvalConfig, suite_dir: Path, heldout_dir: Path | None):
+    """A TaskManager over the suite; lm-eval's own tasks are indexed only when asked for."""
+    from lm_eval.tasks import TaskManager
+
+    bundled = set(read_manifest(suite_dir)["tasks"]) | {"heldout_ppl"}
+    # NOTE: indexing lm-eval's ~15k built-in task YAMLs takes ~10 s; skip it when every
+    # requested name is ours (bundled names whose data is absent are reported by load_tasks).
+    needs_defaults = any(
+        name not in bundled and missing_data_reason(name, cfg, heldout_dir) is None
+        for name in cfg.tasks
+    )
+    return TaskManager(include_path=str(suite_dir), include_defaults=needs_defaults)
+
+
+def load_tasks(cfg: EvalConfig, manager, heldout_dir: Path | None) -> tuple[list, list]:
+    """Load every requested task (and its data) before the model, naming any that fails.
+
+    Returns:
+        The task/group objects to pass to lm-eval, and the leaf tasks (to count requests).
+    """
+    specs, leaves = [], []
+    for name in cfg.tasks:
+        if name not in manager.all_tasks:
+            reason = missing_data_reason(name, cfg, heldout_dir)
+            if reason is not None:
+                raise EvalTaskError(f"task {name!r}: data not available: {reason}")
+            raise EvalTaskError(f"task {name!r} is not a known lm-eval task, group or tag")
+        try:
+            loaded = manager.load([name])
+        except Exception as exc:  # datasets raises many types when data is unreachable
+            raise EvalTaskError(f"task {name!r}: cannot load its data: {exc}") from exc
+        if name in loaded["groups"]:
+            specs.append(loaded["groups"][name])
+        else:
+            specs.extend(loaded["tasks"].values())
+        leaves.extend(loaded["tasks"].values())
+    return specs, leaves
+
+
+def load_model(cfg: EvalConfig, model_dir: Path):
+    """lm-eval's HFLM on a local export; a load failure names the directory."""
+    import torch
+    from lm_eval.models.huggingface import HFLM
+
+    device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        return HFLM(
+            pretrained=str(model_dir),
+            device=device,
+            dtype=cfg.dtype,
+            batch_size=cfg.batch_size,
+            max_batch_size=cfg.max_batch_size,
+        )
+    except Exception as exc:
+        raise ModelLoadError(f"cannot load the HF model in {model_dir}: {exc}") from exc
+
+
+def summarize(
+    raw: dict[str, Any],
+    cfg: EvalConfig,
+    model_dir: Path,
+    manifest: dict[str, Any],
+    seconds: float,
+    num_requests: int,
+) -> dict[str, Any]:
+    """The results record: metrics per task, throughput, versions; JSON-serialisable."""
+    import lm_eval
+
+    metrics = {task: _task_metrics(values) for task, values in raw["results"].items()}
+    return {
+        "model_dir": str(model_dir),
+        "suite_key": manifest["suite_key"],
+        "tasks": cfg.tasks,
+        "metrics": metrics,
+        "higher_is_better": raw.get("higher_is_better", {}),
+        "versions": {k: _scalar(v) for k, v in raw.get("versions", {}).items()},
+        "n_samples": raw.get("n-samples", {}),
+        "num_requests": num_requests,
+        "seconds": round(seconds, 3),
+        "requests_per_second": round(num_requests / seconds, 3) if seconds > 0 else None,
+        "config": cfg.model_dump(mode="json"),
+        "lm_eval_version": getattr(lm_eval, "__version__", None),
+    }
+
+
+def _task_metrics(values: dict[str, Any]) -> dict[str, float | None]:
+    """``{"acc,none": .5, "acc_stderr,none": .1, "alias": ..}`` -> ``{"acc": .5, "acc_stderr": .1}``.
+
+    A metric under a filter other than ``none`` keeps it: ``exact_match:strict-match``.
+    """
+    out = {}
+    for key, value in values.items():
+        if "," not in key:
+            continue
+        metric, filter_name = key.split(",", 1)
+        name = metric if filter_name == "none" else f"{metric}:{filter_name}"
+        out[name] = _scalar(value)
+    return out
+
+
+def _scalar(value: Any) -> Any:
+    """JSON-safe scalars: NaN/inf and lm-eval's 'N/A' stderrs become None."""
+    if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
+        return None if value == "N/A" else value
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return str(value)
+    return number if math.isfinite(number) else None
+
+
+def headline(results: dict[str, Any]) -> dict[str, Any]:
+    """Flat JSON scalars for lineage and Prefect: ``"<task>/<metric>"`` plus throughput."""
+    out: dict[str, Any] = {
+        f"{task}/{metric}": value
+        for task, values in sorted(results["metrics"].items())
+        for metric, value in values.items()
+        if "_stderr" not in metric
+    }
+    out["requests_per_second"] = results["requests_per_second"]
+    out["num_requests"] = results["num_requests"]
+    out["seconds"] = results["seconds"]
+    return out
+
+
+def table_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """Rows for a Prefect table artifact: one per task and metric, with its stderr."""
+    rows = []
+    for task, values in sorted(results["metrics"].items()):
+        for metric, value in values.items():
+            if "_stderr" in metric:
+                continue
+            base, _, filter_name = metric.partition(":")
+            stderr_key = f"{base}_stderr" + (f":{filter_name}" if filter_name else "")
+            rows.append(
+                {
+                    "task": task,
+                    "version": results["versions"].get(task),
+                    "metric": metric,
+                    "value": value,
+                    "stderr": values.get(stderr_key),
+                    "n": (results["n_samples"].get(task) or {}).get("effective"),
+                }
+            )
+    return rows
+
+
+def write_samples(samples: dict[str, list[dict]], out_dir: Path) -> None:
+    """The per-sample log, one JSONL file per task."""
+    for task, rows in samples.items():
+        with open(out_dir / f"samples_{task}.jsonl", "w", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps(row, default=str, ensure_ascii=False) + "\n")
