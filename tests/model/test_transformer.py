@@ -1,0 +1,91 @@
+import math
+import time
+
+import torch
+
+from model.config import ModelConfig, preset
+from model.loss import causal_lm_loss
+from model.transformer import Transformer
+
+
+def test_debug_preset_is_about_2m_and_trains_fast():
+    torch.manual_seed(0)
+    cfg = preset("debug")
+    model = Transformer(cfg)
+    assert 1.5e6 <= sum(p.numel() for p in model.parameters()) <= 2.5e6
+    input_ids = torch.randint(0, cfg.vocab_size, (2, cfg.max_seq_len + 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    seconds = []
+    for _ in range(3):
+        start = time.perf_counter()
+        loss, _ = causal_lm_loss(model(input_ids[:, :-1]), input_ids[:, 1:])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        seconds.append(time.perf_counter() - start)
+    assert min(seconds) < 1.0, seconds
+
+
+def test_init_std_and_residual_scaling():
+    cfg = ModelConfig(hidden_size=256, num_heads=4, intermediate_size=512, num_layers=8)
+    model = Transformer(cfg)
+    model.init_weights(seed=0)
+    residual_std = 0.02 / math.sqrt(2 * 8)
+    layer = model.layers[0]
+    assert abs(model.embed.weight.std().item() - 0.02) < 1e-3
+    assert abs(layer.attn.qkv_proj.weight.std().item() - 0.02) < 1e-3
+    assert abs(layer.attn.o_proj.weight.std().item() - residual_std) < 2e-4
+    assert abs(layer.mlp.down_proj.weight.std().item() - residual_std) < 2e-4
+    assert torch.equal(layer.attn_norm.weight, torch.ones(256))
+
+
+def test_init_seed_is_deterministic_and_leaves_global_rng_alone():
+    model_a, model_b = Transformer(ModelConfig()), Transformer(ModelConfig())
+    torch.manual_seed(123)
+    model_a.init_weights(seed=7)
+    after = torch.rand(1)
+    torch.manual_seed(123)
+    model_b.init_weights(seed=7)
+    assert torch.equal(torch.rand(1), after)
+    for a, b in zip(model_a.state_dict().values(), model_b.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_untied_head_and_tied_head_share_embedding_only_when_tied():
+    tied, untied = Transformer(ModelConfig()), Transformer(ModelConfig(tie_embeddings=False))
+    assert tied.lm_head is None and tied.output_weight() is tied.embed.weight
+    assert untied.output_weight() is untied.lm_head.weight
+    assert "lm_head.weight" not in tied.state_dict()
+
+
+def test_qk_norm_changes_the_function_and_is_trainable():
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(qk_norm=True, num_layers=1))
+    input_ids = torch.randint(0, 8192, (1, 6))
+    before = model(input_ids).detach()
+    with torch.no_grad():
+        model.layers[0].attn.q_norm.weight.mul_(3.0)
+    assert (model(input_ids) - before).abs().max() > 1e-4
+    model(input_ids).sum().backward()
+    assert model.layers[0].attn.k_norm.weight.grad is not None
+
+
+def test_meta_device_build_then_materialize():
+    cfg = ModelConfig(num_layers=1)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=0)
+    reference = Transformer(cfg)
+    assert torch.equal(model.rope.inv_freq, reference.rope.inv_freq)
+    assert torch.isfinite(model(torch.zeros(1, 4, dtype=torch.long))).all()
+
+
+def test_bf16_forward_runs_and_tracks_fp32():
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(num_layers=2))
+    input_ids = torch.randint(0, 8192, (2, 16))
+    reference = model(input_ids)
+    low = model.to(torch.bfloat16)(input_ids)
+    assert low.dtype == torch.bfloat16
+    assert (low.float() - reference).abs().max() < 0.1
