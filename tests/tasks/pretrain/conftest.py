@@ -91,3 +91,49 @@ def tiny_config(**changes):
     }
     base.update(changes)
     return TrainConfig.model_validate(base)
+
+
+def run_trainer(
+    cfg,
+    data_dir,
+    out_dir,
+    *,
+    val_dir=None,
+    init_from=None,
+    num_processes=1,
+    check=True,
+    timeout=300,
+):
+    """Run the trainer as its own process (as production does); return the CompletedProcess."""
+    import subprocess
+
+    from tasks.pretrain.launch import REPO_ROOT, build_command, train_arguments
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config_path = out_dir / "train_config.json"
+    cfg.save(config_path)
+    args = train_arguments(config_path, data_dir, out_dir, val_dir, init_from)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
+    proc = subprocess.run(
+        build_command(args, num_processes=num_processes),
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"trainer failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def losses_by_step(out_dir: Path) -> dict[int, float]:
+    """Map step -> loss from metrics.jsonl (the last row wins for replayed steps)."""
+    return {row["step"]: row["loss"] for row in read_jsonl(Path(out_dir) / "metrics.jsonl")}
