@@ -1,0 +1,222 @@
+"""Typed configuration for the curate step: one pydantic model per stage, nested in CurateConfig.
+
+Defaults follow datatrove 0.10 (the FineWeb pipeline) so that our keep/remove decisions match
+theirs; every filter can be switched off and scoped to domains.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+PROSE_ONLY = ["code"]
+"""Domains the prose heuristics skip by default: Python source fails Gopher's stop-word and
+alpha-word rules and C4's curly-bracket rule, so applying them would drop every code document."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _check_fraction(name: str, value: float | None) -> float | None:
+    if value is not None and not 0.0 <= value <= 1.0:
+        raise ValueError(f"{name} must be in [0, 1], got {value!r}")
+    return value
+
+
+class NormalizeConfig(_Strict):
+    """Unicode and whitespace normalization plus rejection of unusable documents."""
+
+    unicode_form: Literal["NFC", "NFKC", "none"] = Field("NFC", description="Unicode normal form.")
+    collapse_inner_spaces: bool = Field(
+        True, description="Collapse runs of spaces inside a line (leading indentation is kept)."
+    )
+    verbatim_domains: list[str] = Field(
+        default_factory=lambda: ["code"],
+        description="Domains whose inner spacing is kept as is (indentation-sensitive text).",
+    )
+    max_doc_chars: int = Field(
+        1_000_000, gt=0, description="Reject documents longer than this many characters."
+    )
+    max_line_chars: int = Field(
+        100_000, gt=0, description="Reject documents with a single line longer than this."
+    )
+    max_control_ratio: float = Field(
+        0.01, description="Reject as binary when more than this fraction of chars are control chars."
+    )
+    max_replacement_ratio: float = Field(
+        0.01, description="Reject as non-UTF-8 when more than this fraction of chars are U+FFFD."
+    )
+
+    @field_validator("max_control_ratio", "max_replacement_ratio")
+    @classmethod
+    def _fraction(cls, value: float, info) -> float:
+        return _check_fraction(info.field_name, value)
+
+
+class ExactDedupConfig(_Strict):
+    """Exact deduplication on a hash of the text-normal form (lowercase, no punctuation, digits 0)."""
+
+    enabled: bool = Field(True, description="Run exact deduplication.")
+    level: Literal["document", "paragraph"] = Field(
+        "document", description="Drop whole duplicate documents, or also repeated paragraphs."
+    )
+    expected_documents: int = Field(
+        1_000_000, gt=0, description="Bloom filter capacity; more documents raise the FP rate."
+    )
+    false_positive_rate: float = Field(
+        1e-4, gt=0.0, lt=1.0, description="Target Bloom filter false-positive rate at capacity."
+    )
+    min_paragraph_chars: int = Field(
+        50, ge=0, description="Paragraph level: shorter paragraphs are never dropped."
+    )
+
+
+class MinhashConfig(_Strict):
+    """MinHash LSH near-deduplication (datatrove defaults: 5-grams, 14 bands x 8 hashes)."""
+
+    enabled: bool = Field(True, description="Run near deduplication.")
+    n_grams: int = Field(5, ge=1, description="Word n-gram size of the shingles.")
+    num_buckets: int = Field(14, ge=1, description="LSH bands.")
+    hashes_per_bucket: int = Field(8, ge=1, description="Hashes per band.")
+    seed: int = Field(1, description="Seed of the permutation parameters.")
+    keep: Literal["first", "longest"] = Field(
+        "first", description="Which member of a cluster survives (ties: first by shard, row)."
+    )
+    num_sample_clusters: int = Field(5, ge=0, description="Clusters sampled into the report.")
+
+
+class GopherQualityConfig(_Strict):
+    """Gopher quality rules (Rae et al. 2021, table A1), datatrove thresholds."""
+
+    enabled: bool = True
+    skip_domains: list[str] = Field(default_factory=lambda: list(PROSE_ONLY))
+    min_doc_words: int | None = 50
+    max_doc_words: int | None = 100_000
+    min_avg_word_length: float | None = 3
+    max_avg_word_length: float | None = 10
+    max_symbol_word_ratio: float | None = 0.1
+    max_bullet_lines_ratio: float | None = 0.9
+    max_ellipsis_lines_ratio: float | None = 0.3
+    max_non_alpha_words_ratio: float | None = Field(
+        0.8, description="Minimum fraction of words with a letter (datatrove's name kept)."
+    )
+    min_stop_words: int | None = 2
+    stop_words: list[str] = Field(
+        default_factory=lambda: ["the", "be", "to", "of", "and", "that", "have", "with"]
+    )
+
+
+class GopherRepetitionConfig(_Strict):
+    """Gopher repetition rules, datatrove thresholds."""
+
+    enabled: bool = True
+    skip_domains: list[str] = Field(default_factory=lambda: list(PROSE_ONLY))
+    dup_line_frac: float | None = 0.3
+    dup_para_frac: float | None = 0.3
+    dup_line_char_frac: float | None = 0.2
+    dup_para_char_frac: float | None = 0.2
+    top_n_grams: list[tuple[int, float]] = Field(
+        default_factory=lambda: [(2, 0.2), (3, 0.18), (4, 0.16)]
+    )
+    dup_n_grams: list[tuple[int, float]] = Field(
+        default_factory=lambda: [(5, 0.15), (6, 0.14), (7, 0.13), (8, 0.12), (9, 0.11), (10, 0.10)]
+    )
+
+
+class C4Config(_Strict):
+    """C4 rules as a document filter; line rewriting (dropping failing lines) is optional."""
+
+    enabled: bool = True
+    skip_domains: list[str] = Field(default_factory=lambda: list(PROSE_ONLY))
+    rewrite_lines: bool = Field(False, description="Replace the text by its kept lines.")
+    remove_citations: bool = True
+    filter_no_terminal_punct: bool = Field(
+        False, description="Drop lines without terminal punctuation (FineWeb uses False)."
+    )
+    min_num_sentences: int = Field(5, description="-1 disables.")
+    min_words_per_line: int = Field(3, description="-1 disables.")
+    max_word_length: int = Field(1000, description="-1 disables.")
+    filter_lorem_ipsum: bool = True
+    filter_javascript: bool = True
+    filter_curly_bracket: bool = True
+    filter_policy: bool = True
+
+
+class FineWebQualityConfig(_Strict):
+    """FineWeb's own quality rules, datatrove thresholds."""
+
+    enabled: bool = True
+    skip_domains: list[str] = Field(default_factory=lambda: list(PROSE_ONLY))
+    line_punct_thr: float = 0.12
+    line_punct_exclude_zero: bool = False
+    short_line_thr: float = 0.67
+    short_line_length: int = 30
+    char_duplicates_ratio: float = 0.01
+    new_line_ratio: float = 0.3
+
+
+class FiltersConfig(_Strict):
+    """Heuristic filters, applied in FineWeb's order: repetition, quality, C4, FineWeb."""
+
+    gopher_repetition: GopherRepetitionConfig = Field(default_factory=GopherRepetitionConfig)
+    gopher_quality: GopherQualityConfig = Field(default_factory=GopherQualityConfig)
+    c4: C4Config = Field(default_factory=C4Config)
+    fineweb: FineWebQualityConfig = Field(default_factory=FineWebQualityConfig)
+    num_removed_samples: int = Field(5, ge=0, description="Removed documents kept per reason.")
+
+
+class PIIConfig(_Strict):
+    """Replace e-mail addresses, IP addresses and phone numbers with placeholders."""
+
+    enabled: bool = True
+    email_placeholder: str = "<EMAIL>"
+    ip_placeholder: str = "<IP_ADDRESS>"
+    phone_placeholder: str = "<PHONE>"
+
+
+class QualityModelConfig(_Strict):
+    """Teacher-labelled subset -> hashed n-gram linear classifier -> filter everything."""
+
+    enabled: bool = True
+    teacher: Literal["rules", "hf"] = Field("rules", description="Rule-based or local HF model.")
+    teacher_path: str | None = Field(None, description="Local HF sequence-classification model.")
+    teacher_threshold: float = Field(
+        0.5, description="Teacher score at or above which a document counts as good."
+    )
+    num_teacher_docs: int = Field(2000, ge=10, description="Documents the teacher labels.")
+    holdout_fraction: float = Field(0.2, description="Teacher labels held out for evaluation.")
+    num_features: int = Field(1 << 18, ge=16, description="Hashed n-gram buckets.")
+    max_ngram: int = Field(2, ge=1, le=3, description="Word n-grams up to this size.")
+    epochs: int = Field(5, ge=1)
+    learning_rate: float = Field(0.5, gt=0)
+    l2: float = Field(1e-6, ge=0)
+    threshold: float = Field(
+        0.5, description="Drop documents whose predicted good-probability is below this."
+    )
+    skip_domains: list[str] = Field(default_factory=lambda: list(PROSE_ONLY))
+    seed: int = 0
+
+    @field_validator("holdout_fraction", "threshold")
+    @classmethod
+    def _fraction(cls, value: float, info) -> float:
+        return _check_fraction(info.field_name, value)
+
+    @model_validator(mode="after")
+    def _hf_needs_path(self) -> QualityModelConfig:
+        if self.teacher == "hf" and not self.teacher_path:
+            raise ValueError("quality_model.teacher='hf' needs quality_model.teacher_path")
+        return self
+
+
+class CurateConfig(_Strict):
+    """The whole curate step. `num_workers` is execution-only and not part of output hashes."""
+
+    normalize: NormalizeConfig = Field(default_factory=NormalizeConfig)
+    exact_dedup: ExactDedupConfig = Field(default_factory=ExactDedupConfig)
+    minhash: MinhashConfig = Field(default_factory=MinhashConfig)
+    filters: FiltersConfig = Field(default_factory=FiltersConfig)
+    quality_model: QualityModelConfig = Field(default_factory=QualityModelConfig)
+    pii: PIIConfig = Field(default_factory=PIIConfig)
+    num_workers: int = Field(1, ge=1, json_schema_extra={"versioned": False})

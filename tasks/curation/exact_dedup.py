@@ -1,0 +1,165 @@
+"""Exact deduplication across all shards: a 128-bit hash of each document's text-normal form,
+a Bloom filter streamed over the hashes, and an exact check behind it.
+
+Per shard, `exact_hashes_shard` writes `<stem>.exact.parquet` (id, hash; and with level
+"paragraph" `<stem>.paragraphs.parquet`: id, paragraph, hash). Globally, `exact_dedup` streams
+the hash files once through a Bloom filter sized from `expected_documents` and the target
+false-positive rate; a hit only marks the hash as a candidate. A second streaming pass keeps the
+first occurrence of every candidate hash and drops the later ones, so a Bloom false positive can
+never cost a unique document. Memory: the Bloom bits plus the candidate hashes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+from tqdm import tqdm
+
+from tasks.curation.config import CurateConfig
+from tasks.curation.shards import iter_rows, read_column, shards_in, write_json
+from tasks.curation.text import simplify_text
+
+PARAGRAPH_SEPARATOR = "\n\n"
+
+
+def text_hash(text: str) -> bytes:
+    """16-byte BLAKE2b digest of the text-normal form (lowercase, no punctuation, digits 0)."""
+    return hashlib.blake2b(simplify_text(text).encode("utf-8"), digest_size=16).digest()
+
+
+class BloomFilter:
+    """A numpy bit-array Bloom filter over 16-byte digests (double hashing from the digest)."""
+
+    def __init__(self, capacity: int, false_positive_rate: float):
+        self.num_bits = max(64, math.ceil(-capacity * math.log(false_positive_rate) / math.log(2) ** 2))
+        self.num_hashes = max(1, round(self.num_bits / capacity * math.log(2)))
+        self.bits = np.zeros((self.num_bits + 7) // 8, dtype=np.uint8)
+
+    def _positions(self, digests: list[bytes]) -> np.ndarray:
+        words = np.frombuffer(b"".join(digests), dtype="<u8").reshape(-1, 2)
+        steps = np.arange(self.num_hashes, dtype=np.uint64)
+        with np.errstate(over="ignore"):
+            combined = words[:, :1] + steps[None, :] * (words[:, 1:] | np.uint64(1))
+        return combined % np.uint64(self.num_bits)  # (N, k)
+
+    def add_and_check(self, digests: list[bytes]) -> np.ndarray:
+        """Adds a batch; returns for each digest whether it may have been seen before it
+        (earlier batches, or an earlier position in this batch)."""
+        if not digests:
+            return np.zeros(0, bool)
+        pos = self._positions(digests)
+        present = (self.bits[pos >> np.uint64(3)] >> (pos & np.uint64(7)).astype(np.uint8)) & 1
+        maybe = present.all(axis=1)
+        _, first = np.unique(np.array(digests, dtype="S16"), return_index=True)
+        repeated = np.ones(len(digests), bool)
+        repeated[first] = False
+        flat = pos.ravel()
+        np.bitwise_or.at(self.bits, flat >> np.uint64(3), (1 << (flat & np.uint64(7))).astype(np.uint8))
+        return maybe | repeated
+
+    @property
+    def num_bytes(self) -> int:
+        return int(self.bits.nbytes)
+
+
+def _paragraphs(text: str, min_chars: int) -> Iterator[tuple[int, str]]:
+    for index, paragraph in enumerate(text.split(PARAGRAPH_SEPARATOR)):
+        if len(paragraph.strip()) >= min_chars:
+            yield index, paragraph
+
+
+def exact_hashes_shard(cfg: CurateConfig, in_shard: Path, out_dir: Path) -> dict:
+    """Hashes every document (and paragraph, at level "paragraph") of one normalized shard."""
+    in_shard, out_dir = Path(in_shard), Path(out_dir)
+    ids, hashes, para_rows = [], [], {"id": [], "paragraph": [], "hash": []}
+    for row in tqdm(iter_rows(in_shard, ("id", "text")), desc=f"hash {in_shard.stem}", leave=False):
+        ids.append(row["id"])
+        hashes.append(text_hash(row["text"]))
+        if cfg.exact_dedup.level == "paragraph":
+            for index, paragraph in _paragraphs(row["text"], cfg.exact_dedup.min_paragraph_chars):
+                para_rows["id"].append(row["id"])
+                para_rows["paragraph"].append(index)
+                para_rows["hash"].append(text_hash(paragraph))
+    table = pa.table({"id": pa.array(ids, pa.string()), "hash": pa.array(hashes, pa.binary(16))})
+    pq.write_table(table, out_dir / f"{in_shard.stem}.exact.parquet")
+    if cfg.exact_dedup.level == "paragraph":
+        pq.write_table(pa.table(para_rows), out_dir / f"{in_shard.stem}.paragraphs.parquet")
+    return {"documents": len(ids), "paragraphs": len(para_rows["id"])}
+
+
+def _hash_files(dirs: list[Path], suffix: str) -> list[Path]:
+    return sorted((p for d in dirs for p in Path(d).glob(f"*.{suffix}.parquet")), key=lambda p: p.name)
+
+
+def _dedup_keys(files: list[Path], columns: tuple[str, ...], keep: set | None, cfg) -> tuple[list, dict]:
+    """Two streaming passes (Bloom, then exact) over hash files; returns (dropped rows, stats)."""
+    bloom = BloomFilter(cfg.expected_documents, cfg.false_positive_rate)
+    candidates: set[bytes] = set()
+    for path in tqdm(files, desc="exact dedup: bloom", leave=False):
+        table = pq.read_table(path)
+        rows = [r for r in table.to_pylist() if keep is None or r["id"] in keep]
+        hashes = [r["hash"] for r in rows]
+        candidates.update(h for h, hit in zip(hashes, bloom.add_and_check(hashes)) if hit)
+    first: dict[bytes, dict] = {}
+    dropped, duplicated = [], set()
+    for path in tqdm(files, desc="exact dedup: check", leave=False):
+        for row in pq.read_table(path).to_pylist():
+            if (keep is not None and row["id"] not in keep) or row["hash"] not in candidates:
+                continue
+            if row["hash"] in first:
+                original = first[row["hash"]]
+                duplicated.add(row["hash"])
+                dropped.append({**{c: row[c] for c in columns}, "duplicate_of": original["id"]})
+            else:
+                first[row["hash"]] = row
+    stats = {"bloom_bits": bloom.num_bits, "bloom_hashes": bloom.num_hashes,
+             "bloom_bytes": bloom.num_bytes, "bloom_candidates": len(candidates),
+             "bloom_false_positives": len(first) - len(duplicated)}  # fmt: skip
+    return dropped, stats
+
+
+def surviving_ids(shard_dirs: list[Path] | None) -> set[str] | None:
+    """Ids of the documents in the shards of `shard_dirs` (None when not given)."""
+    if shard_dirs is None:
+        return None
+    return {i for d in shard_dirs for shard in shards_in(d) for i in read_column(shard, "id")}
+
+
+def exact_dedup(cfg: CurateConfig, hash_dirs: list[Path], out_dir: Path,
+                keep_dirs: list[Path] | None = None) -> dict:  # fmt: skip
+    """Finds exact duplicates across all shards; the first occurrence (by shard name, row) is kept.
+
+    Args:
+        cfg: the curate config (uses `cfg.exact_dedup`).
+        hash_dirs: outputs of `exact_hashes_shard`.
+        out_dir: receives `drops.parquet` (id, reason, duplicate_of), at level "paragraph" also
+            `paragraph_drops.parquet` (id, paragraph, duplicate_of), and `report.json`.
+        keep_dirs: shard dirs of the documents still alive (e.g. filtered shards); documents not
+            in them are ignored, so a removed document is never chosen as the one to keep.
+    """
+    out_dir = Path(out_dir)
+    keep = surviving_ids(keep_dirs)
+    dropped, stats = _dedup_keys(_hash_files(hash_dirs, "exact"), ("id",), keep, cfg.exact_dedup)
+    drops = pa.table({"id": pa.array([d["id"] for d in dropped], pa.string()),
+                      "reason": pa.array(["exact_duplicate"] * len(dropped), pa.string()),
+                      "duplicate_of": pa.array([d["duplicate_of"] for d in dropped], pa.string())})  # fmt: skip
+    pq.write_table(drops, out_dir / "drops.parquet")
+    report = {"stage": "exact_dedup", "documents_dropped": len(dropped), **stats}
+    if cfg.exact_dedup.level == "paragraph":
+        para, para_stats = _dedup_keys(_hash_files(hash_dirs, "paragraphs"), ("id", "paragraph"),
+                                       keep, cfg.exact_dedup)  # fmt: skip
+        pq.write_table(pa.Table.from_pylist(para) if para else pa.table(
+            {"id": pa.array([], pa.string()), "paragraph": pa.array([], pa.int64()),
+             "duplicate_of": pa.array([], pa.string())}), out_dir / "paragraph_drops.parquet")  # fmt: skip
+        report["paragraphs_dropped"] = len(para)
+        report["paragraph_bloom"] = para_stats
+    report["examples"] = dropped[:10]
+    write_json(out_dir / "report.json", report)
+    return {"documents_dropped": len(dropped), "bloom_candidates": stats["bloom_candidates"],
+            "paragraphs_dropped": report.get("paragraphs_dropped", 0)}  # fmt: skip

@@ -1,0 +1,88 @@
+"""Stage 2, per shard: heuristic filters (FineWeb order) and PII scrubbing.
+
+Filters run in datatrove's FineWeb order: Gopher repetition, Gopher quality, C4, FineWeb
+quality; the first that fails names the removal reason. Each filter skips the domains in its
+`skip_domains` (code by default: prose rules would remove every Python file).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tqdm import tqdm
+
+from tasks.curation.config import CurateConfig, FiltersConfig
+from tasks.curation.filters import (
+    Doc,
+    c4_filter,
+    fineweb_quality_filter,
+    gopher_quality_filter,
+    gopher_repetition_filter,
+)
+from tasks.curation.pii import scrub_pii
+from tasks.curation.shards import ShardWriter, add_count, iter_rows, preview, write_json, write_jsonl
+from tasks.curation.text import count_tokens
+
+FILTER_ORDER = ("gopher_repetition", "gopher_quality", "c4", "fineweb")
+
+
+def apply_filters(cfg: FiltersConfig, text: str, domain: str) -> tuple[str | None, str, str]:
+    """Runs the filter chain on one document.
+
+    Returns (filter name or None, reason or "", text after optional C4 line rewriting).
+    """
+    doc = Doc(text)
+    for name in FILTER_ORDER:
+        fcfg = getattr(cfg, name)
+        if not fcfg.enabled or domain in fcfg.skip_domains:
+            continue
+        if name == "c4":
+            reason, kept = c4_filter(fcfg, doc)
+            if reason is None and fcfg.rewrite_lines and kept != doc.text:
+                doc = Doc(kept)
+        elif name == "gopher_repetition":
+            reason = gopher_repetition_filter(fcfg, doc)
+        elif name == "gopher_quality":
+            reason = gopher_quality_filter(fcfg, doc)
+        else:
+            reason = fineweb_quality_filter(fcfg, doc)
+        if reason is not None:
+            return name, reason, text
+    return None, "", doc.text
+
+
+def filter_shard(cfg: CurateConfig, in_shard: Path, out_dir: Path) -> dict:
+    """Filters one normalized shard into `out_dir/<name>.parquet` (kept documents, PII
+    scrubbed), with `<stem>.removed.jsonl` (samples per reason) and `<stem>.stats.json`.
+    Uses `cfg.filters` and `cfg.pii`."""
+    pii = cfg.pii
+    in_shard, out_dir = Path(in_shard), Path(out_dir)
+    table: dict = {}
+    samples: dict[str, list[dict]] = {}
+    pii_counts = {"email": 0, "ip_address": 0, "phone": 0}
+    with ShardWriter(out_dir / in_shard.name) as writer:
+        for row in tqdm(iter_rows(in_shard), desc=f"filter {in_shard.stem}", leave=False):
+            domain, text = row["domain"], row["text"]
+            tokens = count_tokens(text)
+            add_count(table, domain, "in", 1, tokens)
+            name, reason, text = apply_filters(cfg.filters, text, domain)
+            if name is not None:
+                add_count(table, domain, f"removed:{name}:{reason}", 1, tokens)
+                bucket = samples.setdefault(f"{name}:{reason}", [])
+                if len(bucket) < cfg.filters.num_removed_samples:
+                    bucket.append({"id": row["id"], "domain": domain, "filter": name,
+                                   "reason": reason, "preview": preview(text)})  # fmt: skip
+                continue
+            if pii.enabled:
+                text, counts = scrub_pii(pii, text)
+                for kind, num in counts.items():
+                    pii_counts[kind] += num
+            add_count(table, domain, "out", 1, count_tokens(text))
+            writer.write({**row, "text": text})
+    removed = [r for bucket in samples.values() for r in bucket]
+    write_jsonl(out_dir / f"{in_shard.stem}.removed.jsonl", removed)
+    stats = {"stage": "filters", "shard": in_shard.stem, "domains": table, "pii": pii_counts}
+    write_json(out_dir / f"{in_shard.stem}.stats.json", stats)
+    num_in = sum(d["in"]["docs"] for d in table.values())
+    return {"documents_in": num_in, "documents_out": writer.num_rows,
+            "pii_replaced": sum(pii_counts.values())}  # fmt: skip
