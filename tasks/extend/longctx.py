@@ -1,0 +1,162 @@
+"""Long-context evaluation: loss by token position, and passkey retrieval in RULER's format.
+
+Both run on our own ``Transformer`` (no export needed), so they can be run on the same model with
+different RoPE settings (base, YaRN) by swapping the config: before and after extension.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from model.config import ModelConfig
+from model.transformer import Transformer
+
+# RULER's "essay-free" haystack: repeated filler sentences.
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+NEEDLE = "One of the special magic numbers for {key} is: {number}."
+QUESTION = (
+    "What is the special magic number for {key} mentioned in the provided text? "
+    "The special magic number for {key} mentioned in the provided text is"
+)
+_KEYS = ["amber-fox", "cold-river", "silent-hill", "brave-owl", "quiet-lake", "red-stone"]
+
+
+def with_rope(model: Transformer, **changes: Any) -> Transformer:
+    """The same weights under another RoPE setting (e.g. ``rope_scaling`` for YaRN)."""
+    cfg = dataclasses.replace(model.cfg, **changes)
+    other = Transformer(cfg)
+    other.load_state_dict(model.state_dict())
+    return other.eval()
+
+
+@torch.no_grad()
+def position_loss(
+    model: Transformer, docs: list[np.ndarray], seq_len: int, num_buckets: int = 16
+) -> dict[str, list[float]]:
+    """Mean next-token loss by position bucket over documents at least ``seq_len + 1`` long.
+
+    Each document contributes its first ``seq_len + 1`` tokens, so position p always means "the
+    p-th token of a document" (no packing, no mask tricks). Returns bucket start positions,
+    the mean loss per bucket and the number of documents used.
+    """
+    model.eval()
+    rows = [d[: seq_len + 1].astype(np.int64) for d in docs if len(d) > seq_len]
+    if not rows:
+        raise ValueError(f"no held-out document has more than {seq_len} tokens")
+    totals = torch.zeros(seq_len)
+    for row in rows:
+        ids = torch.from_numpy(row)[None]
+        logits = model(ids[:, :-1])  # (1, T, V)
+        loss = torch.nn.functional.cross_entropy(logits[0].float(), ids[0, 1:], reduction="none")
+        totals += loss
+    mean = (totals / len(rows)).numpy()
+    edges = np.linspace(0, seq_len, num_buckets + 1).astype(int)
+    return {
+        "bucket_start": edges[:-1].tolist(),
+        "loss": [float(mean[a:b].mean()) for a, b in zip(edges[:-1], edges[1:])],
+        "num_docs": len(rows),
+    }
+
+
+def passkey_prompt(tokenizer, length: int, depth: float, rng: random.Random) -> tuple[list[int], str]:
+    """Token ids of a haystack of about ``length`` tokens with the needle at ``depth`` (0..1)."""
+    key, number = rng.choice(_KEYS), str(rng.randint(10000, 99999))
+    needle = NEEDLE.format(key=key, number=number)
+    question = QUESTION.format(key=key)
+    budget = length - len(tokenizer.encode(needle + " " + question))
+    filler_ids = tokenizer.encode(" " + FILLER)
+    haystack = (filler_ids * (budget // max(len(filler_ids), 1) + 1))[: max(budget, 0)]
+    # Cut the haystack at a sentence boundary near the requested depth.
+    cut = int(len(haystack) * depth)
+    before = tokenizer.decode(haystack[:cut])
+    cut_text = before[: before.rfind(".") + 1] if "." in before else before
+    after_ids = haystack[len(tokenizer.encode(cut_text)) :] if cut_text else haystack
+    text = f"{cut_text} {needle}{tokenizer.decode(after_ids)} {question}"
+    return tokenizer.encode(text), number
+
+
+@torch.no_grad()
+def greedy_generate(model: Transformer, ids: list[int], max_new_tokens: int) -> list[int]:
+    """Plain greedy decoding without a KV cache (contexts here are short enough)."""
+    out = list(ids)
+    for _ in range(max_new_tokens):
+        logits = model(torch.tensor([out]))
+        out.append(int(logits[0, -1].argmax()))
+    return out[len(ids) :]
+
+
+def passkey_grid(
+    model: Transformer,
+    tokenizer,
+    lengths: list[int],
+    depths: list[float],
+    trials: int = 2,
+    seed: int = 0,
+    max_new_tokens: int = 8,
+) -> dict[str, Any]:
+    """Retrieval accuracy for each (length, depth): the number must appear in the generation."""
+    rng = random.Random(seed)
+    grid = []
+    for length in lengths:
+        row = []
+        for depth in depths:
+            hits = 0
+            for _ in range(trials):
+                ids, number = passkey_prompt(tokenizer, length, depth, rng)
+                generated = tokenizer.decode(greedy_generate(model, ids, max_new_tokens))
+                hits += number in generated
+            row.append(hits / trials)
+        grid.append(row)
+    return {"lengths": lengths, "depths": depths, "accuracy": grid}
+
+
+def plot_position_loss(curves: dict[str, dict[str, Any]], original_len: int, path: Path) -> None:
+    """Loss by position for several models; a vertical line marks the original context."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, curve in curves.items():
+        ax.plot(curve["bucket_start"], curve["loss"], marker="o", label=label)
+    ax.axvline(original_len, color="grey", linestyle="--", label="original context")
+    ax.set_xlabel("token position in document")
+    ax.set_ylabel("mean next-token loss")
+    ax.set_title("Loss by position, before and after context extension")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_passkey(grids: dict[str, dict[str, Any]], path: Path) -> None:
+    """One heat map (length x depth) per model."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(grids), figsize=(4.5 * len(grids), 3.8), squeeze=False)
+    for ax, (label, grid) in zip(axes[0], grids.items()):
+        image = ax.imshow(np.array(grid["accuracy"]), vmin=0, vmax=1, cmap="viridis", aspect="auto")
+        ax.set_xticks(range(len(grid["depths"])), [f"{d:.0%}" for d in grid["depths"]])
+        ax.set_yticks(range(len(grid["lengths"])), grid["lengths"])
+        ax.set_xlabel("needle depth")
+        ax.set_ylabel("context length (tokens)")
+        ax.set_title(f"passkey: {label}")
+        fig.colorbar(image, ax=ax)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def model_config_for_eval(cfg: ModelConfig, length: int) -> dict[str, Any]:
+    """Fields to change so a model accepts ``length`` positions without other changes."""
+    return {"max_seq_len": max(cfg.max_seq_len, length)}
