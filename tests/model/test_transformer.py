@@ -13,17 +13,23 @@ def test_debug_preset_is_about_2m_and_trains_fast():
     cfg = preset("debug")
     model = Transformer(cfg)
     assert 1.5e6 <= sum(p.numel() for p in model.parameters()) <= 2.5e6
-    input_ids = torch.randint(0, cfg.vocab_size, (2, cfg.max_seq_len + 1))
+    input_ids = torch.randint(0, cfg.vocab_size, (4, cfg.max_seq_len + 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    seconds = []
-    for _ in range(3):
-        start = time.perf_counter()
-        loss, _ = causal_lm_loss(model(input_ids[:, :-1]), input_ids[:, 1:])
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        seconds.append(time.perf_counter() - start)
-    assert min(seconds) < 1.0, seconds
+    # NOTE: one thread and this thread's CPU time, so a busy machine does not fail the test.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        seconds = []
+        for _ in range(3):
+            start = time.thread_time()
+            loss, _ = causal_lm_loss(model(input_ids[:, :-1]), input_ids[:, 1:])
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            seconds.append(time.thread_time() - start)
+    finally:
+        torch.set_num_threads(threads)
+    assert min(seconds) < 1.0, seconds  # about 0.35 s for 4 x 256 tokens on one core
 
 
 def test_init_std_and_residual_scaling():
