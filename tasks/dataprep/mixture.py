@@ -1,0 +1,291 @@
+"""Per-stage mixtures: plan tokens per domain, select documents, pack a shuffled dataset.
+
+`build_mixture` reads the output of `tokenize_corpus` and never re-tokenizes, so changing a
+stage's weights only re-runs this cheap step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from tasks.dataprep.config import StageMixture, ValidationConfig
+from tasks.dataprep.pack import write_packed
+from tasks.errors import BadInputError
+
+logger = logging.getLogger(__name__)
+
+CHINCHILLA_TOKENS_PER_PARAM = 20
+CHUNK_DOCS = 4096
+
+
+def _read_tokenized_meta(tokenized_dir: Path) -> dict:
+    path = Path(tokenized_dir) / "meta.json"
+    if not path.is_file():
+        raise BadInputError(f"no meta.json in {tokenized_dir}; run tokenize_corpus first")
+    return json.loads(path.read_text())
+
+
+def _check_seq_len(seq_len: int, max_seq_len: int | None) -> None:
+    if max_seq_len is not None and seq_len > max_seq_len:
+        raise BadInputError(
+            f"seq_len={seq_len} is above the model's max_seq_len={max_seq_len}; lower seq_len "
+            "or train a model with a longer context"
+        )
+
+
+def plan_mixture(cfg: StageMixture, available: dict[str, int]) -> tuple[dict[str, int], list[str]]:
+    """Tokens to draw per domain for the stage, honouring max_epochs.
+
+    Args:
+        cfg: The stage's mixture.
+        available: Tokens per domain in one epoch (each document's eos included).
+
+    Returns:
+        Target tokens per domain and a list of notes on domains whose weight was lowered.
+
+    Raises:
+        BadInputError: A weighted domain is missing, or would need more than max_epochs and
+            on_overflow is "fail" (or no domain is left to take the excess).
+    """
+    weights = cfg.normalized_weights()
+    missing = sorted(set(weights) - {d for d, n in available.items() if n > 0})
+    if missing:
+        raise BadInputError(
+            f"weights name domains {missing} with no training tokens; available domains: "
+            f"{sorted(d for d, n in available.items() if n > 0)}"
+        )
+    targets = {d: w * cfg.num_tokens for d, w in weights.items()}
+    capped: dict[str, float] = {}
+    notes: list[str] = []
+    while True:
+        over = {d: t for d, t in targets.items() if t > cfg.max_epochs * available[d] + 1e-6}
+        if not over:
+            break
+        domain = max(over, key=lambda d: over[d] / available[d])
+        epochs = over[domain] / available[domain]
+        message = (
+            f"domain {domain!r} would need {epochs:.2f} epochs ({over[domain]:.0f} tokens from "
+            f"{available[domain]} available) but max_epochs={cfg.max_epochs}"
+        )
+        if cfg.on_overflow == "fail":
+            raise BadInputError(
+                f"{message}; lower its weight, raise max_epochs, lower num_tokens, or set "
+                "on_overflow='reweight'"
+            )
+        capped[domain] = cfg.max_epochs * available[domain]
+        free = {d: weights[d] for d in targets if d not in capped}
+        if not free:
+            raise BadInputError(f"{message}, and every domain is capped; lower num_tokens")
+        rest = cfg.num_tokens - sum(capped.values())
+        targets = {**capped, **{d: rest * w / sum(free.values()) for d, w in free.items()}}
+        note = f"{message}: capped at {capped[domain]:.0f} tokens, excess moved to {sorted(free)}"
+        logger.warning(note)
+        notes.append(note)
+    return {d: int(round(t)) for d, t in targets.items()}, notes
+
+
+def select_documents(doc_lengths: np.ndarray, target: int, rng: np.random.Generator) -> np.ndarray:
+    """How many times each document is used so that their tokens reach ``target``.
+
+    Every document is used ``target // total`` times; the remainder is filled with whole
+    documents in a seeded random order until it is reached (overshooting by under one document).
+    """
+    total = int(doc_lengths.sum())
+    counts = np.full(len(doc_lengths), target // total, np.int64)
+    remainder = target - int(counts[0]) * total if len(counts) else 0
+    if remainder > 0:
+        order = rng.permutation(len(doc_lengths))
+        take = int(np.searchsorted(np.cumsum(doc_lengths[order]), remainder)) + 1
+        counts[order[:take]] += 1
+    return counts
+
+
+class _DomainTokens:
+    """One tokenized domain: a memory map of its tokens and its document offsets."""
+
+    def __init__(self, tokenized_dir: Path, info: dict, dtype: str):
+        folder = Path(tokenized_dir) / info["dir"]
+        self.offsets = np.load(folder / "offsets.npy")
+        self.tokens = (
+            np.memmap(folder / "tokens.bin", dtype=dtype, mode="r")
+            if info["num_tokens"]
+            else np.zeros(0, dtype)
+        )
+
+    @property
+    def lengths_with_eos(self) -> np.ndarray:
+        return np.diff(self.offsets) + 1
+
+
+def _chunks(domains: list[_DomainTokens], order: np.ndarray, eos_id: int, dtype):
+    """(tokens, doc_lengths) for documents ``order`` (rows of (domain, doc)), eos appended."""
+    eos = np.array([eos_id], dtype)
+    for begin in range(0, len(order), CHUNK_DOCS):
+        pieces, lengths = [], []
+        for domain_idx, doc in order[begin : begin + CHUNK_DOCS]:
+            source = domains[domain_idx]
+            lo, hi = source.offsets[doc], source.offsets[doc + 1]
+            pieces += [source.tokens[lo:hi], eos]
+            lengths.append(hi - lo + 1)
+        yield np.concatenate(pieces), np.asarray(lengths, np.int64)
+
+
+def _pack_selection(cfg, tokenized_dir, meta, split, counts_by_domain, out_dir, extra_meta):
+    """Shuffle the selected document instances and pack them into ``out_dir``."""
+    names = sorted(counts_by_domain)
+    domains = [_DomainTokens(tokenized_dir, meta[split][d], meta["dtype"]) for d in names]
+    order = np.concatenate(
+        [
+            np.stack([np.full(int(c.sum()), k), np.repeat(np.arange(len(c)), c)], axis=1)
+            for k, c in enumerate(counts_by_domain[d] for d in names)
+        ]
+    )
+    order = order[np.random.default_rng([cfg.seed, 1]).permutation(len(order))]
+    return write_packed(
+        _chunks(domains, order, meta["eos_id"], np.dtype(meta["dtype"])),
+        out_dir,
+        seq_len=cfg.seq_len,
+        vocab_size=meta["vocab_size"],
+        eos_id=meta["eos_id"],
+        pad_id=meta["pad_id"],
+        seed=cfg.seed,
+        rows_per_shard=cfg.rows_per_shard,
+        extra_meta=extra_meta,
+    )
+
+
+def _save_counts(out_dir: Path, counts_by_domain: dict[str, np.ndarray], meta, split) -> dict:
+    """Write per-domain document use counts (aligned with the tokenized docs.parquet)."""
+    folder = Path(out_dir) / "doc_counts"
+    folder.mkdir(exist_ok=True)
+    files = {}
+    for domain, counts in counts_by_domain.items():
+        name = Path(meta[split][domain]["dir"]).name + ".npy"
+        np.save(folder / name, counts.astype(np.int32))
+        files[domain] = f"doc_counts/{name}"
+    return files
+
+
+def build_mixture(
+    cfg: StageMixture, tokenized_dir: Path, out_dir: Path, max_seq_len: int | None = None
+) -> dict:
+    """Build one stage's packed, shuffled dataset from the tokenized domains.
+
+    Args:
+        cfg: The stage's mixture (weights, budget, max_epochs, seq_len, seed).
+        tokenized_dir: Output of `tokenize_corpus`.
+        out_dir: Existing directory; receives the packed dataset (see `tasks.dataprep.pack`)
+            plus ``doc_counts/{domain}.npy`` (uses of each training document).
+        max_seq_len: The model's longest context, if known; a longer seq_len fails early.
+
+    Returns:
+        Headline metrics: sequences, tokens, and per domain the realised share and epochs.
+    """
+    _check_seq_len(cfg.seq_len, max_seq_len)
+    meta = _read_tokenized_meta(tokenized_dir)
+    available = {d: info["num_tokens"] + info["num_docs"] for d, info in meta["train"].items()}
+    targets, notes = plan_mixture(cfg, available)
+    rng = np.random.default_rng([cfg.seed, 0])
+    counts = {}
+    for domain in sorted(targets):
+        lengths = _DomainTokens(
+            tokenized_dir, meta["train"][domain], meta["dtype"]
+        ).lengths_with_eos
+        counts[domain] = select_documents(lengths, targets[domain], rng)
+    report = _mixture_report(tokenized_dir, meta, counts, available)
+    extra = {
+        "stage": cfg.model_dump(),
+        "mixture": report,
+        "notes": notes,
+        "doc_counts": _save_counts(out_dir, counts, meta, "train"),
+    }
+    packed = _pack_selection(cfg, tokenized_dir, meta, "train", counts, out_dir, extra)
+    metrics = {"num_sequences": packed["num_sequences"], "num_tokens": packed["num_tokens"]}
+    metrics["num_reweighted"] = len(notes)
+    for domain, row in report.items():
+        metrics[f"share/{domain}"] = row["share"]
+        metrics[f"epochs/{domain}"] = row["epochs"]
+    return metrics
+
+
+def _mixture_report(tokenized_dir, meta, counts, available) -> dict:
+    used = {}
+    for domain, c in counts.items():
+        lengths = _DomainTokens(
+            tokenized_dir, meta["train"][domain], meta["dtype"]
+        ).lengths_with_eos
+        used[domain] = int((c * lengths).sum())
+    total = sum(used.values())
+    return {
+        d: {
+            "tokens": used[d],
+            "share": round(used[d] / total, 6),
+            "epochs": round(used[d] / available[d], 4),
+            "num_doc_uses": int(counts[d].sum()),
+        }
+        for d in sorted(used)
+    }
+
+
+def build_validation(
+    cfg: ValidationConfig, tokenized_dir: Path, out_dir: Path, max_seq_len: int | None = None
+) -> dict:
+    """Pack every held-out validation document exactly once (for in-training validation loss).
+
+    The held-out documents as text are in ``{tokenized_dir}/validation_docs`` (a corpus
+    directory), for the evaluation step's per-domain perplexity.
+    """
+    _check_seq_len(cfg.seq_len, max_seq_len)
+    meta = _read_tokenized_meta(tokenized_dir)
+    domains = {d: info for d, info in meta["validation"].items() if info["num_docs"] > 0}
+    if not domains:
+        raise BadInputError(
+            f"{tokenized_dir} holds no validation documents; re-run tokenize_corpus with "
+            "validation_fraction > 0"
+        )
+    counts = {d: np.ones(info["num_docs"], np.int64) for d, info in domains.items()}
+    extra = {
+        "validation": {
+            d: {"num_docs": i["num_docs"], "num_tokens": i["num_tokens"]}
+            for d, i in domains.items()
+        }
+    }
+    packed = _pack_selection(cfg, tokenized_dir, meta, "validation", counts, out_dir, extra)
+    return {
+        "num_sequences": packed["num_sequences"],
+        "num_tokens": packed["num_tokens"],
+        "num_documents": packed["num_documents"],
+    }
+
+
+def chinchilla_report(num_params: int, num_tokens: int) -> dict:
+    """Compare a token budget with the compute-optimal one (Hoffmann et al. 2022: ~20 tokens/param).
+
+    Returns:
+        ``optimal_tokens``, ``tokens_per_param``, ``ratio_to_optimal`` (above 1 over-trains,
+        below 1 under-trains) and a one-line ``verdict``.
+    """
+    if num_params < 1 or num_tokens < 1:
+        raise BadInputError(f"num_params={num_params} and num_tokens={num_tokens} must be >= 1")
+    optimal = CHINCHILLA_TOKENS_PER_PARAM * num_params
+    ratio = num_tokens / optimal
+    if abs(ratio - 1) < 0.05:
+        verdict = "about compute-optimal"
+    elif ratio > 1:
+        verdict = f"over-trains: {ratio:.2f}x the compute-optimal tokens"
+    else:
+        verdict = (
+            f"under-trains: {ratio:.2f}x the compute-optimal tokens ({1 / ratio:.1f}x too few)"
+        )
+    return {
+        "num_params": num_params,
+        "num_tokens": num_tokens,
+        "optimal_tokens": optimal,
+        "tokens_per_param": round(num_tokens / num_params, 3),
+        "ratio_to_optimal": round(ratio, 4),
+        "verdict": verdict,
+    }

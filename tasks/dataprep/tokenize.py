@@ -1,0 +1,209 @@
+"""Tokenize every curated document once, per domain, holding out validation documents.
+
+Output directory (read by `tasks.dataprep.mixture`):
+
+- ``meta.json``: ``vocab_size``, ``dtype``, ``eos_id``, ``pad_id``, ``bos_id`` and per split
+  (``train``, ``validation``) per domain: ``dir``, ``num_docs``, ``num_tokens`` (eos excluded).
+- ``{split}/{domain}/tokens.bin``: the domain's documents' tokens back to back (no eos),
+  ``offsets.npy``: int64 document boundaries (num_docs+1), ``docs.parquet``: id, source,
+  num_tokens in the same order.
+- ``validation_docs/shards/part-00000.parquet``: the held-out documents with the input's
+  columns (id, text, domain, source), itself a corpus directory for per-domain perplexity.
+- ``rejects.jsonl``: malformed records with a ``reason``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+from tokenizers import Tokenizer
+from tqdm import tqdm
+
+from tasks.dataprep.config import TokenizeConfig
+from tasks.dataprep.pack import token_dtype
+from tasks.errors import BadInputError
+from tasks.tokenizer.config import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN
+from tasks.tokenizer.corpus import (
+    CORPUS_COLUMNS,
+    RejectLog,
+    corpus_files,
+    holdout_mask,
+    iter_batches,
+    valid_rows,
+)
+
+SPLITS = ("train", "validation")
+
+
+def load_tokenizer(tokenizer_dir: Path) -> Tokenizer:
+    """The raw `tokenizers` object, set to treat special-token text in documents as text."""
+    path = Path(tokenizer_dir) / "tokenizer.json"
+    if not path.is_file():
+        raise BadInputError(f"no tokenizer.json in {tokenizer_dir}; run train_tokenizer first")
+    tokenizer = Tokenizer.from_file(str(path))
+    # NOTE: a document containing the literal text "<|endoftext|>" must not yield an eos id.
+    tokenizer.encode_special_tokens = True
+    return tokenizer
+
+
+def domain_dir_name(domain: str) -> str:
+    """A file-system-safe folder name for a domain (the real name stays in meta.json)."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", domain) or "_"
+
+
+class _DomainWriter:
+    """Appends one domain's documents to its token file; keeps lengths, ids and sources."""
+
+    def __init__(self, folder: Path, dtype: np.dtype):
+        folder.mkdir(parents=True, exist_ok=True)
+        self.folder, self.dtype = folder, dtype
+        self.file = open(folder / "tokens.bin", "wb")
+        self.lengths: list[np.ndarray] = []
+        self.ids: list[str] = []
+        self.sources: list[str | None] = []
+
+    def write(self, arrays: list[np.ndarray], ids: list[str], sources: list) -> None:
+        np.concatenate(arrays).astype(self.dtype, copy=False).tofile(self.file)
+        self.lengths.append(np.fromiter((len(a) for a in arrays), np.int64, len(arrays)))
+        self.ids += ids
+        self.sources += sources
+
+    def close(self) -> dict:
+        self.file.close()
+        lengths = np.concatenate(self.lengths) if self.lengths else np.zeros(0, np.int64)
+        np.save(self.folder / "offsets.npy", np.concatenate([[0], np.cumsum(lengths)]))
+        table = pa.table({"id": self.ids, "source": self.sources, "num_tokens": lengths})
+        pq.write_table(table, self.folder / "docs.parquet")
+        return {"num_docs": len(self.ids), "num_tokens": int(lengths.sum())}
+
+
+class _CorpusWriter:
+    """Routes encoded documents to per-(split, domain) writers."""
+
+    def __init__(self, out_dir: Path, dtype: np.dtype):
+        self.out_dir, self.dtype = out_dir, dtype
+        self.writers: dict[tuple[str, str], _DomainWriter] = {}
+        self.dirs: dict[str, str] = {}
+
+    def write(self, split: str, cols: dict, arrays: list[np.ndarray], rows: np.ndarray) -> None:
+        domains = [cols["domain"][i] for i in rows]
+        for domain in sorted(set(domains)):
+            picked = [i for i, d in zip(rows, domains, strict=True) if d == domain]
+            self._writer(split, domain).write(
+                [arrays[i] for i in picked],
+                [cols["id"][i] for i in picked],
+                [cols["source"][i] for i in picked],
+            )
+
+    def _writer(self, split: str, domain: str) -> _DomainWriter:
+        if (split, domain) not in self.writers:
+            if domain not in self.dirs:
+                name = domain_dir_name(domain)
+                if name in self.dirs.values():
+                    name = f"{name}-{len(self.dirs)}"
+                self.dirs[domain] = name
+            folder = self.out_dir / split / self.dirs[domain]
+            self.writers[split, domain] = _DomainWriter(folder, self.dtype)
+        return self.writers[split, domain]
+
+    def close(self) -> dict:
+        summary: dict = {split: {} for split in SPLITS}
+        for (split, domain), writer in sorted(self.writers.items()):
+            summary[split][domain] = {"dir": f"{split}/{self.dirs[domain]}", **writer.close()}
+        return summary
+
+
+def _special_ids(tokenizer: Tokenizer) -> dict[str, int]:
+    ids = {
+        name: tokenizer.token_to_id(tok)
+        for name, tok in (("eos_id", EOS_TOKEN), ("pad_id", PAD_TOKEN), ("bos_id", BOS_TOKEN))
+    }
+    missing = [name for name, value in ids.items() if value is None]
+    if missing:
+        raise BadInputError(
+            f"tokenizer lacks special tokens {missing}; retrain it with train_tokenizer"
+        )
+    return ids
+
+
+def tokenize_corpus(
+    cfg: TokenizeConfig, corpus_dir: Path, tokenizer_dir: Path, out_dir: Path
+) -> dict:
+    """Tokenize every document of the curated corpus once, split into train and validation.
+
+    Args:
+        cfg: The step's config.
+        corpus_dir: Curated corpus (``shards/**/*.parquet`` with id, text, domain, source).
+        tokenizer_dir: Output of `train_tokenizer` (holds ``tokenizer.json``).
+        out_dir: Existing directory for the layout described in this module's docstring.
+
+    Returns:
+        Headline metrics: documents and tokens per split, rejects, tokens per second.
+    """
+    out_dir = Path(out_dir)
+    files = corpus_files(corpus_dir)
+    tokenizer = load_tokenizer(tokenizer_dir)
+    special = _special_ids(tokenizer)
+    vocab_size = tokenizer.get_vocab_size()
+    dtype = token_dtype(vocab_size)
+    rejects = RejectLog(out_dir / "rejects.jsonl")
+    writer = _CorpusWriter(out_dir, dtype)
+    holdout_path = out_dir / "validation_docs" / "shards" / "part-00000.parquet"
+    holdout_path.parent.mkdir(parents=True)
+    start = time.perf_counter()
+    with pq.ParquetWriter(holdout_path, _corpus_schema()) as holdout:
+        for batch in tqdm(iter_batches(files, cfg.read_batch_rows), desc="tokenize", unit="batch"):
+            cols, rejected = valid_rows(batch)
+            rejects.write(rejected)
+            _tokenize_batch(cfg, tokenizer, cols, writer, holdout, dtype)
+    seconds = time.perf_counter() - start
+    summary = writer.close()
+    if not summary["train"]:
+        raise BadInputError(
+            f"empty corpus: no usable documents in {corpus_dir} ({rejects.count} rejected, see "
+            f"{rejects.path}); fix the corpus or lower validation_fraction"
+        )
+    meta = {
+        "vocab_size": vocab_size,
+        "dtype": dtype.name,
+        **special,
+        **summary,
+        "validation_docs": "validation_docs",
+    }
+    (out_dir / "meta.json").write_text(json.dumps(meta, indent=2))
+    num_tokens = {s: sum(d["num_tokens"] for d in summary[s].values()) for s in SPLITS}
+    return {
+        "num_train_docs": sum(d["num_docs"] for d in summary["train"].values()),
+        "num_validation_docs": sum(d["num_docs"] for d in summary["validation"].values()),
+        "num_train_tokens": num_tokens["train"],
+        "num_validation_tokens": num_tokens["validation"],
+        "num_domains": len(summary["train"]),
+        "num_rejected": rejects.count,
+        "tokens_per_second": round(sum(num_tokens.values()) / max(seconds, 1e-9), 1),
+    }
+
+
+def _corpus_schema() -> pa.Schema:
+    return pa.schema([(c, pa.string()) for c in CORPUS_COLUMNS])
+
+
+def _tokenize_batch(cfg, tokenizer, cols, writer, holdout, dtype) -> None:
+    """Encode one record batch in large Rust-parallel calls and route documents to writers."""
+    texts = cols["text"]
+    arrays = []
+    for begin in range(0, len(texts), cfg.encode_batch_size):
+        encodings = tokenizer.encode_batch_fast(texts[begin : begin + cfg.encode_batch_size])
+        arrays += [np.array(e.ids, dtype=dtype) for e in encodings]
+    held = holdout_mask(cols["id"], cfg.validation_fraction)
+    writer.write("train", cols, arrays, np.flatnonzero(~held))
+    if held.any():
+        writer.write("validation", cols, arrays, np.flatnonzero(held))
+        rows = np.flatnonzero(held)
+        table = {c: [cols[c][i] for i in rows] for c in CORPUS_COLUMNS}
+        holdout.write_table(pa.Table.from_pydict(table, schema=_corpus_schema()))
