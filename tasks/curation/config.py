@@ -10,9 +10,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-PROSE_ONLY = ["code"]
+PROSE_ONLY = ["code", "math"]
 """Domains the prose heuristics skip by default: Python source fails Gopher's stop-word and
-alpha-word rules and C4's curly-bracket rule, so applying them would drop every code document."""
+alpha-word rules and C4's curly-bracket rule, and templated arithmetic fails Gopher's repeated
+n-gram and alpha-word rules, so applying them would drop every code and math document."""
 
 
 class _Strict(BaseModel):
@@ -103,6 +104,11 @@ class GopherQualityConfig(_Strict):
         0.8, description="Minimum fraction of words with a letter (datatrove's name kept)."
     )
     min_stop_words: int | None = 2
+    alpha_ratio_skips_punctuation: bool = Field(
+        False,
+        description="Leave punctuation-only tokens out of the alpha-word ratio. False matches "
+        "datatrove (spaCy tokens, so punctuation counts as words and much clean prose fails).",
+    )
     stop_words: list[str] = Field(
         default_factory=lambda: ["the", "be", "to", "of", "and", "that", "have", "with"]
     )
@@ -220,3 +226,12 @@ class CurateConfig(_Strict):
     quality_model: QualityModelConfig = Field(default_factory=QualityModelConfig)
     pii: PIIConfig = Field(default_factory=PIIConfig)
     num_workers: int = Field(1, ge=1, json_schema_extra={"versioned": False})
+
+    @model_validator(mode="after")
+    def _paragraphs_need_layout(self) -> CurateConfig:
+        if self.exact_dedup.level == "paragraph" and self.filters.c4.rewrite_lines:
+            raise ValueError(
+                "exact_dedup.level='paragraph' needs filters.c4.rewrite_lines=False "
+                "(C4 line rewriting removes the paragraph breaks the hashes refer to)"
+            )
+        return self

@@ -144,7 +144,7 @@ def exact_dedup(cfg: CurateConfig, hash_dirs: list[Path], out_dir: Path,
             in them are ignored, so a removed document is never chosen as the one to keep.
     """
     out_dir = Path(out_dir)
-    keep = surviving_ids(keep_dirs)
+    keep = surviving_ids(keep_dirs) if cfg.exact_dedup.enabled else set()
     dropped, stats = _dedup_keys(_hash_files(hash_dirs, "exact"), ("id",), keep, cfg.exact_dedup)
     drops = pa.table({"id": pa.array([d["id"] for d in dropped], pa.string()),
                       "reason": pa.array(["exact_duplicate"] * len(dropped), pa.string()),

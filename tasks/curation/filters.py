@@ -196,7 +196,8 @@ def gopher_quality_filter(cfg: GopherQualityConfig, doc: Doc) -> str | None:
             return "gopher_too_many_end_ellipsis"
     if cfg.max_non_alpha_words_ratio:
         alpha = sum(has_alpha for _, has_alpha in kinds)
-        if alpha / num_words < cfg.max_non_alpha_words_ratio:
+        denominator = len(lengths) if cfg.alpha_ratio_skips_punctuation else num_words
+        if alpha / max(1, denominator) < cfg.max_non_alpha_words_ratio:
             return "gopher_below_alpha_threshold"
     if cfg.min_stop_words and len(set(cfg.stop_words).intersection(words)) < cfg.min_stop_words:
         return "gopher_enough_stop_words"

@@ -184,6 +184,8 @@ def _load_index(signature_dirs: list[Path], alive: set | None, excluded: set) ->
 
 def _components(table: pa.Table, num_buckets: int) -> UnionFind:
     union_find = UnionFind(table.num_rows)
+    if table.num_rows < 2:
+        return union_find
     for band in range(num_buckets):
         keys = table.column(f"band_{band:02d}").to_numpy()
         order = np.argsort(keys, kind="stable")
@@ -222,7 +224,8 @@ def near_dedup(cfg: CurateConfig, signature_dirs: list[Path], out_dir: Path,
         exclude_dirs: stage dirs with a `drops.parquet` (e.g. exact dedup) to leave out.
     """
     mcfg, out_dir = cfg.minhash, Path(out_dir)
-    table = _load_index(signature_dirs, surviving_ids(keep_dirs), _excluded_ids(exclude_dirs))
+    alive = surviving_ids(keep_dirs) if mcfg.enabled else set()
+    table = _load_index(signature_dirs, alive, _excluded_ids(exclude_dirs))
     ids, lengths = table.column("id").to_pylist(), table.column("length").to_pylist()
     union_find = _components(table, mcfg.num_buckets)
     groups: dict[int, list[int]] = {}
