@@ -14,12 +14,14 @@ never leaves a folder that looks complete.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import random
 import re
 import shutil
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +51,14 @@ def rank_and_world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+@contextlib.contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    """Silence DCP's "assuming the intent is to save in a single process" warning."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to")
+        yield
 
 
 def step_dir_name(step: int) -> str:
@@ -128,7 +138,8 @@ def save_checkpoint(
         tmp.mkdir(parents=True)
     barrier()
     model_sd, optim_sd = get_state_dict(model, optimizers)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "dcp"))
+    with _quiet_single_process():
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "dcp"))
     torch.save({"rng": rng_state(), "loader": loader_state}, tmp / f"rank-{rank:05d}.pt")
     if rank == 0:
         (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
@@ -189,7 +200,8 @@ def load_checkpoint(
         state = {"model": model_sd, "optim": optim_sd}
     else:  # NOTE: get_state_dict would give a fresh optimizer state (a fake step with lr=0).
         state = {"model": get_model_state_dict(model)}
-    dcp.load(state, checkpoint_id=str(path / "dcp"))
+    with _quiet_single_process():
+        dcp.load(state, checkpoint_id=str(path / "dcp"))
     if load_optimizer:
         set_state_dict(
             model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"]
