@@ -15,6 +15,7 @@ from tasks.evaluation.config import EvalConfig
 from tasks.evaluation.suite import build_suite, missing_data_reason, read_manifest
 
 RESULTS_FILE = "results.json"
+CPU_BATCH_SIZE = 16  # what batch_size="auto" means on CPU (see load_model)
 log = logging.getLogger("llmflow.evaluation")
 
 
@@ -135,12 +136,18 @@ def load_model(cfg: EvalConfig, model_dir: Path):
     from lm_eval.models.huggingface import HFLM
 
     device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    batch_size = cfg.batch_size
+    if batch_size == "auto" and device == "cpu":
+        # NOTE: lm-eval's auto search grows the batch until CUDA runs out of memory; on CPU it
+        # never does, so it always runs full-context batches of max_batch_size (slow, and a
+        # large model may exhaust host memory). Use a fixed size on CPU instead.
+        batch_size = CPU_BATCH_SIZE
     try:
         return HFLM(
             pretrained=str(model_dir),
             device=device,
             dtype=cfg.dtype,
-            batch_size=cfg.batch_size,
+            batch_size=batch_size,
             max_batch_size=cfg.max_batch_size,
         )
     except Exception as exc:

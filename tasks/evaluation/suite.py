@@ -30,6 +30,7 @@ SUITE_VERSION = "1"
 MANIFEST = "suite.json"
 PPL_TAG = "heldout_ppl"
 SYNTHETIC_SETS = {"arith": arithmetic_items, "facts": fact_items}
+GSM8K_MAX_GEN_TOKS = 256  # lm-eval's default; the model's context must be longer than this
 PROMPT = "Question: {{question}}\nAnswer:"
 REAL_SET_FILES = {
     "piqa_local": ["piqa_valid.jsonl", "piqa_valid_labels.lst"],
@@ -278,6 +279,7 @@ def _write_gsm8k(data_root: Path, out_dir: Path) -> None:
             "until": ["Question:", "</s>", "<|im_end|>"],
             "do_sample": False,
             "temperature": 0.0,
+            "max_gen_toks": GSM8K_MAX_GEN_TOKS,
         },
         "filter_list": [
             {
