@@ -26,6 +26,8 @@ from tasks.curation.shards import iter_rows, read_column, shards_in, write_json
 from tasks.curation.text import simplify_text
 
 PARAGRAPH_SEPARATOR = "\n\n"
+BLOOM_BATCH = 4096
+"""Hashes checked against the Bloom filter at once (within a batch, repeats are found exactly)."""
 
 
 def text_hash(text: str) -> bytes:
@@ -104,8 +106,10 @@ def _dedup_keys(files: list[Path], columns: tuple[str, ...], keep: set | None, c
     for path in tqdm(files, desc="exact dedup: bloom", leave=False):
         table = pq.read_table(path)
         rows = [r for r in table.to_pylist() if keep is None or r["id"] in keep]
-        hashes = [r["hash"] for r in rows]
-        candidates.update(h for h, hit in zip(hashes, bloom.add_and_check(hashes)) if hit)
+        for start in range(0, len(rows), BLOOM_BATCH):
+            hashes = [r["hash"] for r in rows[start : start + BLOOM_BATCH]]
+            hits = bloom.add_and_check(hashes)
+            candidates.update(h for h, hit in zip(hashes, hits, strict=True) if hit)
     first: dict[bytes, dict] = {}
     dropped, duplicated = [], set()
     for path in tqdm(files, desc="exact dedup: check", leave=False):

@@ -11,20 +11,20 @@ import pyarrow.parquet as pq
 
 SHARED_TEXT = Path(__file__).resolve().parents[3].parent / "shared" / "data" / "text"
 
-_NOUNS = ("river city garden teacher engine market letter village doctor window forest "
-          "student bridge kitchen painter soldier island station museum harbor").split()  # fmt: skip
-_VERBS = "visited painted described repaired admired followed crossed opened found built".split()
-_ADJ = "old quiet bright narrow famous small ancient busy gentle distant".split()
+_SYLLABLES = "ka to ri ne su mo la pe chi dan vor el bi ur sa".split()
+
+
+def _word(rng: random.Random) -> str:
+    return "".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(2, 3)))
 
 
 def prose(rng: random.Random, num_sentences: int) -> str:
-    """Grammatical-looking English sentences with stop words (passes the prose filters)."""
+    """English-like sentences of random words around stop words (passes the prose filters and
+    shares no long n-grams with other documents)."""
     sentences = []
     for _ in range(num_sentences):
-        s = (f"The {rng.choice(_ADJ)} {rng.choice(_NOUNS)} {rng.choice(_VERBS)} the "
-             f"{rng.choice(_NOUNS)} of the {rng.choice(_ADJ)} {rng.choice(_NOUNS)} and that was "
-             f"{rng.choice(_ADJ)} to have with {rng.choice(_NOUNS)}s {rng.randint(2, 999)} times.")  # fmt: skip
-        sentences.append(s)
+        w = [_word(rng) for _ in range(7)]
+        sentences.append(f"The {w[0]} {w[1]} of {w[2]} and {w[3]} {w[4]} with the {w[5]} {w[6]}.")
     lines = [" ".join(sentences[i : i + 3]) for i in range(0, len(sentences), 3)]
     return "\n".join(lines)
 
