@@ -1,0 +1,267 @@
+"""The leaderboard over every evaluated checkpoint, its plots, and each task's signal quality.
+
+Signal quality answers "is this task worth watching at this scale?":
+
+- ``monotonicity``: Spearman correlation of the metric with tokens seen, signed so that +1 means
+  "improves steadily with training" (perplexity falls, accuracy rises); averaged over seeds.
+- ``seed_std``: the standard deviation across seeds at the same point of training, averaged
+  over the points that several seeds share.
+- ``snr``: the metric's range over training divided by ``seed_std``; a task whose training
+  trend is smaller than its seed noise cannot rank checkpoints or runs.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import re
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import numpy as np
+
+from tasks.evaluation.checkpoints import COMMIT_MARKER
+from tasks.evaluation.harness import RESULTS_FILE
+
+MIN_MONOTONICITY = 0.5  # Spearman below this: the task does not track training (yet)
+MIN_SNR = 2.0  # a training trend under twice the seed noise cannot rank runs
+
+
+def load_results(results_root: str) -> list[dict[str, Any]]:
+    """Every committed ``results.json`` under ``{results_root}/{checkpoint}/{suite}/``."""
+    fs, root = fsspec.core.url_to_fs(results_root)
+    root = root.rstrip("/")
+    if not fs.exists(root):
+        return []
+    records = []
+    for path in sorted(fs.glob(f"{root}/*/*/{RESULTS_FILE}")):
+        folder = path.rsplit("/", 1)[0]
+        if fs.exists(f"{folder}/{COMMIT_MARKER}"):
+            with fs.open(path, "r") as f:
+                records.append(json.load(f))
+    return records
+
+
+def leaderboard_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Long format: one row per checkpoint, task and metric (stderrs left out)."""
+    rows = []
+    for rec in records:
+        ckpt = rec.get("checkpoint") or {}
+        for task, values in sorted(rec["metrics"].items()):
+            higher = rec.get("higher_is_better", {}).get(task, {})
+            for metric, value in sorted(values.items()):
+                if "_stderr" in metric:
+                    continue
+                rows.append(
+                    {
+                        "checkpoint": ckpt.get("key", rec.get("model_dir")),
+                        "suite_key": rec["suite_key"],
+                        "step": ckpt.get("step"),
+                        "tokens_seen": ckpt.get("tokens_seen"),
+                        "seed": ckpt.get("seed"),
+                        "task": task,
+                        "metric": metric,
+                        "value": value,
+                        "higher_is_better": higher.get(metric.split(":")[0]),
+                    }
+                )
+    return rows
+
+
+def update_leaderboard(results_root: str, out_dir: Path) -> dict[str, Any]:
+    """Write the leaderboard (CSV + markdown), plots and signal quality into ``out_dir``.
+
+    Files: ``leaderboard.csv`` / ``.md`` (checkpoint x task:metric), ``leaderboard_long.csv``,
+    ``signal_quality.csv`` / ``.md``, ``plots/<task>__<metric>.png``.
+
+    Returns:
+        Counts and the number of metrics worth watching (JSON scalars).
+    """
+    out_dir = Path(out_dir)
+    rows = leaderboard_rows(load_results(results_root))
+    _write_csv(out_dir / "leaderboard_long.csv", rows)
+    wide = wide_table(rows)
+    _write_csv(out_dir / "leaderboard.csv", wide)
+    (out_dir / "leaderboard.md").write_text(markdown_table(wide))
+    quality = signal_quality(rows)
+    _write_csv(out_dir / "signal_quality.csv", quality)
+    (out_dir / "signal_quality.md").write_text(markdown_table(quality))
+    num_plots = plot_metrics(rows, out_dir / "plots")
+    return {
+        "num_checkpoints": len({(r["suite_key"], r["checkpoint"]) for r in rows}),
+        "num_metrics": len(quality),
+        "num_worth_watching": sum(1 for q in quality if q["worth_watching"]),
+        "num_plots": num_plots,
+    }
+
+
+def wide_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per checkpoint (ordered by training progress), one column per task:metric."""
+    table: dict[tuple, dict[str, Any]] = {}
+    for r in rows:
+        key = (r["suite_key"], r["checkpoint"])
+        row = table.setdefault(
+            key,
+            {k: r[k] for k in ("checkpoint", "suite_key", "step", "tokens_seen", "seed")},
+        )
+        row[f"{r['task']}/{r['metric']}"] = r["value"]
+    columns = sorted({f"{r['task']}/{r['metric']}" for r in rows})
+    ordered = sorted(table.values(), key=lambda r: (r["suite_key"], _progress(r), r["checkpoint"]))
+    meta = ("checkpoint", "suite_key", "step", "tokens_seen", "seed")
+    return [{**{k: r[k] for k in meta}, **{c: r.get(c) for c in columns}} for r in ordered]
+
+
+def signal_quality(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Monotonicity, seed spread and their ratio for each (suite, task, metric)."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in rows:
+        if r["value"] is not None:
+            groups[(r["suite_key"], r["task"], r["metric"])].append(r)
+    out = []
+    for (suite, task, metric), group in sorted(groups.items()):
+        x_name, points = _points(group)
+        by_seed = _by_seed(points)
+        correlations = [
+            c for c in (spearman(*zip(*p, strict=True)) for p in by_seed.values()) if c is not None
+        ]
+        sign = -1.0 if group[0]["higher_is_better"] is False else 1.0
+        mono = sign * float(np.mean(correlations)) if correlations else None
+        seed_std = seed_spread(points)
+        means = [float(np.mean(v)) for _, v in sorted(_by_x(points).items())]
+        trend = max(means) - min(means) if means else None
+        snr = trend / seed_std if seed_std and trend is not None else None
+        out.append(
+            {
+                "suite_key": suite,
+                "task": task,
+                "metric": metric,
+                "x": x_name,
+                "num_checkpoints": len(points),
+                "num_seeds": len(by_seed),
+                "monotonicity": _round(mono),
+                "seed_std": _round(seed_std),
+                "snr": _round(snr),
+                "worth_watching": bool(
+                    mono is not None
+                    and mono >= MIN_MONOTONICITY
+                    and (snr is None or snr >= MIN_SNR)
+                ),
+            }
+        )
+    return out
+
+
+def spearman(x: tuple | list, y: tuple | list) -> float | None:
+    """Spearman rank correlation (ties get average ranks); None when undefined."""
+    if len(x) < 2:
+        return None
+    rx, ry = _ranks(x), _ranks(y)
+    if rx.std() == 0 or ry.std() == 0:
+        return None
+    return float(np.corrcoef(rx, ry)[0, 1])
+
+
+def seed_spread(points: list[tuple[float, float, Any]]) -> float | None:
+    """Mean over shared training points of the sample std across seeds; None if no sharing."""
+    stds = [float(np.std(v, ddof=1)) for v in _by_x(points).values() if len(v) >= 2]
+    return float(np.mean(stds)) if stds else None
+
+
+def plot_metrics(rows: list[dict[str, Any]], plot_dir: Path) -> int:
+    """One PNG per (task, metric): the metric against tokens seen (or step), a line per seed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plot_dir.mkdir(parents=True, exist_ok=True)
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in rows:
+        if r["value"] is not None:
+            groups[(r["task"], r["metric"])].append(r)
+    for (task, metric), group in sorted(groups.items()):
+        x_name, points = _points(group)
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        for seed, pts in sorted(_by_seed(points).items(), key=lambda kv: str(kv[0])):
+            xs, ys = zip(*sorted(pts), strict=True)
+            ax.plot(xs, ys, marker="o", label=f"seed {seed}")
+        ax.set(xlabel=x_name, ylabel=metric, title=task)
+        ax.legend(fontsize="small")
+        fig.tight_layout()
+        fig.savefig(plot_dir / f"{_safe(task)}__{_safe(metric)}.png", dpi=80)
+        plt.close(fig)
+    return len(groups)
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    """A GitHub markdown table of ``rows`` (columns from the first row)."""
+    if not rows:
+        return "_no results yet_\n"
+    columns = list(rows[0])
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for r in rows:
+        lines.append("| " + " | ".join(_cell(r.get(c)) for c in columns) + " |")
+    return "\n".join(lines) + "\n"
+
+
+# -- helpers --------------------------------------------------------------------------------
+def _points(group: list[dict]) -> tuple[str, list[tuple[float, float, Any]]]:
+    """``(x_name, [(x, value, seed)])``: tokens seen when every row has it, else step."""
+    x_name = "tokens_seen" if all(r["tokens_seen"] is not None for r in group) else "step"
+    points = [
+        (float(r[x_name]), float(r["value"]), r["seed"]) for r in group if r[x_name] is not None
+    ]
+    return x_name, points
+
+
+def _by_seed(points: list[tuple[float, float, Any]]) -> dict[Any, list[tuple[float, float]]]:
+    out: dict[Any, list[tuple[float, float]]] = defaultdict(list)
+    for x, y, seed in points:
+        out[seed].append((x, y))
+    return out
+
+
+def _by_x(points: list[tuple[float, float, Any]]) -> dict[float, list[float]]:
+    out: dict[float, list[float]] = defaultdict(list)
+    for x, y, _ in points:
+        out[x].append(y)
+    return out
+
+
+def _ranks(values) -> np.ndarray:
+    values = np.asarray(values, dtype=float)
+    ranks = np.empty(len(values))
+    ranks[np.argsort(values, kind="mergesort")] = np.arange(len(values), dtype=float)
+    for v in np.unique(values):
+        tied = values == v
+        ranks[tied] = ranks[tied].mean()
+    return ranks
+
+
+def _progress(row: dict[str, Any]) -> tuple:
+    return (row.get("tokens_seen") or 0, row.get("step") or 0)
+
+
+def _round(value: float | None, digits: int = 6) -> float | None:
+    return None if value is None or not math.isfinite(value) else round(value, digits)
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return "" if value is None else str(value).replace("|", "\\|")
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.\-]+", "_", name)
+
+
+def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
+    columns = list(rows[0]) if rows else []
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(rows)
