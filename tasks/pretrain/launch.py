@@ -176,12 +176,18 @@ def pretrain(
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    world = num_processes if accelerate_config is None else max(num_processes, 1)
-    validate_run(cfg, Path(data_dir), val_dir, init_from, world_size=world)
+    validate_run(cfg, Path(data_dir), val_dir, init_from, world_size=num_processes)
     config_path = out_dir / "train_config.json"
     cfg.save(config_path)
     args = train_arguments(config_path, data_dir, out_dir, val_dir, init_from)
     command = build_command(args, num_processes=num_processes, accelerate_config=accelerate_config)
     on_line("launching: " + " ".join(command))
     run_streaming(command, on_line=on_line, timeout_s=timeout_s)
-    return json.loads((out_dir / "summary.json").read_text())
+    summary = json.loads((out_dir / "summary.json").read_text())
+    if num_processes > 1 and summary.get("world_size") != num_processes:
+        # NOTE: accelerate's MULTI_CPU launch needs mpirun; on CPU use torchrun (no config).
+        on_line(
+            f"warning: asked for {num_processes} processes, the run used "
+            f"{summary.get('world_size')}"
+        )
+    return summary

@@ -1,0 +1,103 @@
+"""The Prefect-free launcher: commands, streaming, deadlines, failures, and pretrain()."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import TINY_MODEL, tiny_config
+
+from tasks.pretrain.launch import TrainingFailed, build_command, pretrain, run_streaming
+
+ARGS = ["--config", "c.json", "--data-dir", "d", "--out-dir", "o"]
+
+
+def test_build_command_variants():
+    py = sys.executable
+    assert build_command(ARGS) == [py, "-m", "tasks.pretrain.train", *ARGS]
+    assert build_command(ARGS, num_processes=2) == [
+        py, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        "-m", "tasks.pretrain.train", *ARGS,
+    ]  # fmt: skip
+    cfg = Path("deployments/accelerate/multi_gpu_fsdp2.yaml")
+    assert build_command(ARGS, num_processes=4, accelerate_config=cfg) == [
+        py, "-m", "accelerate.commands.launch", "--config_file", str(cfg),
+        "--num_processes", "4", "-m", "tasks.pretrain.train", *ARGS,
+    ]  # fmt: skip
+
+
+def test_accelerate_configs_parse():
+    import yaml
+
+    folder = Path(__file__).resolve().parents[3] / "deployments" / "accelerate"
+    names = {"cpu.yaml", "single_gpu.yaml", "multi_gpu_fsdp2.yaml", "multi_node_fsdp2.yaml"}
+    for name in names:
+        cfg = yaml.safe_load((folder / name).read_text())
+        assert cfg["distributed_type"] in ("NO", "MULTI_GPU"), name
+        assert cfg["mixed_precision"] == "no", name
+
+
+def test_streams_every_line_and_returns_the_tail():
+    lines: list[str] = []
+    code = "import sys\nfor i in range(5): print('line', i)\nprint('err', file=sys.stderr)"
+    tail = run_streaming([sys.executable, "-c", code], on_line=lines.append, tail_lines=3)
+    assert lines == [f"line {i}" for i in range(5)] + ["err"]
+    assert tail == ["line 3", "line 4", "err"]
+
+
+def test_non_zero_exit_raises_with_the_last_lines():
+    code = "print('about to fail'); raise SystemExit(7)"
+    with pytest.raises(TrainingFailed, match="(?s)exited with code 7.*about to fail") as info:
+        run_streaming([sys.executable, "-c", code], on_line=lambda _: None)
+    assert info.value.returncode == 7
+
+
+def test_deadline_kills_the_whole_process_group(tmp_path):
+    pid_file = tmp_path / "child.pid"
+    code = (
+        "import subprocess, sys, time\n"
+        f"child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+        "print('started', flush=True)\ntime.sleep(60)\n"
+    )
+    start = time.monotonic()
+    with pytest.raises(TrainingFailed, match="(?s)deadline of 3s.*started"):
+        run_streaming([sys.executable, "-c", code], on_line=lambda _: None, timeout_s=3)
+    assert time.monotonic() - start < 30
+    child = int(pid_file.read_text())
+    time.sleep(0.5)
+    assert not _alive(child), "the grandchild must die with the process group"
+
+
+def _alive(pid: int) -> bool:
+    """True if ``pid`` runs (a zombie awaiting its reaper counts as dead)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def test_pretrain_end_to_end(tmp_path, train_data, val_data, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    lines: list[str] = []
+    cfg = tiny_config(max_steps=4, tracker={"tensorboard": True}, eval_interval=2)
+    summary = pretrain(cfg, train_data, tmp_path / "run", val_dir=val_data, on_line=lines.append)
+    assert lines[0].startswith("launching: ")
+    assert any(line.startswith("step 4 loss") for line in lines)
+    assert summary["steps"] == 4 and summary["tokens_seen"] == 4 * 4 * 32
+    assert summary["final_loss"] > 0 and summary["val_loss"] > 0 and summary["tokens_per_s"] > 0
+    run = tmp_path / "run"
+    assert list((run / "tb").glob("events.out.tfevents.*"))
+    for name in ("metrics.jsonl", "summary.json", "final/COMPLETE", "final/model.safetensors"):
+        assert (run / name).exists(), name
+
+
+def test_pretrain_fails_before_launching_on_bad_input(tmp_path, train_data):
+    lines: list[str] = []
+    bad = tiny_config(model={"preset": "debug", "overrides": {**TINY_MODEL, "vocab_size": 64}})
+    with pytest.raises(ValueError, match="vocab_size=64 differs"):
+        pretrain(bad, train_data, tmp_path / "run", on_line=lines.append)
+    assert lines == []
