@@ -141,9 +141,9 @@ def signal_quality(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "x": x_name,
                 "num_checkpoints": len(points),
                 "num_seeds": len(by_seed),
-                "monotonicity": _round(mono),
-                "seed_std": _round(seed_std),
-                "snr": _round(snr),
+                "monotonicity": _finite(mono),
+                "seed_std": _finite(seed_std),
+                "snr": _finite(snr),
                 "worth_watching": bool(
                     mono is not None
                     and mono >= MIN_MONOTONICITY
@@ -245,8 +245,8 @@ def _progress(row: dict[str, Any]) -> tuple:
     return (row.get("tokens_seen") or 0, row.get("step") or 0)
 
 
-def _round(value: float | None, digits: int = 6) -> float | None:
-    return None if value is None or not math.isfinite(value) else round(value, digits)
+def _finite(value: float | None) -> float | None:
+    return None if value is None or not math.isfinite(value) else value
 
 
 def _cell(value: Any) -> str:

@@ -33,9 +33,10 @@ def _checkpoint(root: Path, name: str, model: Path, *, hf_subdir: bool, committe
 def checkpoint_root(tmp_path, tiny_model) -> Path:
     root = tmp_path / "ckpts"
     a = _checkpoint(root, "run/step-000100", tiny_model, hf_subdir=True)
-    (a / "lineage.json").write_text(json.dumps({"metrics": {"tokens_seen": 1000}}))
+    lineage = {"metrics": {"tokens_seen": 1000}, "config": {"train": {"seed": 7}}}
+    (a / "lineage.json").write_text(json.dumps(lineage))
     b = _checkpoint(root, "run/step-000200", tiny_model, hf_subdir=False)
-    (b / "trainer_state.json").write_text(json.dumps({"tokens_seen": 2000, "step": 200}))
+    (b / "trainer_state.json").write_text(json.dumps({"tokens_seen": 2000, "step": 200, "seed": 3}))
     broken = _checkpoint(root, "run/step-000300", tiny_model, hf_subdir=True)
     weights = broken / "hf" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
@@ -49,7 +50,8 @@ def test_find_checkpoints_reads_progress(checkpoint_root):
     found = {c.key: c for c in find_checkpoints(str(checkpoint_root))}
     assert sorted(found) == ["run__step-000100", "run__step-000200", "run__step-000300"]
     assert found["run__step-000100"].hf_uri.endswith("step-000100/hf")
-    assert found["run__step-000100"].tokens_seen == 1000
+    assert (found["run__step-000100"].tokens_seen, found["run__step-000100"].seed) == (1000, 7)
+    assert found["run__step-000200"].seed == 3
     assert found["run__step-000200"].hf_uri.endswith("step-000200")
     assert (found["run__step-000200"].tokens_seen, found["run__step-000200"].step) == (2000, 200)
     assert (found["run__step-000300"].tokens_seen, found["run__step-000300"].step) == (None, 300)
