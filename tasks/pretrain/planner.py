@@ -1,0 +1,270 @@
+"""Back-of-the-envelope plan for a pretraining run: parameters, FLOPs, memory per GPU, time.
+
+The estimates are the standard ones: 6N + 12·L·C·T FLOPs per token (Kaplan et al. 2020, PaLM
+appendix B), Chinchilla's 20 tokens per parameter (Hoffmann et al. 2022), and activation memory
+counted tensor by tensor for this model's block (in the spirit of Korthikanti et al. 2022, with
+flash attention, so no T×T score matrix is kept).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from model.config import ModelConfig
+
+GB = 1e9
+HEADROOM = 0.9
+"""Fraction of GPU memory a plan may use; the rest is CUDA context and allocator fragmentation."""
+CHINCHILLA_TOKENS_PER_PARAM = 20
+OPTIMIZER_STATES = {"adamw": 2, "lion": 1, "sgd": 0}
+"""Float32 state tensors per parameter (AdamW: first and second moment)."""
+
+
+@dataclass
+class MemoryEstimate:
+    """Memory per GPU, in GB (1e9 bytes)."""
+
+    weights_gb: float
+    gradients_gb: float
+    optimizer_gb: float
+    activations_gb: float
+
+    @property
+    def total_gb(self) -> float:
+        """Sum of the four parts."""
+        return self.weights_gb + self.gradients_gb + self.optimizer_gb + self.activations_gb
+
+
+@dataclass
+class Plan:
+    """What a run costs; `warnings` proposes fixes when it does not fit or looks wrong."""
+
+    num_parameters: int
+    num_non_embedding_parameters: int
+    flops_per_token: float
+    """Model FLOPs per trained token (forward + backward), without recomputation."""
+    memory: MemoryEstimate
+    chinchilla_tokens: int
+    num_tokens: int
+    num_steps: int
+    grad_accum_steps: int
+    estimated_hours: float
+    fits: bool
+    warnings: list[str] = field(default_factory=list)
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """6N + 12·L·C·T, N = non-embedding parameters + the output projection (tied or not).
+
+    The input embedding is a lookup, not a matmul, so it is left out of N; the few norm weights
+    stay in, as in nanoGPT's MFU estimate. The attention term
+    counts QK^T and AV over the full T×T square, as PaLM's MFU convention does.
+    """
+    matmul_params = cfg.num_parameters(non_embedding=True) + cfg.vocab_size * cfg.hidden_size
+    attention = 12 * cfg.num_layers * cfg.num_heads * cfg.head_dim * seq_len
+    return 6 * matmul_params + attention
+
+
+def activation_bytes_per_token(
+    cfg: ModelConfig, activation_bytes: int, activation_checkpointing: bool
+) -> float:
+    """Bytes kept for the backward pass per token of one micro-batch.
+
+    Per block, eager PyTorch keeps (measured with saved-tensor hooks, see the tests): the inputs
+    and outputs of both norms and the flattened matmul inputs (8C in all), the fused qkv buffer
+    that v keeps alive plus the rotated q and k (C + 3·KV·D with q), the gate/up output (2I),
+    silu(gate) (I) and the down-projection input (I). Checkpointing keeps only each block's input,
+    plus one block's worth during its recomputation. The loss adds the logits, their float32 copy
+    and the float32 log-softmax (V·(bytes + 8)).
+    """
+    c, kv = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim
+    per_block = (8 * c + 3 * kv + 4 * cfg.intermediate_size) * activation_bytes
+    if activation_checkpointing:
+        blocks = cfg.num_layers * c * activation_bytes + per_block
+    else:
+        blocks = cfg.num_layers * per_block
+    embedding = c * activation_bytes
+    logits = cfg.vocab_size * (activation_bytes + 8)
+    return blocks + embedding + logits
+
+
+def memory_per_gpu(
+    cfg: ModelConfig,
+    *,
+    seq_len: int,
+    micro_batch_size: int,
+    num_gpus: int,
+    param_dtype_bytes: int,
+    optimizer: str,
+    fsdp: bool,
+    activation_checkpointing: bool,
+) -> MemoryEstimate:
+    """Weights, gradients, optimizer states and activations on one GPU.
+
+    Optimizer states are float32; with 16-bit parameters a float32 master copy is added to them.
+    FSDP (ZeRO-3) divides weights, gradients and optimizer states by `num_gpus` and adds the two
+    unsharded blocks it holds while gathering (the current one and the prefetched next one).
+    """
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"optimizer={optimizer!r} must be one of {sorted(OPTIMIZER_STATES)}")
+    params = cfg.num_parameters()
+    shards = num_gpus if fsdp else 1
+    states = OPTIMIZER_STATES[optimizer] + (1 if param_dtype_bytes < 4 else 0)
+    weights = params * param_dtype_bytes / shards
+    if fsdp and num_gpus > 1:
+        per_block = (cfg.num_parameters(non_embedding=True) - cfg.hidden_size) / cfg.num_layers
+        weights += 2 * per_block * param_dtype_bytes
+    per_token = activation_bytes_per_token(cfg, param_dtype_bytes, activation_checkpointing)
+    return MemoryEstimate(
+        weights_gb=weights / GB,
+        gradients_gb=params * param_dtype_bytes / shards / GB,
+        optimizer_gb=params * 4 * states / shards / GB,
+        activations_gb=micro_batch_size * seq_len * per_token / GB,
+    )
+
+
+def plan(
+    model_cfg: ModelConfig,
+    *,
+    seq_len: int,
+    global_batch_tokens: int,
+    num_tokens: int,
+    num_gpus: int = 1,
+    gpu_mem_gb: float = 80,
+    mfu: float = 0.4,
+    peak_tflops: float = 989,
+    param_dtype_bytes: int = 2,
+    optimizer: str = "adamw",
+    fsdp: bool = True,
+    micro_batch_size: int = 1,
+    activation_checkpointing: bool = False,
+) -> Plan:
+    """Estimate a pretraining run and say whether it fits in GPU memory.
+
+    Args:
+        model_cfg: the model.
+        seq_len: tokens per sequence.
+        global_batch_tokens: tokens per optimizer step over all GPUs.
+        num_tokens: tokens to train on.
+        num_gpus: data-parallel GPUs.
+        gpu_mem_gb: memory of one GPU (GB); a plan fits within `HEADROOM` of it.
+        mfu: model FLOPs utilization expected.
+        peak_tflops: dense peak of one GPU at the training precision (H100 SXM bf16: 989).
+        param_dtype_bytes: bytes per parameter, gradient and activation (bf16: 2).
+        optimizer: "adamw", "lion" or "sgd".
+        fsdp: shard weights, gradients and optimizer states across GPUs (ZeRO-3).
+        micro_batch_size: sequences per GPU per forward pass.
+        activation_checkpointing: recompute each block in the backward pass.
+    """
+    _check_positive(seq_len=seq_len, global_batch_tokens=global_batch_tokens,
+                    num_tokens=num_tokens, num_gpus=num_gpus, gpu_mem_gb=gpu_mem_gb, mfu=mfu,
+                    peak_tflops=peak_tflops, micro_batch_size=micro_batch_size)  # fmt: skip
+    memory_kwargs = dict(
+        seq_len=seq_len, micro_batch_size=micro_batch_size, num_gpus=num_gpus,
+        param_dtype_bytes=param_dtype_bytes, optimizer=optimizer, fsdp=fsdp,
+        activation_checkpointing=activation_checkpointing,
+    )  # fmt: skip
+    memory = memory_per_gpu(model_cfg, **memory_kwargs)
+    fits = memory.total_gb <= HEADROOM * gpu_mem_gb
+    per_token = flops_per_token(model_cfg, seq_len)
+    # NOTE: checkpointing runs every forward twice: 8N instead of 6N of hardware work.
+    hardware_flops = per_token * num_tokens * (4 / 3 if activation_checkpointing else 1)
+    seconds = hardware_flops / (num_gpus * peak_tflops * 1e12 * mfu)
+    tokens_per_micro_step = micro_batch_size * seq_len * num_gpus
+    params = model_cfg.num_parameters()
+    result = Plan(
+        num_parameters=params,
+        num_non_embedding_parameters=model_cfg.num_parameters(non_embedding=True),
+        flops_per_token=per_token,
+        memory=memory,
+        chinchilla_tokens=CHINCHILLA_TOKENS_PER_PARAM * params,
+        num_tokens=num_tokens,
+        num_steps=math.ceil(num_tokens / global_batch_tokens),
+        grad_accum_steps=max(1, math.ceil(global_batch_tokens / tokens_per_micro_step)),
+        estimated_hours=seconds / 3600,
+        fits=fits,
+    )
+    result.warnings = _batch_warnings(model_cfg, result, seq_len, global_batch_tokens,
+                                      tokens_per_micro_step)  # fmt: skip
+    if not fits:
+        result.warnings += _memory_fixes(model_cfg, memory, gpu_mem_gb, memory_kwargs)
+    return result
+
+
+def _check_positive(**values: float) -> None:
+    for name, value in values.items():
+        if not value > 0:
+            raise ValueError(f"{name}={value} must be > 0")
+
+
+def _batch_warnings(
+    cfg: ModelConfig, result: Plan, seq_len: int, global_batch_tokens: int, micro_tokens: int
+) -> list[str]:
+    warnings = []
+    if seq_len > cfg.max_seq_len:
+        warnings.append(
+            f"seq_len={seq_len} exceeds the model's max_seq_len={cfg.max_seq_len}: "
+            "raise max_seq_len or extend the context (ABF/YaRN) first"
+        )
+    if global_batch_tokens % micro_tokens:
+        warnings.append(
+            f"global_batch_tokens={global_batch_tokens} is not a multiple of micro_batch_size x "
+            f"seq_len x num_gpus = {micro_tokens}; each step will use "
+            f"{result.grad_accum_steps * micro_tokens} tokens"
+        )
+    if result.num_tokens < result.chinchilla_tokens / 2:
+        warnings.append(
+            f"num_tokens={result.num_tokens:.3g} is under half the Chinchilla-optimal "
+            f"{result.chinchilla_tokens:.3g} (20 x parameters): the model will be undertrained"
+        )
+    return warnings
+
+
+def _memory_fixes(
+    cfg: ModelConfig, memory: MemoryEstimate, gpu_mem_gb: float, kwargs: dict
+) -> list[str]:
+    """Propose the changes that shrink the largest parts, each with its new total."""
+    budget = HEADROOM * gpu_mem_gb
+    fixes = [f"needs {memory.total_gb:.1f} GB per GPU, over {budget:.1f} GB usable"]
+
+    def total(**changes) -> float:
+        return memory_per_gpu(cfg, **{**kwargs, **changes}).total_gb
+
+    if not kwargs["fsdp"] and kwargs["num_gpus"] > 1:
+        fixes.append(f"enable fsdp (shard states over {kwargs['num_gpus']} GPUs): "
+                     f"{total(fsdp=True):.1f} GB")  # fmt: skip
+    sharded = memory.weights_gb + memory.gradients_gb + memory.optimizer_gb
+    if sharded > memory.activations_gb:
+        for num_gpus in (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024):
+            if num_gpus > kwargs["num_gpus"] and total(num_gpus=num_gpus, fsdp=True) <= budget:
+                fixes.append(f"more sharding: fsdp over num_gpus={num_gpus}: "
+                             f"{total(num_gpus=num_gpus, fsdp=True):.1f} GB")  # fmt: skip
+                break
+    if kwargs["micro_batch_size"] > 1:
+        fixes.append(f"smaller micro-batch: micro_batch_size=1 (more gradient accumulation): "
+                     f"{total(micro_batch_size=1):.1f} GB")  # fmt: skip
+    if not kwargs["activation_checkpointing"]:
+        fixes.append(f"activation_checkpointing=True (about 33% more compute): "
+                     f"{total(activation_checkpointing=True):.1f} GB")  # fmt: skip
+    return fixes
+
+
+def format_plan(p: Plan) -> str:
+    """A human-readable summary of a plan, one fact per line."""
+    m = p.memory
+    lines = [
+        f"parameters           {p.num_parameters / 1e6:,.1f}M "
+        f"({p.num_non_embedding_parameters / 1e6:,.1f}M non-embedding)",
+        f"FLOPs per token      {p.flops_per_token:.3e}",
+        f"tokens               {p.num_tokens:.3e} (Chinchilla-optimal "
+        f"{p.chinchilla_tokens:.3e}, x{p.num_tokens / p.chinchilla_tokens:.2f})",
+        f"steps                {p.num_steps:,} (gradient accumulation {p.grad_accum_steps})",
+        f"estimated time       {p.estimated_hours:,.2f} h",
+        "memory per GPU (GB)  "
+        f"weights {m.weights_gb:.2f} + gradients {m.gradients_gb:.2f} + optimizer "
+        f"{m.optimizer_gb:.2f} + activations {m.activations_gb:.2f} = {m.total_gb:.2f}",
+        f"fits                 {'yes' if p.fits else 'NO'}",
+    ]
+    lines += [f"warning: {w}" for w in p.warnings]
+    return "\n".join(lines)
