@@ -58,7 +58,15 @@ class Store:
         return f"{self.root}/{step}/{name}-{digest}"
 
     def is_complete(self, uri: str) -> bool:
-        return self.fs.exists(f"{uri}/{COMMIT_MARKER}")
+        marker = f"{uri}/{COMMIT_MARKER}"
+        self._forget_listings(marker)
+        return self.fs.exists(marker)
+
+    def _forget_listings(self, path: str) -> None:
+        # NOTE: s3fs caches directory listings per process and answers exists() from them, so a
+        # long-lived process (a worker, `llmflow serve`) would not see what others committed since.
+        if not self.is_local:
+            self.fs.invalidate_cache(path)
 
     def read_lineage(self, uri: str) -> dict[str, Any]:
         with self.fs.open(f"{uri.rstrip('/')}/{lineage.LINEAGE_FILE}", "r") as f:
@@ -82,7 +90,12 @@ class Store:
             tmp.mkdir(parents=True)
             self.fs.get(f"{uri}/", f"{tmp}/", recursive=True)
             shutil.rmtree(target, ignore_errors=True)
-            tmp.rename(target)
+            try:
+                tmp.rename(target)
+            except OSError:  # another process put the same complete copy there first
+                if not (target / COMMIT_MARKER).exists():
+                    raise
+                shutil.rmtree(tmp, ignore_errors=True)
         return target
 
     def partial_uri(self, step: str, name: str, digest: str) -> str:
@@ -109,14 +122,36 @@ class Store:
 
     def _pull_partial(self, step: str, name: str, digest: str, work: Path) -> None:
         remote = self.partial_uri(step, name, digest)
+        self._forget_listings(remote)
         if self.fs.exists(remote) and not any(work.iterdir()):
             log.info("resuming from remote partial state %s", remote)
             self.fs.get(f"{remote}/", f"{work}/", recursive=True)
+            _sync_state_path(work).unlink(missing_ok=True)
 
     def sync_partial(self, step: str, name: str, digest: str, work: Path) -> None:
-        """Push the working directory to the remote partial area (after a checkpoint)."""
-        if not self.is_local:
-            self.fs.put(f"{work}/", f"{self.partial_uri(step, name, digest)}/", recursive=True)
+        """Mirror the working directory to the remote partial area (after a checkpoint).
+
+        Changed files go up one by one, oldest first, so a marker written after its data (a
+        checkpoint's ``COMPLETE``) never reaches the remote before that data; then remote files
+        deleted locally (pruned checkpoints) are removed, so a resume never sees them.
+        """
+        if self.is_local:
+            return
+        remote = self.partial_uri(step, name, digest)
+        state_path = _sync_state_path(work)
+        synced = json.loads(state_path.read_text()) if state_path.exists() else {}
+        current: dict[str, list[int]] = {}
+        for path in _files_oldest_first(work):
+            rel, stat = path.relative_to(work).as_posix(), path.stat()
+            current[rel] = [stat.st_size, stat.st_mtime_ns]
+            if synced.get(rel) != current[rel]:
+                self.fs.put_file(str(path), f"{remote}/{rel}")
+        self._forget_listings(remote)
+        prefix = self.fs._strip_protocol(remote).rstrip("/") + "/"
+        stale = [p for p in self.fs.find(remote) if p.removeprefix(prefix) not in current]
+        if stale:
+            self.fs.rm(stale)
+        state_path.write_text(json.dumps(current))
 
     def commit(self, work: Path, uri: str, step: str, name: str, digest: str) -> None:
         """Publish a finished working directory at ``uri``; the commit marker comes last."""
@@ -136,10 +171,12 @@ class Store:
         if self.fs.exists(partial):
             self.fs.rm(partial, recursive=True)
         shutil.rmtree(work, ignore_errors=True)
+        _sync_state_path(work).unlink(missing_ok=True)
 
     def list_outputs(self, step: str) -> list[str]:
         """Complete outputs of one step, newest first."""
         base = f"{self.root}/{step}"
+        self._forget_listings(base)
         if not self.fs.exists(base):
             return []
         found = []
@@ -149,6 +186,15 @@ class Store:
             if not name.startswith(".") and self.is_complete(uri):
                 found.append(uri)
         return sorted(found, key=lambda u: self.read_lineage(u).get("ended_at", ""), reverse=True)
+
+
+def _files_oldest_first(folder: Path) -> list[Path]:
+    return sorted((p for p in folder.rglob("*") if p.is_file()), key=lambda p: p.stat().st_mtime_ns)
+
+
+def _sync_state_path(work: Path) -> Path:
+    """Sizes and mtimes of a remote partial directory's files as last pushed (beside ``work``)."""
+    return work.with_name(work.name + ".synced.json")
 
 
 def _now() -> str:

@@ -1,0 +1,186 @@
+"""Artifacts on S3 (a real moto server): the pipeline, lineage, credentials, resume after a kill."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .servers import BIN, REPO, S3, wait_until
+
+pytestmark = pytest.mark.integration
+SMALL = [
+    "sample.num_code_files=4",
+    "sample.num_math_docs=30",
+    "sample.num_exact_duplicates=4",
+    "sample.num_near_duplicates=4",
+    "sample.num_junk=3",
+]
+TOY = Path(__file__).with_name("toy_step.py")
+
+
+def _env(s3: S3, cache: Path) -> dict[str, str]:
+    return {
+        **os.environ,
+        **s3.env,
+        "LLMFLOW_CACHE": str(cache),
+        "PREFECT_LOGGING_LEVEL": "INFO",
+        "PYTHONPATH": str(REPO),
+    }
+
+
+def _outputs(s3: S3, prefix: str, step: str) -> list[str]:
+    """Output folders (keys up to the output name) of one step that hold a commit marker."""
+    keys = s3.keys(f"{prefix}/{step}/")
+    return sorted({k.rsplit("/", 1)[0] for k in keys if k.endswith("/_COMMITTED")})
+
+
+@pytest.fixture(scope="module")
+def s3_pipeline(s3_server: S3, tmp_path_factory: pytest.TempPathFactory):
+    """``llmflow run --root s3://... --until ingest`` once, as a user would start it."""
+    root = f"s3://{s3_server.bucket}/runs"
+    overrides = [arg for o in SMALL for arg in ("--set", o)]
+    out = subprocess.run(
+        [str(BIN / "llmflow"), "run", "--root", root, "--until", "ingest", *overrides],
+        cwd=REPO,
+        env=_env(s3_server, tmp_path_factory.mktemp("cache")),
+        capture_output=True,
+        text=True,
+        timeout=420,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out
+
+
+def test_pipeline_commits_outputs_and_lineage_on_s3(s3_pipeline, s3_server: S3):
+    (sample,) = _outputs(s3_server, "runs", "sample")
+    (ingest,) = _outputs(s3_server, "runs", "ingest")
+    ingest_keys = s3_server.keys(ingest + "/")
+    assert any(k.endswith(".parquet") for k in ingest_keys)
+    assert f"{ingest}/lineage.json" in ingest_keys and f"{ingest}/report.json" in ingest_keys
+    record = json.loads(s3_server.read(f"{ingest}/lineage.json"))
+    assert record["uri"] == f"s3://{s3_server.bucket}/{ingest}"
+    assert record["inputs"][0]["uri"] == f"s3://{s3_server.bucket}/{sample}"
+    assert record["run"]["flow_run_id"]
+    assert not [k for k in s3_server.keys("runs/") if "/.partial/" in k]
+    assert f"s3://{s3_server.bucket}/{ingest}" in s3_pipeline.stdout  # the run's summary
+
+
+def test_credentials_never_reach_outputs_or_logs(s3_pipeline, s3_server: S3):
+    logs = s3_pipeline.stdout + s3_pipeline.stderr
+    assert "Finished in state Completed" in logs  # the logs are really there to be checked
+    texts = {key: s3_server.read(key).decode("utf-8", "replace") for key in s3_server.keys("runs/")}
+    assert any(key.endswith("lineage.json") for key in texts)
+    for secret in s3_server.credentials:
+        assert secret not in logs
+        assert not [key for key, text in texts.items() if secret in text]
+
+
+def test_lineage_command_reads_from_s3(s3_pipeline, s3_server: S3, tmp_path: Path):
+    (sample,) = _outputs(s3_server, "runs", "sample")
+    (ingest,) = _outputs(s3_server, "runs", "ingest")
+    out = subprocess.run(
+        [str(BIN / "llmflow"), "lineage", f"s3://{s3_server.bucket}/{ingest}"],
+        cwd=REPO,
+        env=_env(s3_server, tmp_path / "cache"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.startswith(f"ingest s3://{s3_server.bucket}/{ingest}")
+    assert f"sample: sample s3://{s3_server.bucket}/{sample}" in out.stdout
+    for secret in s3_server.credentials:
+        assert secret not in out.stdout + out.stderr
+
+
+def test_killed_step_resumes_from_s3_state_on_another_machine(s3_server: S3, tmp_path: Path):
+    root = f"s3://{s3_server.bucket}/resume"
+    ready, found = tmp_path / "ready", tmp_path / "found.json"
+    crashed = subprocess.Popen(
+        [sys.executable, str(TOY), root, "crash", str(ready)],
+        cwd=REPO,
+        env=_env(s3_server, tmp_path / "cache-a"),
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        wait_until(lambda: ready.exists() or crashed.poll() is not None, 120, "the toy step's sync")
+        assert ready.exists(), crashed.stdout.read().decode()[-3000:]
+    finally:
+        os.killpg(crashed.pid, signal.SIGKILL)
+        crashed.wait(30)
+    partial = [k for k in s3_server.keys("resume/toy/.partial/") if "/checkpoints/" in k]
+    assert [k.split("/checkpoints/")[1] for k in partial] == [
+        "step-000002/COMPLETE",
+        "step-000002/weights.bin",  # the pruned step-000001 is gone
+    ]
+    assert not _outputs(s3_server, "resume", "toy")
+
+    # A fresh cache: nothing local survives, as on another node.
+    resumed = subprocess.run(
+        [sys.executable, str(TOY), root, "resume", str(found)],
+        cwd=REPO,
+        env=_env(s3_server, tmp_path / "cache-b"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert json.loads(found.read_text()) == [
+        "checkpoints/step-000002/COMPLETE",
+        "checkpoints/step-000002/weights.bin",
+    ]
+    (output,) = _outputs(s3_server, "resume", "toy")
+    assert f"{output}/final.txt" in s3_server.keys(output + "/")
+    assert not s3_server.keys("resume/toy/.partial/")
+
+
+def _commit_by_hand(s3: S3, key: str, ended_at: str) -> str:
+    client = s3.client()
+    client.put_object(
+        Bucket=s3.bucket, Key=f"{key}/lineage.json", Body=f'{{"ended_at": "{ended_at}"}}'
+    )
+    client.put_object(Bucket=s3.bucket, Key=f"{key}/_COMMITTED", Body=b"now")
+    return f"s3://{s3.bucket}/{key}"
+
+
+def test_long_lived_process_sees_outputs_committed_by_others(s3_env: S3, tmp_path: Path):
+    from tasks.store import Store
+
+    store = Store(f"s3://{s3_env.bucket}/shared", cache_dir=tmp_path)
+    first = _commit_by_hand(s3_env, "shared/toy/a-0123456789abcdef", "2026-01-01")
+    assert store.list_outputs("toy") == [first]  # s3fs caches this listing
+    second = _commit_by_hand(s3_env, "shared/toy/b-0123456789abcdef", "2026-01-02")
+    assert store.list_outputs("toy") == [second, first]
+    assert store.is_complete(second)
+
+
+def test_sync_uploads_in_write_order_and_only_what_changed(s3_env: S3, tmp_path: Path):
+    from tasks.store import Store
+
+    store = Store(f"s3://{s3_env.bucket}/order", cache_dir=tmp_path / "cache")
+    work = tmp_path / "work"
+    (work / "ckpt").mkdir(parents=True)
+    for i, name in enumerate(["ckpt/zz-data.bin", "ckpt/COMPLETE"]):  # write order != name order
+        (work / name).write_text(name)
+        os.utime(work / name, ns=(10**18 + i, 10**18 + i))
+    uploaded: list[str] = []
+    put_file = store.fs.put_file
+    store.fs.put_file = lambda lpath, rpath, **kw: (uploaded.append(rpath), put_file(lpath, rpath))
+    try:
+        store.sync_partial("toy", "t", "abc", work)
+        store.sync_partial("toy", "t", "abc", work)  # nothing changed: nothing uploaded
+    finally:
+        del store.fs.put_file
+    assert [u.rsplit("/", 1)[1] for u in uploaded] == ["zz-data.bin", "COMPLETE"]
+    assert s3_env.keys("order/toy/.partial/t-abc/") == [
+        "order/toy/.partial/t-abc/ckpt/COMPLETE",
+        "order/toy/.partial/t-abc/ckpt/zz-data.bin",
+    ]
