@@ -121,3 +121,17 @@ def test_state_is_small_and_bad_arguments_fail(packed_36):
     other = PackedLoader(packed_36, batch_size=2)
     with pytest.raises(ValueError, match="same packed dataset"):
         other.load_state_dict({**loader.state_dict(), "num_sequences": 5})
+
+
+def test_large_vocabularies_use_uint32(tmp_path):
+    from tasks.dataprep.pack import write_packed
+
+    tokens = np.array([70_000, 65_536, 3, EOS, 99_999, EOS], np.int64)
+    meta = write_packed(
+        [(tokens, [4, 2])], tmp_path, seq_len=2, vocab_size=100_000, eos_id=EOS, pad_id=PAD,
+        seed=0, rows_per_shard=10,
+    )  # fmt: skip
+    assert meta["dtype"] == "uint32"
+    assert sorted(read_all_rows(tmp_path).ravel().tolist()) == sorted(tokens.tolist())
+    batch = PackedLoader(tmp_path, batch_size=2).next_batch()
+    assert sorted(batch["input_ids"].ravel().tolist()) == sorted([70_000, 65_536, EOS, 99_999])
