@@ -44,7 +44,8 @@ class NormalizeConfig(_Strict):
         100_000, gt=0, description="Reject documents with a single line longer than this."
     )
     max_control_ratio: float = Field(
-        0.01, description="Reject as binary when more than this fraction of chars are control chars."
+        0.01,
+        description="Reject as binary when more than this fraction of chars are control chars.",
     )
     max_replacement_ratio: float = Field(
         0.01, description="Reject as non-UTF-8 when more than this fraction of chars are U+FFFD."

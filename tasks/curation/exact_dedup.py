@@ -39,7 +39,9 @@ class BloomFilter:
     """A numpy bit-array Bloom filter over 16-byte digests (double hashing from the digest)."""
 
     def __init__(self, capacity: int, false_positive_rate: float):
-        self.num_bits = max(64, math.ceil(-capacity * math.log(false_positive_rate) / math.log(2) ** 2))
+        self.num_bits = max(
+            64, math.ceil(-capacity * math.log(false_positive_rate) / math.log(2) ** 2)
+        )
         self.num_hashes = max(1, round(self.num_bits / capacity * math.log(2)))
         self.bits = np.zeros((self.num_bits + 7) // 8, dtype=np.uint8)
 
@@ -62,7 +64,9 @@ class BloomFilter:
         repeated = np.ones(len(digests), bool)
         repeated[first] = False
         flat = pos.ravel()
-        np.bitwise_or.at(self.bits, flat >> np.uint64(3), (1 << (flat & np.uint64(7))).astype(np.uint8))
+        np.bitwise_or.at(
+            self.bits, flat >> np.uint64(3), (1 << (flat & np.uint64(7))).astype(np.uint8)
+        )
         return maybe | repeated
 
     @property
@@ -96,10 +100,14 @@ def exact_hashes_shard(cfg: CurateConfig, in_shard: Path, out_dir: Path) -> dict
 
 
 def _hash_files(dirs: list[Path], suffix: str) -> list[Path]:
-    return sorted((p for d in dirs for p in Path(d).glob(f"*.{suffix}.parquet")), key=lambda p: p.name)
+    return sorted(
+        (p for d in dirs for p in Path(d).glob(f"*.{suffix}.parquet")), key=lambda p: p.name
+    )
 
 
-def _dedup_keys(files: list[Path], columns: tuple[str, ...], keep: set | None, cfg) -> tuple[list, dict]:
+def _dedup_keys(
+    files: list[Path], columns: tuple[str, ...], keep: set | None, cfg
+) -> tuple[list, dict]:
     """Two streaming passes (Bloom, then exact) over hash files; returns (dropped rows, stats)."""
     bloom = BloomFilter(cfg.expected_documents, cfg.false_positive_rate)
     candidates: set[bytes] = set()
@@ -122,9 +130,13 @@ def _dedup_keys(files: list[Path], columns: tuple[str, ...], keep: set | None, c
                 dropped.append({**{c: row[c] for c in columns}, "duplicate_of": original["id"]})
             else:
                 first[row["hash"]] = row
-    stats = {"bloom_bits": bloom.num_bits, "bloom_hashes": bloom.num_hashes,
-             "bloom_bytes": bloom.num_bytes, "bloom_candidates": len(candidates),
-             "bloom_false_positives": len(first) - len(duplicated)}  # fmt: skip
+    stats = {
+        "bloom_bits": bloom.num_bits,
+        "bloom_hashes": bloom.num_hashes,
+        "bloom_bytes": bloom.num_bytes,
+        "bloom_candidates": len(candidates),
+        "bloom_false_positives": len(first) - len(duplicated),
+    }
     return dropped, stats
 
 
@@ -135,8 +147,9 @@ def surviving_ids(shard_dirs: list[Path] | None) -> set[str] | None:
     return {i for d in shard_dirs for shard in shards_in(d) for i in read_column(shard, "id")}
 
 
-def exact_dedup(cfg: CurateConfig, hash_dirs: list[Path], out_dir: Path,
-                keep_dirs: list[Path] | None = None) -> dict:  # fmt: skip
+def exact_dedup(
+    cfg: CurateConfig, hash_dirs: list[Path], out_dir: Path, keep_dirs: list[Path] | None = None
+) -> dict:
     """Finds exact duplicates across all shards; the first occurrence (by shard name, row) is kept.
 
     Args:
@@ -150,20 +163,37 @@ def exact_dedup(cfg: CurateConfig, hash_dirs: list[Path], out_dir: Path,
     out_dir = Path(out_dir)
     keep = surviving_ids(keep_dirs) if cfg.exact_dedup.enabled else set()
     dropped, stats = _dedup_keys(_hash_files(hash_dirs, "exact"), ("id",), keep, cfg.exact_dedup)
-    drops = pa.table({"id": pa.array([d["id"] for d in dropped], pa.string()),
-                      "reason": pa.array(["exact_duplicate"] * len(dropped), pa.string()),
-                      "duplicate_of": pa.array([d["duplicate_of"] for d in dropped], pa.string())})  # fmt: skip
+    drops = pa.table(
+        {
+            "id": pa.array([d["id"] for d in dropped], pa.string()),
+            "reason": pa.array(["exact_duplicate"] * len(dropped), pa.string()),
+            "duplicate_of": pa.array([d["duplicate_of"] for d in dropped], pa.string()),
+        }
+    )
     pq.write_table(drops, out_dir / "drops.parquet")
     report = {"stage": "exact_dedup", "documents_dropped": len(dropped), **stats}
     if cfg.exact_dedup.level == "paragraph":
-        para, para_stats = _dedup_keys(_hash_files(hash_dirs, "paragraphs"), ("id", "paragraph"),
-                                       keep, cfg.exact_dedup)  # fmt: skip
-        pq.write_table(pa.Table.from_pylist(para) if para else pa.table(
-            {"id": pa.array([], pa.string()), "paragraph": pa.array([], pa.int64()),
-             "duplicate_of": pa.array([], pa.string())}), out_dir / "paragraph_drops.parquet")  # fmt: skip
+        para, para_stats = _dedup_keys(
+            _hash_files(hash_dirs, "paragraphs"), ("id", "paragraph"), keep, cfg.exact_dedup
+        )
+        pq.write_table(
+            pa.Table.from_pylist(para)
+            if para
+            else pa.table(
+                {
+                    "id": pa.array([], pa.string()),
+                    "paragraph": pa.array([], pa.int64()),
+                    "duplicate_of": pa.array([], pa.string()),
+                }
+            ),
+            out_dir / "paragraph_drops.parquet",
+        )
         report["paragraphs_dropped"] = len(para)
         report["paragraph_bloom"] = para_stats
     report["examples"] = dropped[:10]
     write_json(out_dir / "report.json", report)
-    return {"documents_dropped": len(dropped), "bloom_candidates": stats["bloom_candidates"],
-            "paragraphs_dropped": report.get("paragraphs_dropped", 0)}  # fmt: skip
+    return {
+        "documents_dropped": len(dropped),
+        "bloom_candidates": stats["bloom_candidates"],
+        "paragraphs_dropped": report.get("paragraphs_dropped", 0),
+    }

@@ -29,8 +29,14 @@ _LINES = re.compile(r"\n+")
 _CITATION = re.compile(r"\[\d*]|\[edit]|\[citation needed]")
 _TERMINAL = regex.compile(r"[\p{Sentence_Terminal}\u17d6\u17d9\u17da]$")
 _SENTENCIZER_PUNCT = regex.compile(r"^[\p{Sentence_Terminal}]+$")
-_POLICY = ("terms of use", "privacy policy", "cookie policy", "uses cookies", "use of cookies",
-           "use cookies")  # fmt: skip
+_POLICY = (
+    "terms of use",
+    "privacy policy",
+    "cookie policy",
+    "uses cookies",
+    "use of cookies",
+    "use cookies",
+)
 _C4_END = (".", "?", "!", '"', "'")
 _MASK = np.uint64(0xFFFFFFFFFFFFFFFF)
 _WORD_KIND: dict[str, tuple[bool, bool]] = {}
@@ -167,7 +173,7 @@ def gopher_quality_filter(cfg: GopherQualityConfig, doc: Doc) -> str | None:
     """Gopher quality rules: length, word length, symbols, bullets, alpha words, stop words."""
     text, words = doc.text, doc.words
     kinds = [_word_kind(w) for w in words]
-    lengths = [len(w) for w, (non_symbol, _) in zip(words, kinds) if non_symbol]
+    lengths = [len(w) for w, (non_symbol, _) in zip(words, kinds, strict=True) if non_symbol]
     num_words = len(words)
     if cfg.min_doc_words and len(lengths) < cfg.min_doc_words:
         return "gopher_short_doc"

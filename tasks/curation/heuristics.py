@@ -20,7 +20,14 @@ from tasks.curation.filters import (
     gopher_repetition_filter,
 )
 from tasks.curation.pii import scrub_pii
-from tasks.curation.shards import ShardWriter, add_count, iter_rows, preview, write_json, write_jsonl
+from tasks.curation.shards import (
+    ShardWriter,
+    add_count,
+    iter_rows,
+    preview,
+    write_json,
+    write_jsonl,
+)
 from tasks.curation.text import count_tokens
 
 FILTER_ORDER = ("gopher_repetition", "gopher_quality", "c4", "fineweb")
@@ -70,8 +77,15 @@ def filter_shard(cfg: CurateConfig, in_shard: Path, out_dir: Path) -> dict:
                 add_count(table, domain, f"removed:{name}:{reason}", 1, tokens)
                 bucket = samples.setdefault(f"{name}:{reason}", [])
                 if len(bucket) < cfg.filters.num_removed_samples:
-                    bucket.append({"id": row["id"], "domain": domain, "filter": name,
-                                   "reason": reason, "preview": preview(text)})  # fmt: skip
+                    bucket.append(
+                        {
+                            "id": row["id"],
+                            "domain": domain,
+                            "filter": name,
+                            "reason": reason,
+                            "preview": preview(text),
+                        }
+                    )
                 continue
             if pii.enabled:
                 text, counts = scrub_pii(pii, text)
@@ -84,5 +98,8 @@ def filter_shard(cfg: CurateConfig, in_shard: Path, out_dir: Path) -> dict:
     stats = {"stage": "filters", "shard": in_shard.stem, "domains": table, "pii": pii_counts}
     write_json(out_dir / f"{in_shard.stem}.stats.json", stats)
     num_in = sum(d["in"]["docs"] for d in table.values())
-    return {"documents_in": num_in, "documents_out": writer.num_rows,
-            "pii_replaced": sum(pii_counts.values())}  # fmt: skip
+    return {
+        "documents_in": num_in,
+        "documents_out": writer.num_rows,
+        "pii_replaced": sum(pii_counts.values()),
+    }

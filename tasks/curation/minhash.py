@@ -79,8 +79,9 @@ def shingle_batch(texts: list[str], n: int) -> tuple[np.ndarray, np.ndarray]:
     return _mix(grams[valid]), owner_word[:num][valid]
 
 
-def signatures(shingles: np.ndarray, owner: np.ndarray, cfg: MinhashConfig,
-               chunk: int = 4096) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+def signatures(
+    shingles: np.ndarray, owner: np.ndarray, cfg: MinhashConfig, chunk: int = 4096
+) -> tuple[np.ndarray, np.ndarray]:
     """MinHash signatures (D, H) of the documents that have shingles, and their indices (D,).
 
     Shingles are processed in cache-sized chunks of `chunk` rows; a document spanning chunks
@@ -118,8 +119,9 @@ def band_keys(sig: np.ndarray, cfg: MinhashConfig) -> np.ndarray:
     return key
 
 
-def minhash_signatures_shard(cfg: CurateConfig, in_shard: Path, out_dir: Path,
-                             batch_docs: int = 512) -> dict:  # fmt: skip
+def minhash_signatures_shard(
+    cfg: CurateConfig, in_shard: Path, out_dir: Path, batch_docs: int = 512
+) -> dict:
     """Writes `<stem>.minhash.parquet` (id, length, band keys) for one normalized shard."""
     in_shard, out_dir, mcfg = Path(in_shard), Path(out_dir), cfg.minhash
     ids, lengths, keys, num_docs = [], [], [], 0
@@ -147,8 +149,11 @@ def minhash_signatures_shard(cfg: CurateConfig, in_shard: Path, out_dir: Path,
     for band in range(mcfg.num_buckets):
         columns[f"band_{band:02d}"] = pa.array(keys_arr[:, band], pa.uint64())
     pq.write_table(pa.table(columns), out_dir / f"{in_shard.stem}.minhash.parquet")
-    return {"documents": num_docs, "signatures": len(ids),
-            "index_bytes_per_document": 8 * mcfg.num_buckets}  # fmt: skip
+    return {
+        "documents": num_docs,
+        "signatures": len(ids),
+        "index_bytes_per_document": 8 * mcfg.num_buckets,
+    }
 
 
 class UnionFind:
@@ -171,8 +176,9 @@ class UnionFind:
 
 
 def _load_index(signature_dirs: list[Path], alive: set | None, excluded: set) -> pa.Table:
-    files = sorted((p for d in signature_dirs for p in Path(d).glob("*.minhash.parquet")),
-                   key=lambda p: p.name)  # fmt: skip
+    files = sorted(
+        (p for d in signature_dirs for p in Path(d).glob("*.minhash.parquet")), key=lambda p: p.name
+    )
     tables = [pq.read_table(p) for p in files]
     if not tables:
         return pa.table({"id": pa.array([], pa.string()), "length": pa.array([], pa.int64())})
@@ -196,8 +202,11 @@ def _components(table: pa.Table, num_buckets: int) -> UnionFind:
 
 
 def _excluded_ids(drop_dirs: list[Path] | None) -> set[str]:
-    return {i for d in drop_dirs or [] for i in pq.read_table(Path(d) / "drops.parquet",
-            columns=["id"]).column("id").to_pylist()}  # fmt: skip
+    return {
+        i
+        for d in drop_dirs or []
+        for i in pq.read_table(Path(d) / "drops.parquet", columns=["id"]).column("id").to_pylist()
+    }
 
 
 def _previews(shard_dirs: list[Path] | None, wanted: set[str]) -> dict[str, str]:
@@ -210,9 +219,13 @@ def _previews(shard_dirs: list[Path] | None, wanted: set[str]) -> dict[str, str]
     return found
 
 
-def near_dedup(cfg: CurateConfig, signature_dirs: list[Path], out_dir: Path,
-               keep_dirs: list[Path] | None = None,
-               exclude_dirs: list[Path] | None = None) -> dict:  # fmt: skip
+def near_dedup(
+    cfg: CurateConfig,
+    signature_dirs: list[Path],
+    out_dir: Path,
+    keep_dirs: list[Path] | None = None,
+    exclude_dirs: list[Path] | None = None,
+) -> dict:
     """Clusters near-duplicates across all shards and drops all but one per cluster.
 
     Args:
@@ -234,7 +247,9 @@ def near_dedup(cfg: CurateConfig, signature_dirs: list[Path], out_dir: Path,
     clusters = {root: members for root, members in groups.items() if len(members) > 1}
     drops, histogram, sample = [], {}, []
     for members in clusters.values():
-        keeper = members[0] if mcfg.keep == "first" else max(members, key=lambda m: (lengths[m], -m))
+        keeper = (
+            members[0] if mcfg.keep == "first" else max(members, key=lambda m: (lengths[m], -m))
+        )
         histogram[len(members)] = histogram.get(len(members), 0) + 1
         drops += [(ids[m], ids[keeper]) for m in members if m != keeper]
         sample.append({"keep": ids[keeper], "members": [ids[m] for m in members]})
@@ -242,14 +257,28 @@ def near_dedup(cfg: CurateConfig, signature_dirs: list[Path], out_dir: Path,
     texts = _previews(keep_dirs, {i for c in sample for i in c["members"]}) if sample else {}
     for cluster in sample:
         cluster["previews"] = {i: texts[i] for i in cluster["members"] if i in texts}
-    pq.write_table(pa.table({"id": pa.array([d[0] for d in drops], pa.string()),
-                             "reason": pa.array(["near_duplicate"] * len(drops), pa.string()),
-                             "duplicate_of": pa.array([d[1] for d in drops], pa.string())}),
-                   out_dir / "drops.parquet")  # fmt: skip
-    report = {"stage": "near_dedup", "documents_indexed": len(ids), "clusters": len(clusters),
-              "documents_dropped": len(drops),
-              "cluster_size_histogram": {str(k): v for k, v in sorted(histogram.items())},
-              "sample_clusters": sample, "index_bytes": int(table.nbytes)}  # fmt: skip
+    pq.write_table(
+        pa.table(
+            {
+                "id": pa.array([d[0] for d in drops], pa.string()),
+                "reason": pa.array(["near_duplicate"] * len(drops), pa.string()),
+                "duplicate_of": pa.array([d[1] for d in drops], pa.string()),
+            }
+        ),
+        out_dir / "drops.parquet",
+    )
+    report = {
+        "stage": "near_dedup",
+        "documents_indexed": len(ids),
+        "clusters": len(clusters),
+        "documents_dropped": len(drops),
+        "cluster_size_histogram": {str(k): v for k, v in sorted(histogram.items())},
+        "sample_clusters": sample,
+        "index_bytes": int(table.nbytes),
+    }
     write_json(out_dir / "report.json", report)
-    return {"clusters": len(clusters), "documents_dropped": len(drops),
-            "documents_indexed": len(ids)}  # fmt: skip
+    return {
+        "clusters": len(clusters),
+        "documents_dropped": len(drops),
+        "documents_indexed": len(ids),
+    }

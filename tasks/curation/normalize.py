@@ -83,8 +83,13 @@ def normalize_shard(cfg: CurateConfig, in_shard: Path, out_dir: Path) -> dict:
                 text, note = None, "duplicate_id"
             if text is None:
                 add_count(table, domain, f"rejected:{note}", 1, tokens)
-                rejects.append({**{k: row.get(k) for k in ("id", "domain", "source")},
-                                "reason": note, "preview": preview(raw)})  # fmt: skip
+                rejects.append(
+                    {
+                        **{k: row.get(k) for k in ("id", "domain", "source")},
+                        "reason": note,
+                        "preview": preview(raw),
+                    }
+                )
                 continue
             seen_ids.add(row.get("id"))
             for kind in filter(None, note.split(",")):

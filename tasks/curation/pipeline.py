@@ -31,12 +31,28 @@ from tasks.curation.minhash import minhash_signatures_shard, near_dedup
 from tasks.curation.normalize import normalize_shard
 from tasks.curation.quality_model import quality_model
 from tasks.curation.report import markdown_summary, merge_stats, samples, stage_entry
-from tasks.curation.shards import ShardWriter, add_count, iter_rows, read_json, shards_in, write_json
+from tasks.curation.shards import (
+    ShardWriter,
+    add_count,
+    iter_rows,
+    read_json,
+    shards_in,
+    write_json,
+)
 from tasks.curation.text import count_tokens
 
-__all__ = ["curate", "exact_dedup", "exact_hashes_shard", "filter_shard", "finalize",
-           "minhash_signatures_shard", "near_dedup", "normalize_shard", "quality_model",
-           "stage_config"]  # fmt: skip
+__all__ = [
+    "curate",
+    "exact_dedup",
+    "exact_hashes_shard",
+    "filter_shard",
+    "finalize",
+    "minhash_signatures_shard",
+    "near_dedup",
+    "normalize_shard",
+    "quality_model",
+    "stage_config",
+]
 
 _STAGE_FIELDS = {
     "normalize": {"normalize": None},
@@ -121,8 +137,13 @@ def _write_outputs(shard_dirs, drops, paragraphs, stage_names, out_dir) -> tuple
     return tables, output
 
 
-def finalize(cfg: CurateConfig, shard_dirs: list[Path], drop_dirs: list[Path], out_dir: Path,
-             stats_dirs: list[Path] = ()) -> dict:  # fmt: skip
+def finalize(
+    cfg: CurateConfig,
+    shard_dirs: list[Path],
+    drop_dirs: list[Path],
+    out_dir: Path,
+    stats_dirs: list[Path] = (),
+) -> dict:
     """Writes the curated corpus and its report.
 
     Args:
@@ -136,8 +157,10 @@ def finalize(cfg: CurateConfig, shard_dirs: list[Path], drop_dirs: list[Path], o
     """
     out_dir = Path(out_dir)
     drops, paragraphs = _drop_table(drop_dirs), _paragraph_drops(drop_dirs)
-    reports = {read_json(Path(d) / "report.json")["stage"]: read_json(Path(d) / "report.json")
-               for d in drop_dirs}  # fmt: skip
+    reports = {
+        read_json(Path(d) / "report.json")["stage"]: read_json(Path(d) / "report.json")
+        for d in drop_dirs
+    }
     tables, output = _write_outputs(shard_dirs, drops, paragraphs, list(reports), out_dir)
     normalize_stats, normalize_extra = merge_stats(stats_dirs, "normalize")
     filter_stats, filter_extra = merge_stats(stats_dirs, "filters")
@@ -151,19 +174,29 @@ def finalize(cfg: CurateConfig, shard_dirs: list[Path], drop_dirs: list[Path], o
     for extra in normalize_extra:
         for kind, num in extra.get("cleaned", {}).items():
             cleaned[kind] = cleaned.get(kind, 0) + num
-    report = {"stages": stages, "pii": pii, "normalize_cleaned": cleaned,
-              "rejected_samples": samples(stats_dirs, "rejects"),
-              "removed_samples": samples(stats_dirs, "removed"), **reports,
-              "output": {"documents": sum(o["documents"] for o in output.values()),
-                         "tokens": sum(o["tokens"] for o in output.values()),
-                         "by_domain": dict(sorted(output.items()))}}  # fmt: skip
+    report = {
+        "stages": stages,
+        "pii": pii,
+        "normalize_cleaned": cleaned,
+        "rejected_samples": samples(stats_dirs, "rejects"),
+        "removed_samples": samples(stats_dirs, "removed"),
+        **reports,
+        "output": {
+            "documents": sum(o["documents"] for o in output.values()),
+            "tokens": sum(o["tokens"] for o in output.values()),
+            "by_domain": dict(sorted(output.items())),
+        },
+    }
     write_json(out_dir / "curation_report.json", report)
     summary = markdown_summary(report)
     (out_dir / "summary.md").write_text(summary)
     first = stages[0]
-    return {"documents_in": first["documents_in"], "tokens_in": first["tokens_in"],
-            "documents_out": report["output"]["documents"],
-            "tokens_out": report["output"]["tokens"]}  # fmt: skip
+    return {
+        "documents_in": first["documents_in"],
+        "tokens_in": first["tokens_in"],
+        "documents_out": report["output"]["documents"],
+        "tokens_out": report["output"]["tokens"],
+    }
 
 
 def _map(fn, cfg: CurateConfig, shards: list[Path], out_dir: Path, num_workers: int) -> None:
@@ -181,8 +214,18 @@ def curate(cfg: CurateConfig, in_dir: Path, out_dir: Path, num_workers: int = 1)
     `out_dir/work/<stage>/`, the curated corpus and report to `out_dir` (see `finalize`)."""
     in_dir, out_dir = Path(in_dir), Path(out_dir)
     work = out_dir / "work"
-    dirs = {name: work / name for name in ("normalize", "filter", "exact_hashes", "minhash",
-                                           "exact_dedup", "near_dedup", "quality_model")}  # fmt: skip
+    dirs = {
+        name: work / name
+        for name in (
+            "normalize",
+            "filter",
+            "exact_hashes",
+            "minhash",
+            "exact_dedup",
+            "near_dedup",
+            "quality_model",
+        )
+    }
     for d in dirs.values():
         d.mkdir(parents=True, exist_ok=True)
     workers = max(num_workers, cfg.num_workers)
@@ -193,9 +236,15 @@ def curate(cfg: CurateConfig, in_dir: Path, out_dir: Path, num_workers: int = 1)
     _map(minhash_signatures_shard, cfg, normalized, dirs["minhash"], workers)
     alive = [dirs["filter"]]
     exact_dedup(cfg, [dirs["exact_hashes"]], dirs["exact_dedup"], keep_dirs=alive)
-    near_dedup(cfg, [dirs["minhash"]], dirs["near_dedup"], keep_dirs=alive,
-               exclude_dirs=[dirs["exact_dedup"]])  # fmt: skip
-    quality_model(cfg, alive, dirs["quality_model"],
-                  exclude_dirs=[dirs["exact_dedup"], dirs["near_dedup"]])  # fmt: skip
+    near_dedup(
+        cfg,
+        [dirs["minhash"]],
+        dirs["near_dedup"],
+        keep_dirs=alive,
+        exclude_dirs=[dirs["exact_dedup"]],
+    )
+    quality_model(
+        cfg, alive, dirs["quality_model"], exclude_dirs=[dirs["exact_dedup"], dirs["near_dedup"]]
+    )
     drop_dirs = [dirs["exact_dedup"], dirs["near_dedup"], dirs["quality_model"]]
     return finalize(cfg, alive, drop_dirs, out_dir, stats_dirs=[dirs["normalize"], dirs["filter"]])

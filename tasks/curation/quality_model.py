@@ -52,8 +52,13 @@ def hf_teacher(path: str, texts: list[str], batch_size: int = 16) -> list[float]
     scores: list[float] = []
     with torch.no_grad():
         for start in range(0, len(texts), batch_size):
-            batch = tokenizer(texts[start : start + batch_size], truncation=True, max_length=512,
-                              padding=True, return_tensors="pt")  # fmt: skip
+            batch = tokenizer(
+                texts[start : start + batch_size],
+                truncation=True,
+                max_length=512,
+                padding=True,
+                return_tensors="pt",
+            )
             logits = model(**batch).logits.float()
             if logits.shape[-1] == 1:
                 scores += logits[:, 0].tolist()
@@ -70,7 +75,9 @@ def features(text: str, cfg: QualityModelConfig) -> np.ndarray:
     grams = [hashes]
     with np.errstate(over="ignore"):
         for n in range(2, cfg.max_ngram + 1):
-            grams.append(grams[-1][:-1] * np.uint64(0x9E3779B97F4A7C15) + hashes[n - 1 :] + np.uint64(n))
+            grams.append(
+                grams[-1][:-1] * np.uint64(0x9E3779B97F4A7C15) + hashes[n - 1 :] + np.uint64(n)
+            )
     return np.unique(np.concatenate(grams) % np.uint64(cfg.num_features)).astype(np.int64)
 
 
@@ -113,9 +120,11 @@ def precision_recall(predicted: list[int], actual: list[int]) -> dict[str, float
     fp = sum(p and not a for p, a in zip(predicted, actual, strict=True))
     fn = sum(a and not p for p, a in zip(predicted, actual, strict=True))
     correct = sum(p == a for p, a in zip(predicted, actual, strict=True))
-    return {"precision": tp / (tp + fp) if tp + fp else 1.0,
-            "recall": tp / (tp + fn) if tp + fn else 1.0,
-            "accuracy": correct / len(actual) if actual else 1.0}  # fmt: skip
+    return {
+        "precision": tp / (tp + fp) if tp + fp else 1.0,
+        "recall": tp / (tp + fn) if tp + fn else 1.0,
+        "accuracy": correct / len(actual) if actual else 1.0,
+    }
 
 
 def _eligible_rows(cfg: QualityModelConfig, shard_dirs: list[Path], excluded: set[str]):
@@ -138,9 +147,13 @@ def _train(cfg: QualityModelConfig, sample: list[dict]) -> tuple[HashedLinearMod
     labels = [int(s >= cfg.teacher_threshold) for s in scores]
     feats = [features(r["text"], cfg) for r in sample]
     num_holdout = int(len(sample) * cfg.holdout_fraction)
-    report = {"teacher": cfg.teacher, "teacher_documents": len(sample),
-              "teacher_positive_rate": sum(labels) / max(1, len(labels)),
-              "threshold": cfg.threshold, "holdout_documents": num_holdout}  # fmt: skip
+    report = {
+        "teacher": cfg.teacher,
+        "teacher_documents": len(sample),
+        "teacher_positive_rate": sum(labels) / max(1, len(labels)),
+        "threshold": cfg.threshold,
+        "holdout_documents": num_holdout,
+    }
     train_labels = labels[num_holdout:]
     if len(set(train_labels)) < 2:
         report["skipped"] = "teacher labels have a single class; nothing is filtered"
@@ -151,8 +164,9 @@ def _train(cfg: QualityModelConfig, sample: list[dict]) -> tuple[HashedLinearMod
     return model, report
 
 
-def quality_model(cfg: CurateConfig, shard_dirs: list[Path], out_dir: Path,
-                  exclude_dirs: list[Path] | None = None) -> dict:  # fmt: skip
+def quality_model(
+    cfg: CurateConfig, shard_dirs: list[Path], out_dir: Path, exclude_dirs: list[Path] | None = None
+) -> dict:
     """Trains the classifier on teacher labels and drops documents it scores below threshold.
 
     Args:
@@ -165,8 +179,10 @@ def quality_model(cfg: CurateConfig, shard_dirs: list[Path], out_dir: Path,
     excluded = _excluded_ids(exclude_dirs)
     ids = [r["id"] for r in _eligible_rows(qcfg, shard_dirs, excluded)] if qcfg.enabled else []
     chosen = set(random.Random(qcfg.seed).sample(ids, min(qcfg.num_teacher_docs, len(ids))))
-    sample = sorted((r for r in _eligible_rows(qcfg, shard_dirs, excluded) if r["id"] in chosen),
-                    key=lambda r: random.Random(f"{qcfg.seed}:{r['id']}").random())  # fmt: skip
+    sample = sorted(
+        (r for r in _eligible_rows(qcfg, shard_dirs, excluded) if r["id"] in chosen),
+        key=lambda r: random.Random(f"{qcfg.seed}:{r['id']}").random(),
+    )
     model, report = _train(qcfg, sample) if sample else (None, {"skipped": "disabled or empty"})
     drops = {"id": [], "reason": [], "score": []}
     histogram = np.zeros(10, np.int64)
@@ -179,15 +195,29 @@ def quality_model(cfg: CurateConfig, shard_dirs: list[Path], out_dir: Path,
                 drops["id"].append(row["id"])
                 drops["reason"].append("low_quality_score")
                 drops["score"].append(score)
-    pq.write_table(pa.table({"id": pa.array(drops["id"], pa.string()),
-                             "reason": pa.array(drops["reason"], pa.string()),
-                             "score": pa.array(drops["score"], pa.float64())}),
-                   out_dir / "drops.parquet")  # fmt: skip
-    report.update({"stage": "quality_model", "documents_scored": int(histogram.sum()),
-                   "documents_dropped": len(drops["id"]),
-                   "score_histogram": histogram.tolist()})  # fmt: skip
+    pq.write_table(
+        pa.table(
+            {
+                "id": pa.array(drops["id"], pa.string()),
+                "reason": pa.array(drops["reason"], pa.string()),
+                "score": pa.array(drops["score"], pa.float64()),
+            }
+        ),
+        out_dir / "drops.parquet",
+    )
+    report.update(
+        {
+            "stage": "quality_model",
+            "documents_scored": int(histogram.sum()),
+            "documents_dropped": len(drops["id"]),
+            "score_histogram": histogram.tolist(),
+        }
+    )
     write_json(out_dir / "report.json", report)
     holdout = report.get("holdout", {})
-    return {"documents_dropped": len(drops["id"]),
-            "holdout_precision": holdout.get("precision"),
-            "holdout_recall": holdout.get("recall"), "threshold": qcfg.threshold}  # fmt: skip
+    return {
+        "documents_dropped": len(drops["id"]),
+        "holdout_precision": holdout.get("precision"),
+        "holdout_recall": holdout.get("recall"),
+        "threshold": qcfg.threshold,
+    }

@@ -45,14 +45,23 @@ def stage_entry(name: str, by_domain: dict[str, dict]) -> dict:
             entry["docs"] += counts["docs"]
             entry["tokens"] += counts["tokens"]
     totals_in, totals_out = _totals(by_domain, "in"), _totals(by_domain, "out")
-    return {"stage": name, "documents_in": totals_in["docs"], "documents_out": totals_out["docs"],
-            "tokens_in": totals_in["tokens"], "tokens_out": totals_out["tokens"],
-            "removed": dict(sorted(removed.items(), key=lambda kv: -kv[1]["docs"])),
-            "by_domain": {domain: {"documents_in": t.get("in", {}).get("docs", 0),
-                                   "documents_out": t.get("out", {}).get("docs", 0),
-                                   "tokens_in": t.get("in", {}).get("tokens", 0),
-                                   "tokens_out": t.get("out", {}).get("tokens", 0)}
-                          for domain, t in sorted(by_domain.items())}}  # fmt: skip
+    return {
+        "stage": name,
+        "documents_in": totals_in["docs"],
+        "documents_out": totals_out["docs"],
+        "tokens_in": totals_in["tokens"],
+        "tokens_out": totals_out["tokens"],
+        "removed": dict(sorted(removed.items(), key=lambda kv: -kv[1]["docs"])),
+        "by_domain": {
+            domain: {
+                "documents_in": t.get("in", {}).get("docs", 0),
+                "documents_out": t.get("out", {}).get("docs", 0),
+                "tokens_in": t.get("in", {}).get("tokens", 0),
+                "tokens_out": t.get("out", {}).get("tokens", 0),
+            }
+            for domain, t in sorted(by_domain.items())
+        },
+    }
 
 
 def samples(stats_dirs: list[Path], suffix: str, limit: int = 50) -> list[dict]:
@@ -66,24 +75,35 @@ def samples(stats_dirs: list[Path], suffix: str, limit: int = 50) -> list[dict]:
 
 def markdown_summary(report: dict) -> str:
     """A markdown summary of the curation report (for a Prefect markdown artifact)."""
-    lines = ["# Curation report", "", "| stage | docs in | docs out | tokens in | tokens out | top reasons |",
-             "|---|---:|---:|---:|---:|---|"]  # fmt: skip
+    lines = [
+        "# Curation report",
+        "",
+        "| stage | docs in | docs out | tokens in | tokens out | top reasons |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
     for stage in report["stages"]:
         reasons = ", ".join(f"{r} ({c['docs']})" for r, c in list(stage["removed"].items())[:4])
-        lines.append(f"| {stage['stage']} | {stage['documents_in']:,} | {stage['documents_out']:,} "
-                     f"| {stage['tokens_in']:,} | {stage['tokens_out']:,} | {reasons} |")  # fmt: skip
+        lines.append(
+            f"| {stage['stage']} | {stage['documents_in']:,} | {stage['documents_out']:,} "
+            f"| {stage['tokens_in']:,} | {stage['tokens_out']:,} | {reasons} |"
+        )
     lines += ["", "## Output by domain", "", "| domain | docs | tokens |", "|---|---:|---:|"]
     for domain, counts in report["output"]["by_domain"].items():
         lines.append(f"| {domain} | {counts['documents']:,} | {counts['tokens']:,} |")
     near = report.get("near_dedup", {})
-    lines += ["", f"Near-duplicate clusters: {near.get('clusters', 0)}, size histogram "
-              f"{near.get('cluster_size_histogram', {})}."]  # fmt: skip
+    lines += [
+        "",
+        f"Near-duplicate clusters: {near.get('clusters', 0)}, size histogram "
+        f"{near.get('cluster_size_histogram', {})}.",
+    ]
     quality = report.get("quality_model", {})
     if "holdout" in quality:
         h = quality["holdout"]
-        lines.append(f"Quality classifier (teacher `{quality['teacher']}`): held-out precision "
-                     f"{h['precision']:.3f}, recall {h['recall']:.3f}, threshold "
-                     f"{quality['threshold']}.")  # fmt: skip
+        lines.append(
+            f"Quality classifier (teacher `{quality['teacher']}`): held-out precision "
+            f"{h['precision']:.3f}, recall {h['recall']:.3f}, threshold "
+            f"{quality['threshold']}."
+        )
     elif quality:
         lines.append(f"Quality classifier: {quality.get('skipped', 'not run')}.")
     lines.append(f"PII replaced: {report.get('pii', {})}.")

@@ -14,7 +14,9 @@ SCHEMA = pa.schema([(name, pa.string()) for name in COLUMNS])
 PREVIEW_CHARS = 300
 
 
-def iter_rows(path: Path, columns: tuple[str, ...] = COLUMNS, batch_size: int = 1024) -> Iterator[dict]:
+def iter_rows(
+    path: Path, columns: tuple[str, ...] = COLUMNS, batch_size: int = 1024
+) -> Iterator[dict]:
     """Yields the rows of a Parquet shard as dicts; text may be bytes if stored as binary."""
     parquet = pq.ParquetFile(path)
     present = [c for c in columns if c in parquet.schema_arrow.names]

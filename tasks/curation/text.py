@@ -17,13 +17,13 @@ import regex
 
 # Characters datatrove treats as punctuation (`datatrove.utils.text.PUNCTUATION`, plus the C0/C1
 # controls it appends). Terminal punctuation of other scripts is added below.
-_ASCII_PUNCT = "!/—”:％１〈&(、━\\【#%「」，】；+^]~“《„';’{|∶´[=-`*．（–？！：$～«〉,><》)?）。…@_.\"}►»"
+_ASCII_PUNCT = (
+    "!/—”:％１〈&(、━\\【#%「」，】；+^]~“《„';’{|∶´[=-`*．（–？！：$～«〉,><》)?）。…@_.\"}►»"
+)
 _CONTROLS = "".join(
     chr(x) for a, b in ((0, 9), (11, 13), (13, 32), (127, 160)) for x in range(a, b)
 )
-TERMINAL_PUNCTUATION = frozenset(
-    ".!?。！？．｡։؟۔।॥၊။።፧፨᙮᠃᠉‼‽⁇⁈⁉⸮⸼꓿꘎꘏꛳꛷꡶꡷꣎꣏꤯꧈꧉꩝꩞꩟꫰꫱꯫﹒﹖﹗"
-)
+TERMINAL_PUNCTUATION = frozenset(".!?。！？．｡։؟۔।॥၊။።፧፨᙮᠃᠉‼‽⁇⁈⁉⸮⸼꓿꘎꘏꛳꛷꡶꡷꣎꣏꤯꧈꧉꩝꩞꩟꫰꫱꯫﹒﹖﹗")
 PUNCTUATION_SET = frozenset(_ASCII_PUNCT + _CONTROLS) | TERMINAL_PUNCTUATION
 _PUNCT_TRANS = str.maketrans({c: " " for c in _ASCII_PUNCT + _CONTROLS})
 
@@ -80,7 +80,10 @@ def count_sentences(line: str) -> int:
     ends = _SENTENCE_END.findall(line.rstrip())
     tail = _SENTENCE_END.sub("", line.rstrip()).strip()
     # A trailing fragment without end punctuation is one more sentence.
-    return len(ends) + (0 if not ends or not tail or line.rstrip()[-1] in ".!?。！？…\"'”’)]" else 1) or 1
+    return (
+        len(ends) + (0 if not ends or not tail or line.rstrip()[-1] in ".!?。！？…\"'”’)]" else 1)
+        or 1
+    )
 
 
 def count_tokens(text: str) -> int:

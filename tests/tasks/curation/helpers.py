@@ -53,7 +53,9 @@ def write_shards(directory: Path, records: list[dict], num_shards: int = 2) -> l
     paths = []
     for shard in range(num_shards):
         rows = records[shard::num_shards]
-        table = pa.table({k: [r.get(k, "test") for r in rows] for k in ("id", "text", "domain", "source")})
+        table = pa.table(
+            {k: [r.get(k, "test") for r in rows] for k in ("id", "text", "domain", "source")}
+        )
         path = shard_dir / f"shard-{shard:05d}.parquet"
         pq.write_table(table, path)
         paths.append(path)
@@ -62,5 +64,9 @@ def write_shards(directory: Path, records: list[dict], num_shards: int = 2) -> l
 
 def ids_in(directory: Path) -> set[str]:
     """Ids in every document shard under `directory` (recursively, stage files excluded)."""
-    return {i for p in directory.rglob("*.parquet") if "." not in p.stem
-            for i in pq.read_table(p, columns=["id"]).column("id").to_pylist()}  # fmt: skip
+    return {
+        i
+        for p in directory.rglob("*.parquet")
+        if "." not in p.stem
+        for i in pq.read_table(p, columns=["id"]).column("id").to_pylist()
+    }

@@ -41,8 +41,10 @@ def test_bloom_filter_false_positive_rate_near_target():
 def test_exact_dedup_removes_planted_copies_across_shards(tmp_path):
     rng = random.Random(1)
     originals = [{"id": f"doc-{i}", "text": prose(rng, 6), "domain": "web"} for i in range(40)]
-    copies = [{"id": f"copy-{i}", "text": originals[i]["text"].upper().replace(".", "!"), "domain": "web"}
-              for i in range(0, 40, 4)]  # fmt: skip
+    copies = [
+        {"id": f"copy-{i}", "text": originals[i]["text"].upper().replace(".", "!"), "domain": "web"}
+        for i in range(0, 40, 4)
+    ]
     shards = write_shards(tmp_path / "in", originals + copies, num_shards=3)
     hashes = tmp_path / "hashes"
     hashes.mkdir()
@@ -55,7 +57,9 @@ def test_exact_dedup_removes_planted_copies_across_shards(tmp_path):
     assert metrics["documents_dropped"] == 10
     # the first occurrence in (shard name, row) order is kept, the other member dropped
     for i in range(0, 40, 4):
-        assert {f"doc-{i}", f"copy-{i}"} - set(dropped) and len({f"doc-{i}", f"copy-{i}"} & set(dropped)) == 1
+        assert {f"doc-{i}", f"copy-{i}"} - set(dropped) and len(
+            {f"doc-{i}", f"copy-{i}"} & set(dropped)
+        ) == 1
 
 
 def test_bloom_false_positives_never_drop_unique_documents(tmp_path, monkeypatch):
@@ -68,7 +72,9 @@ def test_bloom_false_positives_never_drop_unique_documents(tmp_path, monkeypatch
     hashes.mkdir()
     exact_hashes_shard(CurateConfig(), shards[0], hashes)
     # a Bloom filter far too small: most unique documents become candidates
-    cfg = CurateConfig.model_validate({"exact_dedup": {"expected_documents": 10, "false_positive_rate": 0.5}})
+    cfg = CurateConfig.model_validate(
+        {"exact_dedup": {"expected_documents": 10, "false_positive_rate": 0.5}}
+    )
     out = tmp_path / "exact"
     out.mkdir()
     metrics = exact_dedup(cfg, [hashes], out)
@@ -79,8 +85,10 @@ def test_bloom_false_positives_never_drop_unique_documents(tmp_path, monkeypatch
 def test_paragraph_level_drops_repeated_paragraphs(tmp_path):
     rng = random.Random(3)
     shared = prose(rng, 3)
-    docs = [{"id": "a", "text": prose(rng, 3) + "\n\n" + shared, "domain": "web"},
-            {"id": "b", "text": shared + "\n\n" + prose(rng, 3), "domain": "web"}]  # fmt: skip
+    docs = [
+        {"id": "a", "text": prose(rng, 3) + "\n\n" + shared, "domain": "web"},
+        {"id": "b", "text": shared + "\n\n" + prose(rng, 3), "domain": "web"},
+    ]
     shards = write_shards(tmp_path / "in", docs, num_shards=1)
     cfg = CurateConfig.model_validate({"exact_dedup": {"level": "paragraph"}})
     hashes, out = tmp_path / "hashes", tmp_path / "exact"
@@ -89,7 +97,8 @@ def test_paragraph_level_drops_repeated_paragraphs(tmp_path):
     exact_hashes_shard(cfg, shards[0], hashes)
     assert exact_dedup(cfg, [hashes], out)["paragraphs_dropped"] == 1
     assert pq.read_table(out / "paragraph_drops.parquet").to_pylist() == [
-        {"id": "b", "paragraph": 0, "duplicate_of": "a"}]
+        {"id": "b", "paragraph": 0, "duplicate_of": "a"}
+    ]
 
 
 def test_signature_matches_brute_force_minhash():
@@ -141,7 +150,9 @@ def _near_dedup_run(tmp_path, records, cfg=None, num_shards=3):
 
 def _score(records, dropped, planted):
     caught = sum(1 for copy, original in planted.items() if copy in dropped or original in dropped)
-    pair_ok = sum(1 for copy, original in planted.items() if (copy in dropped) != (original in dropped))
+    pair_ok = sum(
+        1 for copy, original in planted.items() if (copy in dropped) != (original in dropped)
+    )
     wrong = [i for i in dropped if i not in planted and i not in planted.values()]
     return caught / len(planted), pair_ok / len(planted), wrong
 
@@ -151,7 +162,11 @@ def test_near_dedup_finds_planted_copies_synthetic(tmp_path):
     records = [{"id": f"doc-{i:03d}", "text": prose(rng, 30), "domain": "web"} for i in range(120)]
     planted = {}
     for i in range(0, 120, 4):
-        copy = {"id": f"near-{i:03d}", "text": near_copy(rng, records[i]["text"], rng.randint(1, 3)), "domain": "web"}
+        copy = {
+            "id": f"near-{i:03d}",
+            "text": near_copy(rng, records[i]["text"], rng.randint(1, 3)),
+            "domain": "web",
+        }
         planted[copy["id"]] = records[i]["id"]
         records.append(copy)
     metrics, dropped = _near_dedup_run(tmp_path, records)
@@ -168,7 +183,13 @@ def test_near_dedup_on_real_text(tmp_path, shared_data):
     for i in rng.sample(range(len(records)), 60):
         copy_id = f"near-{i:04d}"
         planted[copy_id] = records[i]["id"]
-        records.append({"id": copy_id, "text": near_copy(rng, records[i]["text"], rng.randint(1, 3)), "domain": "web"})
+        records.append(
+            {
+                "id": copy_id,
+                "text": near_copy(rng, records[i]["text"], rng.randint(1, 3)),
+                "domain": "web",
+            }
+        )
     _, dropped = _near_dedup_run(tmp_path, records, num_shards=4)
     recall, _, wrong = _score(records, dropped, planted)
     precision = 1 - len(wrong) / max(1, len(dropped))
@@ -178,8 +199,10 @@ def test_near_dedup_on_real_text(tmp_path, shared_data):
 def test_near_dedup_keep_longest(tmp_path):
     rng = random.Random(7)
     base = prose(rng, 30)
-    records = [{"id": "short", "text": base, "domain": "web"},
-               {"id": "long", "text": base + " And one more sentence at the end.", "domain": "web"}]  # fmt: skip
+    records = [
+        {"id": "short", "text": base, "domain": "web"},
+        {"id": "long", "text": base + " And one more sentence at the end.", "domain": "web"},
+    ]
     cfg = CurateConfig.model_validate({"minhash": {"keep": "longest"}})
     _, dropped = _near_dedup_run(tmp_path, records, cfg, num_shards=1)
     assert dropped == {"short": "long"}

@@ -33,9 +33,13 @@ def test_good_prose_passes_every_filter():
 
 def test_gopher_quality_rules():
     cfg = GopherQualityConfig()
-    assert gopher_quality_filter(cfg, Doc("the cat and the dog " * 9)) == "gopher_short_doc"  # 45 words
+    assert (
+        gopher_quality_filter(cfg, Doc("the cat and the dog " * 9)) == "gopher_short_doc"
+    )  # 45 words
     # 60 words, none a stop word
-    assert gopher_quality_filter(cfg, Doc("cats like fish here " * 15)) == "gopher_enough_stop_words"
+    assert (
+        gopher_quality_filter(cfg, Doc("cats like fish here " * 15)) == "gopher_enough_stop_words"
+    )
     # 50 words that are all numbers: average length 1 < 3
     assert gopher_quality_filter(cfg, Doc("1 " * 50)) == "gopher_below_avg_threshold"
     hashes = "the of and cats " * 15 + "#tag " * 10  # 10 '#' in 80 words > 0.1
@@ -52,7 +56,9 @@ def test_gopher_repetition_rules():
     assert gopher_repetition_filter(cfg, Doc("")) == "empty"
     paras = "\n\n".join(["same paragraph here"] * 3 + ["other text"])  # 2 of 4 repeated
     assert gopher_repetition_filter(cfg, Doc(paras)) == "dup_para_frac"
-    lines = "\n".join(["line one is here", "line one is here", "a", "b", "c"])  # 1 of 5, 16/45 chars
+    lines = "\n".join(
+        ["line one is here", "line one is here", "a", "b", "c"]
+    )  # 1 of 5, 16/45 chars
     assert gopher_repetition_filter(cfg, Doc(lines)) == "dup_line_char_frac"
     top2 = " ".join(["good day"] * 10 + [f"w{i}" for i in range(20)])
     assert gopher_repetition_filter(cfg, Doc(top2)) == "top_2_gram"
@@ -71,12 +77,15 @@ def test_c4_rules():
 def test_count_sentences_like_the_sentencizer():
     assert count_sentences("One. Two! Three? Four") == 4
     assert count_sentences("Mr. Smith went home.") == 1
-    assert count_sentences("He said \"stop.\" Then left.") == 2
+    assert count_sentences('He said "stop." Then left.') == 2
 
 
 def test_fineweb_rules():
     cfg = FineWebQualityConfig()
-    no_punct = "\n".join(["a line without an end mark at all here"] * 1 + [f"row {i} of items and more words" for i in range(9)])
+    no_punct = "\n".join(
+        ["a line without an end mark at all here"] * 1
+        + [f"row {i} of items and more words" for i in range(9)]
+    )
     assert fineweb_quality_filter(cfg, Doc(no_punct)) == "line_punct_ratio"
     short = "\n".join(["Short line."] * 1 + [f"Item {i}." for i in range(5)])
     assert fineweb_quality_filter(cfg, Doc(short)) == "short_line_ratio"
@@ -104,8 +113,12 @@ def test_decisions_match_datatrove(shared_data):
     pytest.importorskip("spacy")
     from datatrove.data import Document
 
-    chain = [filters.GopherRepetitionFilter(), filters.GopherQualityFilter(),
-             filters.C4QualityFilter(filter_no_terminal_punct=False), filters.FineWebQualityFilter()]  # fmt: skip
+    chain = [
+        filters.GopherRepetitionFilter(),
+        filters.GopherQualityFilter(),
+        filters.C4QualityFilter(filter_no_terminal_punct=False),
+        filters.FineWebQualityFilter(),
+    ]
     cfg = FiltersConfig.model_validate({"c4": {"rewrite_lines": True}})
     docs = real_documents()[::4]
     same = 0

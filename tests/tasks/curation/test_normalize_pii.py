@@ -13,24 +13,47 @@ from tasks.curation.pii import scrub_pii
 from tasks.curation.shards import read_column, read_json, read_jsonl
 
 
-def _write(path, ids, texts, text_type=pa.string()):
-    table = pa.table({"id": pa.array(ids, pa.string()), "text": pa.array(texts, text_type),
-                      "domain": pa.array(["web"] * len(ids)), "source": pa.array(["t"] * len(ids))})  # fmt: skip
+def _write(path, ids, texts, text_type=None):
+    text_type = text_type or pa.string()
+    table = pa.table(
+        {
+            "id": pa.array(ids, pa.string()),
+            "text": pa.array(texts, text_type),
+            "domain": pa.array(["web"] * len(ids)),
+            "source": pa.array(["t"] * len(ids)),
+        }
+    )
     pq.write_table(table, path)
 
 
 def test_bad_documents_are_counted_and_rejected_with_reasons(tmp_path):
     ids = ["ok", "empty", "blank", "binary", "long", "oneline", "null", "dup", "ok"]
-    texts = ["Caf\u0065\u0301  au lait.\r\n", "", " \n\t \u200b", "\x00\x01\x02abc\x03" * 10,
-             "x " * 600_000, "y" * 200_000, None, "fine text", "again"]  # fmt: skip
+    texts = [
+        "Caf\u0065\u0301  au lait.\r\n",
+        "",
+        " \n\t \u200b",
+        "\x00\x01\x02abc\x03" * 10,
+        "x " * 600_000,
+        "y" * 200_000,
+        None,
+        "fine text",
+        "again",
+    ]
     shard = tmp_path / "shard-00000.parquet"
     _write(shard, ids, texts)
     out = tmp_path / "out"
     out.mkdir()
     metrics = normalize_shard(CurateConfig(), shard, out)
     rejects = {r["id"] + ":" + r["reason"] for r in read_jsonl(out / "shard-00000.rejects.jsonl")}
-    assert rejects == {"empty:empty", "blank:whitespace_only", "binary:binary", "long:too_long",
-                       "oneline:long_line", "null:null", "ok:duplicate_id"}  # fmt: skip
+    assert rejects == {
+        "empty:empty",
+        "blank:whitespace_only",
+        "binary:binary",
+        "long:too_long",
+        "oneline:long_line",
+        "null:null",
+        "ok:duplicate_id",
+    }
     assert metrics == {"documents_in": 9, "documents_out": 2, "rejected": 7}
     assert read_column(out / "shard-00000.parquet", "text") == ["Caf\u00e9 au lait.", "fine text"]
     stats = read_json(out / "shard-00000.stats.json")
@@ -40,7 +63,7 @@ def test_bad_documents_are_counted_and_rejected_with_reasons(tmp_path):
 
 
 def test_non_utf8_bytes_are_cleaned_or_rejected(tmp_path):
-    mostly_ok = "good text ".encode() * 200 + b"\xff"
+    mostly_ok = b"good text " * 200 + b"\xff"
     garbage = bytes(range(128, 256)) * 4
     shard = tmp_path / "shard-00000.parquet"
     _write(shard, ["a", "b"], [mostly_ok, garbage], pa.binary())
@@ -54,8 +77,10 @@ def test_non_utf8_bytes_are_cleaned_or_rejected(tmp_path):
 
 
 def test_pii_is_replaced_and_counted():
-    text = ("Write to jane.doe@example.org or call (555) 123-4567 / +44 20 7946 0958; "
-            "server 192.168.0.12 and 2001:db8:0:0:0:0:2:1. In 1999 about 1,234,567 people; v3.2.")  # fmt: skip
+    text = (
+        "Write to jane.doe@example.org or call (555) 123-4567 / +44 20 7946 0958; "
+        "server 192.168.0.12 and 2001:db8:0:0:0:0:2:1. In 1999 about 1,234,567 people; v3.2."
+    )
     scrubbed, counts = scrub_pii(PIIConfig(), text)
     assert counts == {"email": 1, "ip_address": 2, "phone": 2}
     assert "jane" not in scrubbed and "192.168" not in scrubbed and "7946" not in scrubbed

@@ -19,8 +19,10 @@ from tasks.curation.quality_model import (
 )
 from tests.tasks.curation.helpers import ids_in, near_copy, prose, write_shards
 
-_SPAM = ("buy cheap pills now best price click here free shipping winner casino bonus "
-         "limited offer deal discount").split()  # fmt: skip
+_SPAM = (
+    "buy cheap pills now best price click here free shipping winner casino bonus "
+    "limited offer deal discount"
+).split()
 
 
 def _spam(rng: random.Random) -> str:
@@ -28,7 +30,11 @@ def _spam(rng: random.Random) -> str:
 
 
 def test_precision_recall_by_hand():
-    assert precision_recall([1, 1, 0, 0], [1, 0, 1, 0]) == {"precision": 0.5, "recall": 0.5, "accuracy": 0.5}
+    assert precision_recall([1, 1, 0, 0], [1, 0, 1, 0]) == {
+        "precision": 0.5,
+        "recall": 0.5,
+        "accuracy": 0.5,
+    }
 
 
 def test_rule_teacher_orders_prose_above_spam():
@@ -71,8 +77,9 @@ def test_hf_teacher_needs_a_path():
 
 def test_stage_config_isolates_signatures_from_filters():
     base = CurateConfig()
-    changed = CurateConfig.model_validate({"filters": {"gopher_quality": {"min_doc_words": 10}},
-                                           "minhash": {"keep": "longest"}})  # fmt: skip
+    changed = CurateConfig.model_validate(
+        {"filters": {"gopher_quality": {"min_doc_words": 10}}, "minhash": {"keep": "longest"}}
+    )
     assert stage_config(base, "minhash_signatures") == stage_config(changed, "minhash_signatures")
     assert stage_config(base, "exact_hashes") == stage_config(changed, "exact_hashes")
     assert stage_config(base, "filter") != stage_config(changed, "filter")
@@ -82,25 +89,39 @@ def test_stage_config_isolates_signatures_from_filters():
 
 def test_paragraph_level_conflicts_with_c4_rewriting():
     with pytest.raises(ValueError, match="rewrite_lines"):
-        CurateConfig.model_validate({"exact_dedup": {"level": "paragraph"}, "filters": {"c4": {"rewrite_lines": True}}})
+        CurateConfig.model_validate(
+            {"exact_dedup": {"level": "paragraph"}, "filters": {"c4": {"rewrite_lines": True}}}
+        )
 
 
 def _corpus(rng: random.Random) -> tuple[list[dict], dict[str, str]]:
     records = [{"id": f"web-{i:03d}", "text": prose(rng, 24), "domain": "web"} for i in range(60)]
     names = [f"{a}_{b}" for a, b in zip("abcde", "vwxyz", strict=True)]
-    records += [{"id": f"code-{i}", "text": f"def {n}(x):\n    return {{x: '{n}'}}\n", "domain": "code"}
-                for i, n in enumerate(names)]  # fmt: skip
+    records += [
+        {"id": f"code-{i}", "text": f"def {n}(x):\n    return {{x: '{n}'}}\n", "domain": "code"}
+        for i, n in enumerate(names)
+    ]
     planted = {}
     for i in range(0, 20, 2):
         planted[f"exact-{i}"] = f"web-{i:03d}"
         records.append({"id": f"exact-{i}", "text": records[i]["text"].lower(), "domain": "web"})
     for i in range(20, 40, 2):
         planted[f"near-{i}"] = f"web-{i:03d}"
-        records.append({"id": f"near-{i}", "text": near_copy(rng, records[i]["text"], 2), "domain": "web"})
+        records.append(
+            {"id": f"near-{i}", "text": near_copy(rng, records[i]["text"], 2), "domain": "web"}
+        )
     records += [
         {"id": "junk-empty", "text": "   ", "domain": "web"},
-        {"id": "junk-lorem", "text": prose(rng, 9) + "\nLorem ipsum dolor sit amet.", "domain": "web"},
-        {"id": "junk-repeat", "text": "\n".join(["Click here to subscribe now."] * 30), "domain": "web"},
+        {
+            "id": "junk-lorem",
+            "text": prose(rng, 9) + "\nLorem ipsum dolor sit amet.",
+            "domain": "web",
+        },
+        {
+            "id": "junk-repeat",
+            "text": "\n".join(["Click here to subscribe now."] * 30),
+            "domain": "web",
+        },
         {"id": "junk-soup", "text": " ".join("#$%&*@!{}" for _ in range(100)), "domain": "web"},
         {"id": "pii", "text": prose(rng, 24) + " Mail me at bob@example.com.", "domain": "web"},
     ]

@@ -21,7 +21,9 @@ def test_clean_whitespace_keeps_indentation_and_paragraphs():
 
 def test_simplify_text_matches_datatrove_rules():
     # lowercase, digits -> 0 (with decimal separators), punctuation -> space, no diacritics
-    assert simplify_text("Hello, World! 3.14 and 1,000 Café—naïve") == "hello world 0 and 0 cafe naive"
+    assert (
+        simplify_text("Hello, World! 3.14 and 1,000 Café—naïve") == "hello world 0 and 0 cafe naive"
+    )
     assert simplify_text("  \n ") == ""
 
 
@@ -29,7 +31,10 @@ def test_simplify_text_matches_datatrove_rules():
     ("text", "words"),
     [
         ("Don't stop.", ["Do", "n't", "stop", "."]),
-        ("I can't, U.S. well-known COVID-19", ["I", "ca", "n't", ",", "U.S.", "well", "-", "known", "COVID-19"]),
+        (
+            "I can't, U.S. well-known COVID-19",
+            ["I", "ca", "n't", ",", "U.S.", "well", "-", "known", "COVID-19"],
+        ),
         ("Smith's (yes) $5 3.5 1,000", ["Smith", "'s", "(", "yes", ")", "$", "5", "3.5", "1,000"]),
         ("Mr. Smith ends.", ["Mr.", "Smith", "ends", "."]),
         ("a @-@ b @,@ c 's", ["a", "@-@", "b", "@,@", "c", "'s"]),
