@@ -165,3 +165,43 @@ def test_curate_with_workers_matches_sequential(tmp_path):
     curate(CurateConfig(), tmp_path / "in", tmp_path / "one")
     curate(CurateConfig(), tmp_path / "in", tmp_path / "two", num_workers=2)
     assert ids_in(tmp_path / "one" / "shards") == ids_in(tmp_path / "two" / "shards")
+
+
+def _tiny_hf_classifier(path) -> None:
+    """A 1-layer BERT regression model with a word-level tokenizer, saved locally."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import BertConfig, BertForSequenceClassification, PreTrainedTokenizerFast
+
+    vocab = {"[PAD]": 0, "[UNK]": 1, "[CLS]": 2, "[SEP]": 3, "good": 4, "bad": 5}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    special = {
+        "unk_token": "[UNK]",
+        "pad_token": "[PAD]",
+        "cls_token": "[CLS]",
+        "sep_token": "[SEP]",
+    }
+    PreTrainedTokenizerFast(tokenizer_object=tok, **special).save_pretrained(path)
+    config = BertConfig(
+        vocab_size=6,
+        hidden_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=1,
+        intermediate_size=16,
+        num_labels=1,
+        max_position_embeddings=64,
+    )
+    BertForSequenceClassification(config).save_pretrained(path)
+
+
+@pytest.mark.slow
+def test_hf_teacher_scores_each_text_independently_of_batching(tmp_path):
+    pytest.importorskip("transformers")
+    from tasks.curation.quality_model import hf_teacher
+
+    _tiny_hf_classifier(tmp_path / "teacher")
+    texts = ["good good", "bad text here and more bad words", "good"]
+    together = hf_teacher(str(tmp_path / "teacher"), texts, batch_size=3)
+    alone = [hf_teacher(str(tmp_path / "teacher"), [t])[0] for t in texts]
+    assert len(together) == 3 and len(set(together)) == 3
+    assert together == pytest.approx(alone, abs=1e-5)
