@@ -72,7 +72,10 @@ def filter_shard(cfg: CurateConfig, in_shard: Path, out_dir: Path) -> dict:
             domain, text = row["domain"], row["text"]
             tokens = count_tokens(text)
             add_count(table, domain, "in", 1, tokens)
-            name, reason, text = apply_filters(cfg.filters, text, domain)
+            try:
+                name, reason, text = apply_filters(cfg.filters, text, domain)
+            except Exception as error:  # noqa: BLE001 - one bad document must not fail the shard
+                name, reason = "error", type(error).__name__
             if name is not None:
                 add_count(table, domain, f"removed:{name}:{reason}", 1, tokens)
                 bucket = samples.setdefault(f"{name}:{reason}", [])

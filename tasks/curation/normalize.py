@@ -78,7 +78,10 @@ def normalize_shard(cfg: CurateConfig, in_shard: Path, out_dir: Path) -> dict:
             raw = row.get("text")
             tokens = count_tokens(raw) if isinstance(raw, str) else 0
             add_count(table, domain, "in", 1, tokens)
-            text, note = normalize_text(ncfg, raw, domain)
+            try:
+                text, note = normalize_text(ncfg, raw, domain)
+            except Exception as error:  # noqa: BLE001 - one bad document must not fail the shard
+                text, note = None, f"error:{type(error).__name__}"
             if text is not None and row.get("id") in seen_ids:
                 text, note = None, "duplicate_id"
             if text is None:
