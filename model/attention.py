@@ -43,6 +43,14 @@ def document_ids(
     return ids if bool((ids[:, -1] != 0).any()) else None
 
 
+def positions_from_cu_seqlens(batch_size: int, seq_len: int, cu_seqlens: Tensor) -> Tensor:
+    """Position of each token inside its document, (B, T), restarting at 0 at each start."""
+    tokens = torch.arange(batch_size * seq_len, device=cu_seqlens.device)
+    starts = cu_seqlens.to(tokens.dtype)
+    doc = torch.searchsorted(starts, tokens, right=True) - 1  # index of the doc's start
+    return (tokens - starts[doc]).view(batch_size, seq_len)
+
+
 def document_mask(doc_ids: Tensor) -> Tensor:
     """Block-diagonal causal mask (B, 1, T, T), True where a query may attend to a key."""
     seq_len = doc_ids.shape[-1]

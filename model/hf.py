@@ -185,6 +185,11 @@ def _config_from_hf(config: dict) -> ModelConfig:
     for name in ("attention_bias", "mlp_bias", "use_sliding_window"):
         if config.get(name):
             raise ValueError(f"{name}={config[name]} is not supported by model.Transformer")
+    head_dim = config.get("head_dim")
+    if head_dim and head_dim != config["hidden_size"] // config["num_attention_heads"]:
+        raise ValueError(
+            f"head_dim={head_dim} != hidden_size / num_attention_heads is not supported"
+        )
     rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
     rope_theta = rope.pop("rope_theta", config.get("rope_theta", 10000.0))
     rope.setdefault("rope_type", rope.pop("type", "default"))

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from model.attention import Attention, document_ids, document_mask
+from model.attention import Attention, document_ids, document_mask, positions_from_cu_seqlens
 from model.config import ModelConfig
 from model.norm import RMSNorm
 from model.rope import RotaryEmbedding
@@ -95,18 +95,19 @@ class Transformer(nn.Module):
 
         Args:
             input_ids: (B, T) token ids.
-            position_ids: (B, T) positions restarting at 0 at each document; default 0..T-1.
+            position_ids: (B, T) positions restarting at 0 at each document; by default they are
+                derived from `cu_seqlens`, or 0..T-1 without it.
             cu_seqlens: int32 cumulative document lengths over the flattened B*T tokens, e.g.
                 B=2, T=4 with documents [3, 1 | 4] -> [0, 3, 4, 8]. With neither this nor
                 `position_ids`, attention is plain causal.
         """
         batch, seq_len = input_ids.shape
         x = self.embed(input_ids)  # (B, T, C)
-        if position_ids is None:
+        doc_ids = document_ids(batch, seq_len, position_ids, cu_seqlens)
+        if position_ids is None and doc_ids is not None:  # packed: restart RoPE at each doc
+            position_ids = positions_from_cu_seqlens(batch, seq_len, cu_seqlens)
+        elif position_ids is None:
             position_ids = torch.arange(seq_len, device=input_ids.device)[None]  # (1, T)
-            doc_ids = document_ids(batch, seq_len, None, cu_seqlens)
-        else:
-            doc_ids = document_ids(batch, seq_len, position_ids, cu_seqlens)
         doc_mask = None if doc_ids is None else document_mask(doc_ids)
         rope = self.rope(position_ids, x.dtype)
         for layer in self.layers:

@@ -64,3 +64,15 @@ def test_masked_path_gradients_stay_inside_documents():
     logits[0, 5].sum().backward()  # a token of the second document
     grad_per_token = embeddings["x"].grad[0].abs().sum(-1)
     assert (grad_per_token[:4] == 0).all() and (grad_per_token[4:6] > 0).all()
+
+
+def test_positions_follow_cu_seqlens_when_not_given():
+    torch.manual_seed(0)
+    model = Transformer(CFG).eval()
+    input_ids = torch.randint(0, 100, (2, 8))
+    cu_seqlens = torch.tensor([0, 5, 8, 16], dtype=torch.int32)
+    position_ids = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2], list(range(8))])
+    with torch.no_grad():
+        implicit = model(input_ids, cu_seqlens=cu_seqlens)
+        explicit = model(input_ids, position_ids=position_ids, cu_seqlens=cu_seqlens)
+    assert torch.equal(implicit, explicit)

@@ -147,3 +147,26 @@ def test_preset_parameter_count_matches_transformers(name):
     with torch.device("meta"):
         hf = SmolLM3ForCausalLM(config)
     assert cfg.num_parameters() == sum(p.numel() for p in hf.parameters())
+
+
+def test_import_checkpoints_saved_by_transformers(tmp_path):
+    """Configs written by transformers itself (Llama and SmolLM3) import with equal logits."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    shapes = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, bos_token_id=1,
+                  eos_token_id=2)  # fmt: skip
+    torch.manual_seed(0)
+    for name, model in [
+        ("llama", LlamaForCausalLM(LlamaConfig(**shapes, tie_word_embeddings=False))),
+        ("smollm3", SmolLM3ForCausalLM(SmolLM3Config(**shapes, no_rope_layer_interval=2))),
+    ]:
+        model.save_pretrained(tmp_path / name)
+        cfg, state = import_hf(tmp_path / name)
+        ours = Transformer(cfg).eval()
+        ours.load_state_dict(state)
+        input_ids = torch.randint(0, 300, (2, 20))
+        with torch.no_grad():
+            torch.testing.assert_close(
+                ours(input_ids), model.eval()(input_ids).logits, atol=1e-4, rtol=0
+            )
