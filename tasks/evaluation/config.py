@@ -31,17 +31,17 @@ class EvalConfig(BaseModel):
         default=None, description="At most this many documents per task (None: all)."
     )
     num_items: int = Field(
-        default=100, description="Synthetic items written per bundled arith/facts task."
+        default=80, description="Synthetic items written per bundled arith/facts task."
     )
     num_ppl_docs: int = Field(
-        default=40, description="Held-out documents per domain for the perplexity tasks."
+        default=20, description="Held-out documents per domain for the perplexity tasks."
     )
     max_doc_chars: int = Field(
         default=2000,
         description="Held-out documents are cut to this many characters (keeps the suite fast).",
     )
     max_gen_toks: int = Field(
-        default=16, description="Generation budget of the bundled generate_until tasks."
+        default=8, description="Generation budget of the bundled generate_until tasks."
     )
     seed: int = Field(default=1234, description="Seed of the synthetic item generator.")
     dtype: str = Field(

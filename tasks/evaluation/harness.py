@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -93,16 +94,25 @@ def _evaluate_with_suite(
 
 def task_manager(cfg: EvalConfig, suite_dir: Path, heldout_dir: Path | None):
     """A TaskManager over the suite; lm-eval's own tasks are indexed only when asked for."""
-    from lm_eval.tasks import TaskManager
-
-    bundled = set(read_manifest(suite_dir)["tasks"]) | {"heldout_ppl"}
+    manifest = read_manifest(suite_dir)
+    bundled = set(manifest["tasks"]) | {"heldout_ppl"}
     # NOTE: indexing lm-eval's ~15k built-in task YAMLs takes ~10 s; skip it when every
     # requested name is ours (bundled names whose data is absent are reported by load_tasks).
     needs_defaults = any(
         name not in bundled and missing_data_reason(name, cfg, heldout_dir) is None
         for name in cfg.tasks
     )
-    return TaskManager(include_path=str(suite_dir), include_defaults=needs_defaults)
+    suite = str(Path(suite_dir).resolve())
+    return _cached_task_manager(suite, manifest["suite_key"], needs_defaults)
+
+
+@functools.lru_cache(maxsize=4)
+def _cached_task_manager(suite_dir: str, suite_key: str, include_defaults: bool):
+    """One index per suite (``suite_key`` guards against a rebuilt dir): many checkpoints
+    evaluated on one suite index it once."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=suite_dir, include_defaults=include_defaults)
 
 
 def load_tasks(cfg: EvalConfig, manager, heldout_dir: Path | None) -> tuple[list, list]:

@@ -320,8 +320,24 @@ def _base_task(data_file: Path, split: str, out_dir: Path) -> dict[str, Any]:
     }
 
 
+METRIC_DEFAULTS = {  # lm-eval's own defaults, spelled out so it does not warn about each
+    "acc": ("mean", True),
+    "acc_norm": ("mean", True),
+    "word_perplexity": ("weighted_perplexity", False),
+    "byte_perplexity": ("weighted_perplexity", False),
+    "bits_per_byte": ("bits_per_byte", False),
+}
+
+
 def _metrics(*names: str) -> list[dict[str, Any]]:
-    return [{"metric": name} for name in names]
+    return [
+        {
+            "metric": n,
+            "aggregation": METRIC_DEFAULTS[n][0],
+            "higher_is_better": METRIC_DEFAULTS[n][1],
+        }
+        for n in names
+    ]
 
 
 def _write_yaml(out_dir: Path, task: dict[str, Any], extra: str = "") -> Path:
