@@ -166,3 +166,41 @@ def preset(name: str, **overrides) -> ModelConfig:
     if unknown:
         raise ValueError(f"unknown ModelConfig field(s) {sorted(unknown)} in preset overrides")
     return ModelConfig(**{**PRESETS[name], **overrides})
+
+
+def extend_context(
+    cfg: ModelConfig,
+    max_seq_len: int,
+    *,
+    rope_theta: float | None = None,
+    yarn: bool = True,
+    beta_fast: float = 32,
+    beta_slow: float = 1,
+) -> ModelConfig:
+    """Config for a longer context: ABF (a new RoPE base) and/or YaRN scaling.
+
+    YaRN's `original_max_position_embeddings` stays the length the model was first trained at, so
+    extending twice (4k -> 16k -> 64k) gives factor 16, not 4 on top of 4.
+
+    Args:
+        cfg: the trained model's config.
+        max_seq_len: the new context length.
+        rope_theta: new RoPE base (ABF); None keeps the current one.
+        yarn: add YaRN scaling with `factor = max_seq_len / original length`.
+        beta_fast: YaRN's fast boundary (rotations over the original context).
+        beta_slow: YaRN's slow boundary.
+    """
+    if max_seq_len < cfg.max_seq_len:
+        raise ValueError(f"max_seq_len={max_seq_len} is shorter than the current {cfg.max_seq_len}")
+    scaling = None
+    if yarn:
+        original = (cfg.rope_scaling or {}).get("original_max_position_embeddings", cfg.max_seq_len)
+        scaling = {
+            "rope_type": "yarn",
+            "factor": max_seq_len / original,
+            "original_max_position_embeddings": original,
+            "beta_fast": beta_fast,
+            "beta_slow": beta_slow,
+        }
+    theta = cfg.rope_theta if rope_theta is None else rope_theta
+    return dataclasses.replace(cfg, max_seq_len=max_seq_len, rope_theta=theta, rope_scaling=scaling)
