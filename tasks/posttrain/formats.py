@@ -140,7 +140,10 @@ def normalize_sft(record: Record) -> Record:
         messages = _messages(record["prompt"]) + _as_response(record["completion"])
     elif "instruction" in record and "output" in record:
         user = record["instruction"] + (f"\n\n{record['input']}" if record.get("input") else "")
-        messages = [{"role": "user", "content": user}, {"role": "assistant", "content": record["output"]}]
+        messages = [
+            {"role": "user", "content": user},
+            {"role": "assistant", "content": record["output"]},
+        ]
     else:
         raise RecordError("unknown_format", f"keys {sorted(record)}")
     return {"messages": _check_conversation(messages)}
@@ -160,11 +163,15 @@ def parse_transcript(text: str) -> list[Message]:
 
 def _split_final_turn(messages: list[Message]) -> tuple[list[Message], Message]:
     if not messages or messages[-1]["role"] != "assistant":
-        raise RecordError("no_assistant_turn", "the conversation does not end with an assistant turn")
+        raise RecordError(
+            "no_assistant_turn", "the conversation does not end with an assistant turn"
+        )
     return messages[:-1], messages[-1]
 
 
-def _implicit_prompt(chosen: Any, rejected: Any) -> tuple[list[Message], list[Message], list[Message]]:
+def _implicit_prompt(
+    chosen: Any, rejected: Any
+) -> tuple[list[Message], list[Message], list[Message]]:
     """Split two full conversations into the shared prompt and their final assistant turns."""
     if isinstance(chosen, str) and isinstance(rejected, str):
         chosen, rejected = parse_transcript(chosen), parse_transcript(rejected)

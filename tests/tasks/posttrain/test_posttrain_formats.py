@@ -140,7 +140,9 @@ def test_real_sharegpt_file_loads(shared_data):
 
 
 def test_real_hh_rlhf_file_loads(shared_data):
-    pairs, rejects = load_preference_pairs(shared_data / "dpo" / "hh_rlhf_harmless_base_test.jsonl.gz")
+    pairs, rejects = load_preference_pairs(
+        shared_data / "dpo" / "hh_rlhf_harmless_base_test.jsonl.gz"
+    )
     assert len(pairs) + len(rejects) == 2312
     assert len(pairs) > 2250
     reasons = Counter(r["reason"] for r in rejects)

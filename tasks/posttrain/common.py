@@ -1,0 +1,149 @@
+"""Helpers shared by SFT and DPO: loading, length checks, held-out split, rejects, export."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+from tasks.errors import BadInputError
+from tasks.posttrain.formats import Message, Record, write_jsonl
+
+MODEL_SUBDIR = "model"
+REJECTS_FILE = "rejects.jsonl"
+METRICS_FILE = "metrics.json"
+END_OF_TURN = "<|im_end|>"
+
+
+def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
+    """The tokenizer saved beside a model, which must carry a chat template.
+
+    Raises:
+        BadInputError: the tokenizer has no chat template.
+    """
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    if not tokenizer.chat_template:
+        raise BadInputError(
+            f"the tokenizer in {model_dir} has no chat_template; post-training needs one"
+        )
+    if tokenizer.pad_token is None:
+        # NOTE: padding with eos would mask eos out of the labels in some collators; the project's
+        # tokenizer has <|pad|>, this is only for foreign models.
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(model_dir: Path, attn_implementation: str) -> PreTrainedModel:
+    """Any causal LM saved in HF format, in float32 (mixed precision is the trainer's job)."""
+    return AutoModelForCausalLM.from_pretrained(
+        str(model_dir), dtype=torch.float32, attn_implementation=attn_implementation
+    )
+
+
+def prompt_length(tokenizer: PreTrainedTokenizerBase, prompt: list[Message]) -> int:
+    """Tokens of a prompt rendered with the chat template and the generation prompt."""
+    ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+    return len(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+
+def first_prompt(messages: list[Message]) -> list[Message]:
+    """The messages before the first assistant turn."""
+    index = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    return messages[:index]
+
+
+def drop_long_prompts(
+    records: list[Record], tokenizer: PreTrainedTokenizerBase, max_length: int, key: str
+) -> tuple[list[Record], list[Record]]:
+    """Drop records whose prompt leaves no room for a response within ``max_length``.
+
+    Args:
+        records: Normalized SFT examples (``key="messages"``) or pairs (``key="prompt"``).
+        tokenizer: Tokenizer with the chat template.
+        max_length: Longest tokenized sequence.
+        key: Field holding the conversation or prompt.
+
+    Returns:
+        ``(kept, rejects)``, rejects with reason ``prompt_too_long``.
+    """
+    kept, rejects = [], []
+    for index, record in enumerate(records):
+        prompt = first_prompt(record[key]) if key == "messages" else record[key]
+        length = prompt_length(tokenizer, prompt)
+        if length >= max_length:
+            detail = f"prompt is {length} tokens, max_length is {max_length}"
+            rejects.append({"index": index, "reason": "prompt_too_long", "detail": detail})
+        else:
+            kept.append(record)
+    return kept, rejects
+
+
+def split_heldout(records: list[Record], num_heldout: int, seed: int) -> tuple[list, list]:
+    """Shuffle by seed, then hold out ``num_heldout`` records (never all of them)."""
+    order = list(range(len(records)))
+    random.Random(seed).shuffle(order)
+    num_heldout = min(num_heldout, max(len(records) - 1, 0))
+    heldout = [records[i] for i in sorted(order[:num_heldout])]
+    train = [records[i] for i in sorted(order[num_heldout:])]
+    return train, heldout
+
+
+def write_rejects(out_dir: Path, rejects: list[Record]) -> dict[str, int]:
+    """Write rejects.jsonl and return flat counts: ``num_rejected`` and ``rejected_<reason>``."""
+    write_jsonl(Path(out_dir) / REJECTS_FILE, rejects)
+    counts = Counter(r["reason"] for r in rejects)
+    return {"num_rejected": len(rejects), **{f"rejected_{k}": v for k, v in sorted(counts.items())}}
+
+
+def require_examples(records: list[Record], what: str, source: str, rejects: list[Record]) -> None:
+    """Fail before training when nothing usable is left.
+
+    Raises:
+        BadInputError: zero usable records, naming the source and the reject reasons.
+    """
+    if records:
+        return
+    reasons = dict(Counter(r["reason"] for r in rejects))
+    raise BadInputError(
+        f"no usable {what} in {source}: {len(rejects)} records rejected {reasons} "
+        f"(details in {REJECTS_FILE})"
+    )
+
+
+def export_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out: Path) -> Path:
+    """Save model, tokenizer and chat template in HF format, stopping generation at end of turn."""
+    out = Path(out)
+    model = model.to(torch.float32)
+    generation_config = model.generation_config
+    stop_ids = [tokenizer.eos_token_id]
+    if END_OF_TURN in tokenizer.get_vocab():
+        stop_ids.insert(0, tokenizer.convert_tokens_to_ids(END_OF_TURN))
+    generation_config.eos_token_id = stop_ids
+    generation_config.pad_token_id = tokenizer.pad_token_id
+    model.config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(str(out), safe_serialization=True)
+    tokenizer.save_pretrained(str(out))
+    return out
+
+
+def write_metrics(out_dir: Path, metrics: dict[str, Any]) -> None:
+    """Write metrics.json (sorted keys) beside the outputs."""
+    path = Path(out_dir) / METRICS_FILE
+    path.write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
+
+
+def offline_environment() -> None:
+    """Never reach the Hugging Face Hub from a step: every input is a local folder."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")

@@ -1,0 +1,111 @@
+"""Typed configs for the SFT and DPO steps (pydantic v2: validated before any compute)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+UNVERSIONED = {"versioned": False}
+
+
+class _TrainStepConfig(BaseModel):
+    """Fields shared by SFT and DPO."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    data: str = Field(
+        "quickstart",
+        description="'quickstart' (generated arithmetic data) or a local JSON/JSONL(.gz) file; "
+        "the format is detected per record.",
+    )
+    num_quickstart_examples: int = Field(
+        512, gt=0, description="How many quickstart records to generate when data='quickstart'."
+    )
+    max_length: int = Field(
+        128, ge=16, description="Longest tokenized sequence; longer prompts are rejected."
+    )
+    learning_rate: float = Field(1e-3, gt=0, lt=1, description="Peak AdamW learning rate.")
+    lr_scheduler_type: Literal["constant", "linear", "cosine"] = Field(
+        "cosine", description="Learning-rate schedule after warmup."
+    )
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup steps.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    max_steps: int | None = Field(
+        60, gt=0, description="Optimizer steps; None trains for num_epochs instead."
+    )
+    num_epochs: float = Field(1.0, gt=0, description="Epochs, used only when max_steps is None.")
+    per_device_batch_size: int = Field(8, gt=0, description="Examples per device per micro-batch.")
+    gradient_accumulation_steps: int = Field(1, gt=0, description="Micro-batches per step.")
+    num_heldout: int = Field(
+        32, ge=0, description="Examples held out (by seed) for before/after evaluation."
+    )
+    seed: int = Field(0, description="Seed for the held-out split, data order and init.")
+    bf16: bool = Field(False, description="bfloat16 mixed precision (GPU); False on CPU.")
+    attn_implementation: str = Field(
+        "sdpa",
+        description="Attention kernel: 'sdpa' or 'eager' (CPU), 'flash_attention_2' (GPU).",
+    )
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute activations to save memory.", json_schema_extra=UNVERSIONED
+    )
+    logging_steps: int = Field(
+        10, gt=0, description="Steps between log lines.", json_schema_extra=UNVERSIONED
+    )
+    dataloader_num_workers: int = Field(
+        0, ge=0, description="Data loader worker processes.", json_schema_extra=UNVERSIONED
+    )
+
+    @field_validator("data")
+    @classmethod
+    def _data_not_empty(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("data='' : use 'quickstart' or a path to a JSON/JSONL file")
+        return value
+
+    @field_validator("attn_implementation")
+    @classmethod
+    def _known_attention(cls, value: str) -> str:
+        allowed = {"sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention"}
+        if value not in allowed:
+            raise ValueError(f"attn_implementation={value!r} is not one of {sorted(allowed)}")
+        return value
+
+
+class SFTStepConfig(_TrainStepConfig):
+    """Supervised fine-tuning on chat data through TRL's SFTTrainer."""
+
+    assistant_only_loss: bool = Field(
+        True, description="Loss on assistant tokens only (needs {% generation %} in the template)."
+    )
+    packing: bool = Field(
+        True,
+        description="Pack conversations into max_length rows (best-fit decreasing) without "
+        "cross-example attention: padding-free batches carry position_ids that restart at 0.",
+    )
+
+
+class DPOStepConfig(_TrainStepConfig):
+    """Direct preference optimization through TRL's DPOTrainer; the reference is the SFT model."""
+
+    learning_rate: float = Field(2e-4, gt=0, lt=1, description="Peak AdamW learning rate.")
+    lr_scheduler_type: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="Learning-rate schedule after warmup."
+    )
+    max_steps: int | None = Field(
+        40, gt=0, description="Optimizer steps; None trains for num_epochs instead."
+    )
+    beta: float = Field(
+        0.1, gt=0, description="DPO beta: higher keeps the policy closer to the reference."
+    )
+    loss_type: Literal["sigmoid", "hinge", "ipo"] = Field(
+        "sigmoid", description="TRL DPO loss; 'sigmoid' is the original DPO loss."
+    )
+
+    @model_validator(mode="after")
+    def _ipo_beta(self) -> DPOStepConfig:
+        if self.loss_type == "ipo" and self.beta > 10:
+            raise ValueError(
+                f"beta={self.beta} with loss_type='ipo' gives a near-zero target margin"
+            )
+        return self

@@ -1,0 +1,93 @@
+"""Fixtures: a byte-level BPE tokenizer with the project's chat contract and a tiny Llama.
+
+The offline HF environment and ``shared_data`` come from ``tests/conftest.py``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+# The project's tokenizer contract: ChatML, assistant content (and its end-of-turn token) inside
+# {% generation %} so assistant-only loss works, and add_generation_prompt support.
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'assistant' -%}"
+    "{{- '<|im_start|>assistant\\n' -}}"
+    "{%- generation -%}{{- message['content'] + '<|im_end|>' -}}{%- endgeneration -%}"
+    "{{- '\\n' -}}"
+    "{%- else -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|bos|>", "<|pad|>", "<|im_start|>", "<|im_end|>"]
+
+
+def _training_text() -> str:
+    from tasks.posttrain.quickstart import quickstart_sft_examples
+
+    lines = [m["content"] for e in quickstart_sft_examples(200, seed=123) for m in e["messages"]]
+    prose = "The quick brown fox jumps over the lazy dog. Who are you? I am a helpful assistant. "
+    return "\n".join(lines) + "\n" + prose * 20
+
+
+def build_tokenizer():
+    """A ~512-token byte-level BPE wrapped as a PreTrainedTokenizerFast with the chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=512,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator([_training_text()], trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|bos|>",
+        eos_token="<|endoftext|>",
+        pad_token="<|pad|>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def build_tiny_llama(tokenizer, seed: int = 0):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=True,
+    )
+    return LlamaForCausalLM(config)
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tokenizer) -> Path:
+    """A randomly initialized tiny Llama + tokenizer, saved with save_pretrained (safetensors)."""
+    path = tmp_path_factory.mktemp("tiny_llama")
+    build_tiny_llama(tokenizer).save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path

@@ -1,0 +1,152 @@
+"""SFT through TRL: assistant-only labels, packing without cross-example attention, export."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tasks.errors import BadInputError
+from tasks.posttrain.config import SFTStepConfig
+from tasks.posttrain.formats import write_jsonl
+from tasks.posttrain.quickstart import quickstart_sft_examples
+from tasks.posttrain.sft import build_sft_trainer, sft
+
+FAST = dict(max_length=64, per_device_batch_size=4, max_steps=3, num_heldout=4, logging_steps=1)
+ASSISTANT_SPAN = re.compile(r"<\|im_start\|>assistant\n(.*?<\|im_end\|>)", re.DOTALL)
+
+
+def _expected_labels(tokenizer, messages):
+    """Labels by hand: token ids inside assistant content (+ its <|im_end|>), else -100."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    spans = [m.span(1) for m in ASSISTANT_SPAN.finditer(text)]
+    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    labels = []
+    for token_id, (start, end) in zip(
+        encoding["input_ids"], encoding["offset_mapping"], strict=True
+    ):
+        inside = any(s <= start and end <= e for s, e in spans)
+        labels.append(token_id if inside else -100)
+    return encoding["input_ids"], labels
+
+
+def test_labels_mask_system_and_user_tokens_exactly(tiny_model_dir, tokenizer, tmp_path):
+    examples = quickstart_sft_examples(12, seed=1)
+    examples.append(
+        {
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Who are you?"},
+                {"role": "assistant", "content": "A helper."},
+                {"role": "user", "content": "And?"},
+                {"role": "assistant", "content": "Nothing more."},
+            ]
+        }
+    )
+    cfg = SFTStepConfig(**{**FAST, "packing": False, "max_length": 128})
+    trainer = build_sft_trainer(cfg, tiny_model_dir, tmp_path, examples, [])
+    assert any(m["role"] == "system" for e in examples for m in e["messages"])
+    for example, row in zip(examples, trainer.train_dataset, strict=True):
+        input_ids, labels = _expected_labels(tokenizer, example["messages"])
+        assert row["input_ids"] == input_ids
+        assert row["labels"] == labels
+        assert any(label != -100 for label in labels)
+
+
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
+def test_packed_row_has_no_cross_example_attention(tiny_model_dir, tmp_path, attn_implementation):
+    cfg = SFTStepConfig(**{**FAST, "max_length": 128, "attn_implementation": attn_implementation})
+    trainer = build_sft_trainer(cfg, tiny_model_dir, tmp_path, quickstart_sft_examples(16, 2), [])
+    row = trainer.train_dataset[0]
+    lengths = row["seq_lengths"]
+    assert len(lengths) > 1, "the row must hold several conversations"
+    batch = trainer.data_collator([row])
+    assert "attention_mask" not in batch  # padding-free: boundaries come from position_ids
+    model = trainer.model.eval()
+    assert model.config.use_cache is False  # the Trainer sets it; see the NOTE in sft.py
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    ids = batch["input_ids"]
+    with torch.no_grad():
+        packed = model(**inputs).logits[0]
+        alone, start = [], 0
+        for length in lengths:
+            alone.append(model(input_ids=ids[:, start : start + length]).logits[0])
+            start += length
+        alone = torch.cat(alone)
+        # Negative control: with a KV cache, transformers skips packed-sequence detection.
+        leaky = model(**inputs, use_cache=True).logits[0]
+    torch.testing.assert_close(packed[: len(alone)], alone, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(leaky[: len(alone)], alone, atol=1e-3)
+
+
+def test_sft_quickstart_trains_and_exports_a_chat_model(tiny_model_dir, tmp_path):
+    cfg = SFTStepConfig(**{**FAST, "max_steps": 6, "learning_rate": 3e-3})
+    metrics = sft(cfg, tiny_model_dir, tmp_path)
+    assert metrics["num_steps"] == 6
+    assert metrics["num_rejected"] == 0
+    assert metrics["heldout_loss_after"] < metrics["heldout_loss_before"]
+    assert json.loads((tmp_path / "metrics.json").read_text()) == metrics
+    assert (tmp_path / "rejects.jsonl").read_text() == ""
+    _generates_with_chat_template(tmp_path / "model")
+
+
+def _generates_with_chat_template(model_dir):
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    assert "generation" in tokenizer.chat_template
+    assert list((model_dir).glob("*.safetensors"))
+    inputs = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 2 + 3?"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
+    out = model.generate(**inputs, max_new_tokens=8, do_sample=False)
+    assert out.shape[1] > inputs["input_ids"].shape[1]
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert im_end in model.generation_config.eos_token_id
+
+
+def test_sft_rejects_long_prompts_and_bad_records(tiny_model_dir, tmp_path):
+    records = quickstart_sft_examples(8, seed=3) + [
+        {"messages": [{"role": "user", "content": "Q"}]},
+        {
+            "messages": [
+                {"role": "user", "content": "long " * 200},
+                {"role": "assistant", "content": "ok"},
+            ]
+        },
+    ]
+    data = tmp_path / "data.jsonl"
+    write_jsonl(data, records)
+    out = tmp_path / "out"
+    out.mkdir()
+    metrics = sft(SFTStepConfig(**{**FAST, "max_steps": 1}), tiny_model_dir, out, data)
+    assert metrics["num_examples"] == 8
+    assert metrics["rejected_no_assistant_turn"] == 1
+    assert metrics["rejected_prompt_too_long"] == 1
+    rejects = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
+    assert sorted(r["reason"] for r in rejects) == ["no_assistant_turn", "prompt_too_long"]
+
+
+def test_zero_usable_examples_fails_before_training(tiny_model_dir, tmp_path):
+    data = tmp_path / "bad.jsonl"
+    write_jsonl(data, [{"messages": [{"role": "user", "content": "Q"}]}, {"text": "x"}])
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(BadInputError, match=r"no usable SFT examples .*no_assistant_turn"):
+        sft(SFTStepConfig(**FAST), tiny_model_dir, out, data)
+    assert not (out / "model").exists()
+    assert len((out / "rejects.jsonl").read_text().splitlines()) == 2
+
+
+def test_sft_on_real_sharegpt_file(tiny_model_dir, tmp_path, shared_data):
+    data = shared_data / "sft" / "fastchat_dummy_conversation.json"
+    cfg = SFTStepConfig(max_length=128, per_device_batch_size=2, max_steps=2, num_heldout=2)
+    metrics = sft(cfg, tiny_model_dir, tmp_path, data)
+    assert metrics["num_steps"] == 2
+    assert metrics["num_examples"] + metrics["num_rejected"] == 500
+    assert (tmp_path / "model" / "config.json").exists()
