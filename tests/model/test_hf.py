@@ -170,3 +170,25 @@ def test_import_checkpoints_saved_by_transformers(tmp_path):
             torch.testing.assert_close(
                 ours(input_ids), model.eval()(input_ids).logits, atol=1e-4, rtol=0
             )
+
+
+@pytest.mark.parametrize("name", ["135m", "360m", "3b"])
+def test_preset_shapes_match_transformers(name, tmp_path):
+    """Real head counts (9/3, 15/5, 16/4) and NoPE settings, cut to 4 layers and a small vocab."""
+    small = dict(num_layers=4, vocab_size=512, intermediate_size=256)
+    if name == "3b":
+        small["hidden_size"] = 512  # keeps 16 / 4 heads, at head_dim 32
+    cfg = preset(name, **small)
+    model, hf = _export_and_load(cfg, tmp_path)
+    input_ids = torch.randint(0, 512, (1, 40))
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids), hf(input_ids).logits, atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+def test_full_135m_preset_matches_transformers(tmp_path):
+    cfg = preset("135m")
+    model, hf = _export_and_load(cfg, tmp_path)
+    input_ids = torch.randint(0, cfg.vocab_size, (1, 64))
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids), hf(input_ids).logits, atol=1e-4, rtol=0)
