@@ -93,13 +93,26 @@ class Attention(nn.Module):
         if self.use_rope and rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|KV, T, D)
-        out = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=doc_mask,
-            is_causal=doc_mask is None,
-            enable_gqa=self.num_kv_heads != self.num_heads,
-        )  # (B, H, T, D)
+        # NOTE: on CUDA, SDPA's fused kernels take grouped k/v only without a mask; with one it
+        # would fall back to the math kernel (a T x T matrix per head), so k/v are expanded.
+        native_gqa = doc_mask is None or x.device.type == "cpu"
+        out = attend(q, k, v, doc_mask, native_gqa)  # (B, H, T, D)
         out = out.transpose(1, 2).reshape(batch, seq_len, -1)  # (B, T, H * D)
         return self.o_proj(out)
+
+
+def attend(
+    q: Tensor, k: Tensor, v: Tensor, doc_mask: Tensor | None, native_gqa: bool = True
+) -> Tensor:
+    """Causal SDPA of q (B, H, T, D) over k, v (B, KV, T, D); (B, H, T, D) out.
+
+    Args:
+        doc_mask: (B, 1, T, T) boolean mask, or None for plain causal attention.
+        native_gqa: let SDPA share k/v across head groups; otherwise repeat them per head.
+    """
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1 and not native_gqa:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=doc_mask, is_causal=doc_mask is None, enable_gqa=groups > 1
+    )
