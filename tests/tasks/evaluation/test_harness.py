@@ -104,10 +104,15 @@ def test_bundled_suite_runs_fast_on_tiny_model(tmp_path, tiny_model, heldout_dir
     assert metrics["num_requests"] == 6 + 8 * 4 * 4 + 8
 
 
-def test_unknown_task_named(tmp_path, tiny_model):
+def test_unknown_task_or_absent_data_named(tmp_path, tiny_model):
     cfg = EvalConfig(tasks=["cf_arith", "no_such_task_xyz"], limit=2, device="cpu")
+    suite = build_suite(cfg, None, tmp_path / "suite")
     with pytest.raises(EvalTaskError, match="no_such_task_xyz"):
-        evaluate(cfg, tiny_model, tmp_path)
+        evaluate(cfg, tiny_model, tmp_path, suite_dir=suite)
+    # lm-eval's own piqa needs the Hub, which is offline here
+    cfg = EvalConfig(tasks=["cf_arith", "piqa"], limit=2, device="cpu")
+    with pytest.raises(EvalTaskError, match="'piqa': cannot load its data"):
+        evaluate(cfg, tiny_model, tmp_path, suite_dir=suite)
 
 
 def test_bundled_task_without_its_data_named(tmp_path, tiny_model):
