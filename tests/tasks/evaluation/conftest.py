@@ -2,26 +2,19 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
+from pathlib import Path
 
-os.environ["HF_HUB_OFFLINE"] = "1"
-os.environ["HF_DATASETS_OFFLINE"] = "1"
-os.environ.setdefault("HF_HOME", tempfile.mkdtemp(prefix="llmflow-hf-home-"))
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
 
-from pathlib import Path  # noqa: E402
-
-import pyarrow as pa  # noqa: E402
-import pyarrow.parquet as pq  # noqa: E402
-import pytest  # noqa: E402
+# NOTE: tests/conftest.py sets HF_HOME to a temp dir and HF_HUB_OFFLINE / HF_DATASETS_OFFLINE.
 
 TEXT = (
     "The quick brown fox jumps over the lazy dog. What is 3 + 4? The answer is 7.\n"
     "Monday comes before Tuesday, and January comes before February. Hot is the opposite of "
     "cold. Question: What is 2 * 3?\nAnswer: 6\nA small model reads a small corpus.\n"
 )
-SHARED_DATA = Path(__file__).resolve().parents[3] / ".." / "shared" / "data"
 
 
 def make_tiny_model(out_dir: Path, seed: int = 0) -> Path:
@@ -95,9 +88,9 @@ def heldout_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def shared_eval_dir() -> Path:
+def shared_eval_dir(shared_data: Path) -> Path:
     """The real eval sets; tests using them skip when ../shared/data is absent."""
-    eval_dir = SHARED_DATA / "eval"
+    eval_dir = shared_data / "eval"
     if not eval_dir.is_dir():
         pytest.skip("../shared/data/eval is absent")
     return eval_dir.resolve()
