@@ -91,3 +91,27 @@ def tiny_model_dir(tmp_path_factory, tokenizer) -> Path:
     build_tiny_llama(tokenizer).save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return path
+
+
+def _assert_chats(model_dir: Path) -> None:
+    """The export loads with transformers and generates from its own chat template."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    assert "generation" in tokenizer.chat_template
+    assert list(model_dir.glob("*.safetensors"))
+    inputs = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 2 + 3?"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
+    out = model.generate(**inputs, max_new_tokens=8, do_sample=False)
+    assert out.shape[1] > inputs["input_ids"].shape[1]
+    assert tokenizer.convert_tokens_to_ids("<|im_end|>") in model.generation_config.eos_token_id
+
+
+@pytest.fixture
+def assert_chats():
+    return _assert_chats

@@ -7,7 +7,6 @@ import re
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tasks.errors import BadInputError
 from tasks.posttrain.config import SFTStepConfig
@@ -82,7 +81,7 @@ def test_packed_row_has_no_cross_example_attention(tiny_model_dir, tmp_path, att
     assert not torch.allclose(leaky[: len(alone)], alone, atol=1e-3)
 
 
-def test_sft_quickstart_trains_and_exports_a_chat_model(tiny_model_dir, tmp_path):
+def test_sft_quickstart_trains_and_exports_a_chat_model(tiny_model_dir, tmp_path, assert_chats):
     cfg = SFTStepConfig(**{**FAST, "max_steps": 6, "learning_rate": 3e-3})
     metrics = sft(cfg, tiny_model_dir, tmp_path)
     assert metrics["num_steps"] == 6
@@ -90,24 +89,7 @@ def test_sft_quickstart_trains_and_exports_a_chat_model(tiny_model_dir, tmp_path
     assert metrics["heldout_loss_after"] < metrics["heldout_loss_before"]
     assert json.loads((tmp_path / "metrics.json").read_text()) == metrics
     assert (tmp_path / "rejects.jsonl").read_text() == ""
-    _generates_with_chat_template(tmp_path / "model")
-
-
-def _generates_with_chat_template(model_dir):
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    assert "generation" in tokenizer.chat_template
-    assert list((model_dir).glob("*.safetensors"))
-    inputs = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "What is 2 + 3?"}],
-        add_generation_prompt=True,
-        return_tensors="pt",
-        return_dict=True,
-    )
-    out = model.generate(**inputs, max_new_tokens=8, do_sample=False)
-    assert out.shape[1] > inputs["input_ids"].shape[1]
-    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    assert im_end in model.generation_config.eos_token_id
+    assert_chats(tmp_path / "model")
 
 
 def test_sft_rejects_long_prompts_and_bad_records(tiny_model_dir, tmp_path):

@@ -1,0 +1,265 @@
+"""Direct preference optimization through TRL's DPOTrainer (plain, Prefect-free).
+
+The reference model is the SFT model (a second, frozen copy loaded from the same folder).
+Held-out pairs are scored before and after training two ways:
+
+- TRL's own eval metrics (``rewards/accuracies``, ``rewards/margins``): the implicit reward is
+  ``beta * (log pi(y|x) - log pi_ref(y|x))``, so before training, with policy == reference, every
+  margin is exactly 0 and the accuracy (strict ``>``) is 0.
+- The policy's preference accuracy: the share of pairs where ``log p(chosen|prompt) >
+  log p(rejected|prompt)``, summed over response tokens (the quantity DPO's rewards are built
+  on), and the same with per-token means (length-normalized).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from datasets import Dataset
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from trl import DPOConfig, DPOTrainer
+from trl.trainer.dpo_trainer import DataCollatorForPreference
+
+from tasks.posttrain.common import (
+    MODEL_SUBDIR,
+    drop_long_prompts,
+    export_model,
+    load_model,
+    load_tokenizer,
+    offline_environment,
+    require_examples,
+    split_heldout,
+    write_metrics,
+    write_rejects,
+)
+from tasks.posttrain.config import DPOStepConfig
+from tasks.posttrain.formats import Record, load_preference_pairs
+from tasks.posttrain.quickstart import make_quickstart_preferences
+
+logger = logging.getLogger(__name__)
+TRL_EVAL_KEYS = ("eval_loss", "eval_rewards/accuracies", "eval_rewards/margins")
+
+
+def _chat_ids(tokenizer: PreTrainedTokenizerBase, messages: list, **kwargs) -> list[int]:
+    return list(tokenizer.apply_chat_template(messages, tokenize=True, **kwargs)["input_ids"])
+
+
+def tokenize_pair(tokenizer: PreTrainedTokenizerBase, pair: Record) -> dict[str, list[int]]:
+    """Prompt, chosen and rejected token ids, split the way TRL's DPOTrainer splits them.
+
+    The response starts where the prompt rendered with the generation prompt and the full
+    conversation stop sharing tokens.
+    """
+    prompt = _chat_ids(tokenizer, pair["prompt"], add_generation_prompt=True)
+    chosen = _chat_ids(tokenizer, pair["prompt"] + pair["chosen"])
+    rejected = _chat_ids(tokenizer, pair["prompt"] + pair["rejected"])
+    shared = min(_common_prefix(prompt, chosen), _common_prefix(prompt, rejected))
+    return {
+        "prompt_ids": prompt[:shared],
+        "chosen_ids": chosen[shared:],
+        "rejected_ids": rejected[shared:],
+    }
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+@torch.no_grad()
+def response_logps(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    pairs: list[Record],
+    max_length: int,
+    batch_size: int = 8,
+) -> dict[str, torch.Tensor]:
+    """Log-probabilities of chosen and rejected responses given their prompts.
+
+    Sequences are truncated to ``max_length`` (keeping the start) like TRL's collator.
+
+    Returns:
+        ``chosen`` / ``rejected``: summed log-probs, shape (num_pairs,); ``chosen_tokens`` /
+        ``rejected_tokens``: response token counts.
+    """
+    collator = DataCollatorForPreference(pad_token_id=tokenizer.pad_token_id, max_length=max_length)
+    model.eval()
+    sums, counts = [], []
+    for start in range(0, len(pairs), batch_size):
+        batch = collator([tokenize_pair(tokenizer, p) for p in pairs[start : start + batch_size]])
+        batch = {k: v.to(model.device) for k, v in batch.items()}
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        logps = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+        token_logps = logps.gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)  # (2B, T-1)
+        mask = batch["completion_mask"][:, 1:].to(token_logps.dtype)
+        sums.append((token_logps * mask).sum(-1).view(2, -1))  # rows: chosen, rejected
+        counts.append(mask.sum(-1).view(2, -1))
+    sums, counts = torch.cat(sums, dim=1).cpu(), torch.cat(counts, dim=1).cpu()
+    return {
+        "chosen": sums[0],
+        "rejected": sums[1],
+        "chosen_tokens": counts[0],
+        "rejected_tokens": counts[1],
+    }
+
+
+def preference_metrics(logps: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Preference accuracy (summed and length-normalized) and mean log-prob margin."""
+    chosen_mean = logps["chosen"] / logps["chosen_tokens"].clamp(min=1)
+    rejected_mean = logps["rejected"] / logps["rejected_tokens"].clamp(min=1)
+    return {
+        "preference_accuracy": (logps["chosen"] > logps["rejected"]).float().mean().item(),
+        "preference_accuracy_length_normalized": (chosen_mean > rejected_mean)
+        .float()
+        .mean()
+        .item(),
+        "logp_margin": (logps["chosen"] - logps["rejected"]).mean().item(),
+    }
+
+
+def preference_accuracy(
+    model_dir: Path, pairs: list[Record], max_length: int = 1024, batch_size: int = 8
+) -> dict[str, float]:
+    """Share of pairs where a saved model gives the chosen response the higher log-probability.
+
+    Args:
+        model_dir: HF model folder with a tokenizer and chat template.
+        pairs: Normalized pairs (``load_preference_pairs``).
+        max_length: Truncation length, as in training.
+        batch_size: Pairs per forward pass.
+
+    Returns:
+        ``preference_accuracy`` (summed log-probs), ``preference_accuracy_length_normalized``
+        (per-token means), ``logp_margin`` (mean summed chosen minus rejected).
+    """
+    model = load_model(model_dir, "sdpa")
+    logps = response_logps(model, load_tokenizer(model_dir), pairs, max_length, batch_size)
+    return preference_metrics(logps)
+
+
+def resolve_dpo_data(cfg: DPOStepConfig, out_dir: Path, data_path: Path | None) -> Path:
+    """The local data file: ``data_path`` if given, else generated quickstart pairs, else cfg.data."""
+    if data_path is not None:
+        return Path(data_path)
+    if cfg.data == "quickstart":
+        path = Path(out_dir) / "quickstart_preferences.jsonl"
+        return make_quickstart_preferences(path, cfg.num_quickstart_examples, cfg.seed)
+    return Path(cfg.data)
+
+
+def dpo_training_args(cfg: DPOStepConfig, out_dir: Path) -> DPOConfig:
+    """TRL's DPOConfig from the step config: no checkpoints, no trackers, CPU-safe precision."""
+    return DPOConfig(
+        output_dir=str(Path(out_dir) / "trainer"),
+        beta=cfg.beta,
+        loss_type=[cfg.loss_type],
+        max_length=cfg.max_length,
+        learning_rate=cfg.learning_rate,
+        lr_scheduler_type=cfg.lr_scheduler_type,
+        warmup_steps=cfg.warmup_steps,
+        weight_decay=cfg.weight_decay,
+        max_steps=cfg.max_steps if cfg.max_steps is not None else -1,
+        num_train_epochs=cfg.num_epochs,
+        per_device_train_batch_size=cfg.per_device_batch_size,
+        per_device_eval_batch_size=cfg.per_device_batch_size,
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+        seed=cfg.seed,
+        data_seed=cfg.seed,
+        bf16=cfg.bf16,
+        gradient_checkpointing=cfg.gradient_checkpointing,
+        logging_steps=cfg.logging_steps,
+        dataloader_num_workers=cfg.dataloader_num_workers,
+        save_strategy="no",
+        eval_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+    )
+
+
+def build_dpo_trainer(
+    cfg: DPOStepConfig,
+    sft_model_dir: Path,
+    out_dir: Path,
+    train: list[Record],
+    heldout: list[Record],
+) -> DPOTrainer:
+    """A DPOTrainer whose policy and frozen reference both start from the SFT model."""
+    return DPOTrainer(
+        model=load_model(sft_model_dir, cfg.attn_implementation),
+        ref_model=load_model(sft_model_dir, cfg.attn_implementation),
+        args=dpo_training_args(cfg, out_dir),
+        train_dataset=Dataset.from_list(train),
+        eval_dataset=Dataset.from_list(heldout) if heldout else None,
+        processing_class=load_tokenizer(sft_model_dir),
+    )
+
+
+def evaluate_heldout(trainer: DPOTrainer, heldout: list[Record], cfg: DPOStepConfig, when: str):
+    """TRL's eval metrics and the policy's preference accuracy, keys suffixed with ``when``."""
+    if not heldout:
+        return {}
+    trl_metrics = trainer.evaluate()
+    metrics = {
+        f"heldout_{k.removeprefix('eval_').replace('/', '_')}_{when}": trl_metrics[k]
+        for k in TRL_EVAL_KEYS
+    }
+    logps = response_logps(
+        trainer.model, trainer.processing_class, heldout, cfg.max_length, cfg.per_device_batch_size
+    )
+    metrics.update({f"heldout_{k}_{when}": v for k, v in preference_metrics(logps).items()})
+    return metrics
+
+
+def prepare_pairs(cfg: DPOStepConfig, model_dir: Path, data_file: Path) -> tuple[list, list]:
+    """Load, normalize and length-check pairs; rejects carry the record index and reason."""
+    pairs, rejects = load_preference_pairs(data_file)
+    kept, too_long = drop_long_prompts(pairs, load_tokenizer(model_dir), cfg.max_length, "prompt")
+    return kept, rejects + too_long
+
+
+def dpo(
+    cfg: DPOStepConfig, sft_model_dir: Path, out_dir: Path, data_path: Path | None = None
+) -> dict[str, Any]:
+    """Align an SFT model on preference pairs with DPO and export it in HF format.
+
+    Args:
+        cfg: The step config.
+        sft_model_dir: Local HF folder of the SFT model; also the frozen reference.
+        out_dir: Existing local folder; receives ``model/``, ``rejects.jsonl``, ``metrics.json``.
+        data_path: Local data file; overrides ``cfg.data``.
+
+    Returns:
+        Headline metrics: pair and reject counts, train loss, and on held-out pairs before and
+        after DPO: TRL's loss, reward accuracy and margin, and the policy's preference accuracy.
+
+    Raises:
+        BadInputError: no usable pair survives loading and length checks.
+    """
+    offline_environment()
+    out_dir = Path(out_dir)
+    data_file = resolve_dpo_data(cfg, out_dir, data_path)
+    pairs, rejects = prepare_pairs(cfg, sft_model_dir, data_file)
+    metrics: dict[str, Any] = write_rejects(out_dir, rejects)
+    require_examples(pairs, "preference pairs", str(data_file), rejects)
+    train, heldout = split_heldout(pairs, cfg.num_heldout, cfg.seed)
+    trainer = build_dpo_trainer(cfg, sft_model_dir, out_dir, train, heldout)
+    metrics.update(evaluate_heldout(trainer, heldout, cfg, "before"))
+    result = trainer.train()
+    metrics.update(evaluate_heldout(trainer, heldout, cfg, "after"))
+    export_model(trainer.model, trainer.processing_class, out_dir / MODEL_SUBDIR)
+    metrics.update(
+        num_pairs=len(pairs),
+        num_train_pairs=len(train),
+        num_heldout_pairs=len(heldout),
+        num_steps=result.global_step,
+        train_loss=result.training_loss,
+        beta=cfg.beta,
+    )
+    write_metrics(out_dir, metrics)
+    logger.info("dpo done: %s", metrics)
+    return metrics

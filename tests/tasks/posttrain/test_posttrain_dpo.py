@@ -1,0 +1,148 @@
+"""DPO through TRL: tokenization and margins against TRL, before/after metrics, export."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
+
+from tasks.errors import BadInputError
+from tasks.posttrain.config import DPOStepConfig, SFTStepConfig
+from tasks.posttrain.dpo import (
+    build_dpo_trainer,
+    dpo,
+    preference_accuracy,
+    response_logps,
+    tokenize_pair,
+)
+from tasks.posttrain.formats import read_records, write_jsonl
+from tasks.posttrain.quickstart import quickstart_preference_pairs
+from tasks.posttrain.sft import sft
+
+FAST = dict(max_length=64, per_device_batch_size=4, max_steps=2, num_heldout=4, logging_steps=1)
+
+
+def test_pairs_tokenize_like_trl(tiny_model_dir, tokenizer, tmp_path):
+    pairs = quickstart_preference_pairs(6, seed=1)
+    trainer = build_dpo_trainer(DPOStepConfig(**FAST), tiny_model_dir, tmp_path, pairs, [])
+    for pair, row in zip(pairs, trainer.train_dataset, strict=True):
+        ours = tokenize_pair(tokenizer, pair)
+        assert {k: row[k] for k in ours} == ours
+        assert tokenizer.decode(ours["chosen_ids"]) == pair["chosen"][0]["content"] + "<|im_end|>\n"
+
+
+def test_reported_margins_and_loss_equal_trl(tiny_model_dir, tmp_path):
+    """Our log-probs give TRL's eval rewards, margins and sigmoid DPO loss on the same batch."""
+    pairs = quickstart_preference_pairs(8, seed=2)
+    cfg = DPOStepConfig(**{**FAST, "per_device_batch_size": 8, "beta": 0.3})
+    trainer = build_dpo_trainer(cfg, tiny_model_dir, tmp_path, pairs, pairs)
+    torch.manual_seed(0)
+    with torch.no_grad():  # move the policy away from the reference so margins are nonzero
+        for param in trainer.model.parameters():
+            param.add_(0.05 * torch.randn_like(param))
+    trl = trainer.evaluate()
+    policy = response_logps(trainer.model, trainer.processing_class, pairs, cfg.max_length)
+    ref = response_logps(trainer.ref_model, trainer.processing_class, pairs, cfg.max_length)
+    chosen_rewards = cfg.beta * (policy["chosen"] - ref["chosen"])
+    rejected_rewards = cfg.beta * (policy["rejected"] - ref["rejected"])
+    margins = chosen_rewards - rejected_rewards
+    assert margins.abs().max() > 1e-3
+    expected = {
+        "eval_logps/chosen": policy["chosen"].mean(),
+        "eval_logps/rejected": policy["rejected"].mean(),
+        "eval_rewards/chosen": chosen_rewards.mean(),
+        "eval_rewards/margins": margins.mean(),
+        "eval_rewards/accuracies": (margins > 0).float().mean(),
+        "eval_loss": -F.logsigmoid(margins).mean(),
+    }
+    for key, value in expected.items():
+        assert trl[key] == pytest.approx(value.item(), rel=1e-4, abs=1e-5), key
+
+
+def test_response_logps_by_hand(tiny_model_dir, tokenizer):
+    pair = quickstart_preference_pairs(1, seed=3)[0]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    ours = response_logps(model, tokenizer, [pair], max_length=128)
+    ids = tokenize_pair(tokenizer, pair)
+    for side in ("chosen", "rejected"):
+        full = ids["prompt_ids"] + ids[f"{side}_ids"]
+        with torch.no_grad():
+            logits = model(torch.tensor([full])).logits[0]
+        expected = sum(
+            torch.log_softmax(logits[t - 1], -1)[full[t]].item()
+            for t in range(len(ids["prompt_ids"]), len(full))
+        )
+        assert ours[side].item() == pytest.approx(expected, rel=1e-5)
+        assert ours[f"{side}_tokens"].item() == len(ids[f"{side}_ids"])
+    metrics = preference_accuracy(tiny_model_dir, [pair], max_length=128)
+    assert metrics["preference_accuracy"] == float(ours["chosen"] > ours["rejected"])
+
+
+def test_dpo_quickstart_fast(tiny_model_dir, tmp_path, assert_chats):
+    """A few steps from the tiny model: metrics before/after, rejects, HF export that chats."""
+    cfg = DPOStepConfig(**{**FAST, "max_steps": 6, "learning_rate": 3e-3, "num_heldout": 24})
+    metrics = dpo(cfg, tiny_model_dir, tmp_path)
+    # policy == reference before training: every implicit reward margin is exactly zero
+    assert metrics["heldout_rewards_margins_before"] == 0.0
+    assert metrics["heldout_rewards_accuracies_before"] == 0.0
+    assert metrics["heldout_loss_before"] == pytest.approx(0.6931, abs=1e-4)
+    assert metrics["num_steps"] == 6 and metrics["num_rejected"] == 0
+    assert metrics["heldout_rewards_margins_after"] > 0
+    assert (
+        metrics["heldout_preference_accuracy_after"] > metrics["heldout_preference_accuracy_before"]
+    )
+    assert json.loads((tmp_path / "metrics.json").read_text()) == metrics
+    assert_chats(tmp_path / "model")
+
+
+@pytest.mark.slow
+def test_sft_then_dpo_raises_heldout_preference_accuracy(tiny_model_dir, tmp_path):
+    """The quickstart recipe: SFT on noisy arithmetic chat, then DPO on preference pairs."""
+    sft_out, dpo_out = tmp_path / "sft", tmp_path / "dpo"
+    sft_out.mkdir(), dpo_out.mkdir()
+    sft(SFTStepConfig(max_steps=60, learning_rate=3e-3), tiny_model_dir, sft_out)
+    cfg = DPOStepConfig(max_steps=30, learning_rate=2e-3, num_heldout=64)
+    metrics = dpo(cfg, sft_out / "model", dpo_out)
+    before = metrics["heldout_preference_accuracy_before"]
+    after = metrics["heldout_preference_accuracy_after"]
+    assert after >= before + 0.2, (before, after)
+    assert metrics["heldout_rewards_accuracies_after"] > 0.5
+    assert metrics["heldout_rewards_margins_after"] > 0
+
+
+def test_dpo_rejects_and_zero_usable_pairs(tiny_model_dir, tmp_path):
+    bad = [
+        {"prompt": "Q", "chosen": "same", "rejected": "same"},
+        {"prompt": "Q", "chosen": "", "rejected": "no"},
+        {"prompt": "long " * 100, "chosen": "a", "rejected": "b"},
+    ]
+    data = tmp_path / "bad.jsonl"
+    write_jsonl(data, bad)
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(BadInputError, match=r"no usable preference pairs .*chosen_equals_rejected"):
+        dpo(DPOStepConfig(**FAST), tiny_model_dir, out, data)
+    assert not (out / "model").exists()
+    reasons = [
+        json.loads(line)["reason"] for line in (out / "rejects.jsonl").read_text().splitlines()
+    ]
+    assert reasons == ["chosen_equals_rejected", "empty_response", "prompt_too_long"]
+
+
+def test_dpo_on_real_hh_rlhf_transcripts(tiny_model_dir, tmp_path, shared_data):
+    records = read_records(shared_data / "dpo" / "hh_rlhf_harmless_base_test.jsonl.gz")[:40]
+    data = tmp_path / "hh.jsonl.gz"
+    with gzip.open(data, "wt", encoding="utf-8") as f:
+        f.write("\n".join(json.dumps(r) for r in records))
+    out = tmp_path / "out"
+    out.mkdir()
+    cfg = DPOStepConfig(max_length=256, per_device_batch_size=2, max_steps=2, num_heldout=4)
+    metrics = dpo(cfg, tiny_model_dir, out, data)
+    assert metrics["num_steps"] == 2
+    assert metrics["num_pairs"] + metrics["num_rejected"] == 40
+    assert metrics["num_pairs"] >= 8
+    assert (out / "model" / "config.json").exists()
