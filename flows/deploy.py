@@ -1,5 +1,8 @@
 """Deployments of llmflow's flows, read from ``deployments/prefect.yaml``, and ``serve()``.
 
+The pipeline's deployments run ``run_preset``: its one parameter (a preset, dotted overrides,
+root, until) is what the UI's Run form shows; it resolves the config exactly as ``llmflow run``
+does and runs the pipeline flow as a subflow.
 ``prefect deploy --all --prefect-file deployments/prefect.yaml`` registers every deployment with
 its work pool (workers then run them). ``serve()`` registers the one-machine deployments (those of
 the ``llmflow-local`` pool) and runs their flow runs from this process: no pool, no worker.
@@ -11,15 +14,53 @@ import importlib
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
+from prefect import flow
+from pydantic import BaseModel, ConfigDict, Field
 
-import flows  # noqa: F401  (sets Prefect env defaults before prefect is imported)
+from flows.pipeline import pipeline
+from tasks.config import STEPS, PipelineConfig, load_config
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PREFECT_FILE = REPO_ROOT / "deployments" / "prefect.yaml"
 LOCAL_POOL = "llmflow-local"
+PRESETS = sorted(p.stem for p in (REPO_ROOT / "configs").glob("*.yaml"))
+
+
+class PipelineRun(BaseModel):
+    """A pipeline run as the UI asks for it: a preset, then overrides of any of its fields."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    preset: str = Field(
+        "quickstart",
+        description=f"A preset in configs/ ({', '.join(PRESETS)}) or a YAML path in the checkout.",
+    )
+    overrides: list[str] = Field(
+        default_factory=list,
+        description="Dotted overrides of any field, as `llmflow run --set`: ingest.max_chars=20000.",
+    )
+    root: str | None = Field(None, description="Artifact root (a folder or s3://bucket/prefix).")
+    until: Literal[STEPS] | None = Field(None, description="Stop after this step.")  # type: ignore[valid-type]
+    data: list[str] = Field(
+        default_factory=list, description="Raw data files, folders or globs instead of the sample."
+    )
+
+    def config(self) -> PipelineConfig:
+        """The resolved, validated config (a bad value fails here, before any compute)."""
+        path = Path(self.preset if self.preset.endswith(".yaml") else f"configs/{self.preset}.yaml")
+        overrides = [*self.overrides]
+        overrides += [f"{k}={v}" for k, v in (("root", self.root), ("until", self.until)) if v]
+        config = load_config(REPO_ROOT / path, overrides)
+        return config.model_copy(update={"data": list(self.data)}) if self.data else config
+
+
+@flow(name="llmflow", log_prints=True)
+def run_preset(run: PipelineRun = PipelineRun()) -> list[str]:  # noqa: B008
+    """Resolve a preset with overrides and run the pipeline on it; return the output URIs."""
+    return [result.uri for result in pipeline(run.config())]
 
 
 def deployment_specs(prefect_file: Path = PREFECT_FILE) -> list[dict[str, Any]]:

@@ -9,9 +9,16 @@ import flows  # noqa: F401  (sets Prefect env defaults before prefect is importe
 from prefect import flow
 from prefect.artifacts import create_table_artifact
 
+from flows.curate import curate_flow
+from flows.runners import combined, task_runner
 from tasks.config import PipelineConfig
+from tasks.dataprep.task import mixture_task, tokenize_task, validation_task
 from tasks.ingest.task import describe_sources_task, ingest_task, sample_task
+from tasks.pretrain.curriculum import stage_train_config
+from tasks.pretrain.steps import StageRun
+from tasks.pretrain.task import pretrain_task
 from tasks.store import StepResult
+from tasks.tokenizer.task import tokenizer_task
 
 
 class _Run:
@@ -44,7 +51,46 @@ def pipeline(config: PipelineConfig) -> list[StepResult]:
         raw = run.add(ingest_task(config.ingest, inputs={"sample": sample.uri}, **common))
     if run.stop_after("ingest"):
         return _finish(run)
-    del raw
+    curate_results = curate_flow.with_options(task_runner=task_runner(config.runner))(
+        config.curate, raw.uri, config.root, config.name
+    )
+    curated = run.add(combined("curate", curate_results))
+    if run.stop_after("curate"):
+        return _finish(run)
+    tokenizer = run.add(tokenizer_task(config.tokenizer, inputs={"corpus": curated.uri}, **common))
+    if run.stop_after("tokenizer"):
+        return _finish(run)
+    tokenized = run.add(
+        tokenize_task(
+            config.tokenize, inputs={"corpus": curated.uri, "tokenizer": tokenizer.uri}, **common
+        )
+    )
+    if run.stop_after("tokenize"):
+        return _finish(run)
+    validation = run.add(validation_task(config.validation, inputs={"tokenized": tokenized.uri}, **common))
+    mixtures = [
+        run.add(mixture_task(stage.mixture, inputs={"tokenized": tokenized.uri}, root=config.root,
+                             name=f"{config.name}-{stage.name}"))
+        for stage in config.pretrain.stages
+    ]
+    if run.stop_after("mixture"):
+        return _finish(run)
+    previous = None
+    for index, (stage, mixture) in enumerate(zip(config.pretrain.stages, mixtures)):
+        stage_run = StageRun(
+            train=stage_train_config(config.pretrain, index),
+            num_processes=config.pretrain.num_processes,
+            accelerate_config=config.pretrain.accelerate_config,
+            timeout_s=config.pretrain.timeout_s,
+        )
+        inputs = {"data": mixture.uri, "validation": validation.uri}
+        if previous is not None:
+            inputs["init"] = previous.uri
+        previous = run.add(
+            pretrain_task(stage_run, inputs=inputs, root=config.root, name=f"{config.name}-{stage.name}")
+        )
+    if run.stop_after("pretrain"):
+        return _finish(run)
     return _finish(run)
 
 

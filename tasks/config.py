@@ -8,14 +8,18 @@ applies each override, and validates everything before any compute. A bad value 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from tasks.curation.config import CurateConfig
+from tasks.dataprep.config import TokenizeConfig, ValidationConfig
 from tasks.errors import ConfigError
 from tasks.ingest.ingest import IngestConfig
 from tasks.ingest.sample import SampleConfig
+from tasks.pretrain.curriculum import PretrainConfig
+from tasks.tokenizer.config import TokenizerConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "quickstart.yaml"
@@ -32,6 +36,17 @@ STEPS = (
     "sft",
     "dpo",
 )
+
+
+class RunnerConfig(BaseModel):
+    """How fanned-out tasks (curation shards) run: execution-only, never in a hash."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["threads", "processes", "dask", "ray"] = Field(
+        "threads", description="Prefect task runner for fan-out; dask/ray need the extras."
+    )
+    max_workers: int | None = Field(None, ge=1, description="Workers (None: Prefect's default).")
 
 
 class PipelineConfig(BaseModel):
@@ -52,8 +67,14 @@ class PipelineConfig(BaseModel):
         None, description=f"Stop after this step; one of {', '.join(STEPS)}.",
         json_schema_extra={"versioned": False},
     )
+    runner: RunnerConfig = Field(default_factory=RunnerConfig, json_schema_extra={"versioned": False})
     sample: SampleConfig = Field(default_factory=SampleConfig)
     ingest: IngestConfig = Field(default_factory=IngestConfig)
+    curate: CurateConfig = Field(default_factory=CurateConfig)
+    tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
+    tokenize: TokenizeConfig = Field(default_factory=TokenizeConfig)
+    validation: ValidationConfig = Field(default_factory=ValidationConfig)
+    pretrain: PretrainConfig
 
     @field_validator("until")
     @classmethod

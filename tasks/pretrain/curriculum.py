@@ -1,0 +1,112 @@
+"""The three-stage curriculum: per-stage mixtures and one learning-rate schedule across stages.
+
+Stages 1..n-1 train at the stable learning rate (after warmup); the last stage anneals: WSD's
+decay covers exactly its steps, down to the floor. Each stage starts from the previous stage's
+final checkpoint (weights, optimizer state, step), so the schedule continues. Stage k's config
+depends only on stages 1..k, so changing the last stage re-runs the last stage only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from tasks.dataprep.config import StageMixture
+from tasks.pretrain.config import TrainConfig
+from tasks.pretrain.schedule import steps_for_tokens
+
+EXEC = {"versioned": False}
+
+
+class CurriculumStage(BaseModel):
+    """One stage: a name and its data mixture (weights, token budget, sequence length)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(description="Stage label, e.g. stage1.", pattern=r"^[A-Za-z0-9_-]+$")
+    mixture: StageMixture = Field(description="Domain weights and token budget of this stage.")
+
+
+class PretrainConfig(BaseModel):
+    """Curriculum pretraining: a base trainer config and the stages it runs through."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    train: TrainConfig = Field(description="Trainer settings shared by all stages.")
+    stages: list[CurriculumStage] = Field(description="Stages in order; the last one anneals.")
+    anneal_schedule: str = Field("wsd", description="Schedule of the last stage (wsd decays).")
+    num_processes: int = Field(
+        1, ge=1, description="Processes on this machine.", json_schema_extra=EXEC
+    )
+    accelerate_config: str | None = Field(
+        None, description="accelerate YAML under deployments/accelerate.", json_schema_extra=EXEC
+    )
+    timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="Deadline per stage (the process group is killed).",
+        json_schema_extra=EXEC,
+    )
+
+    @field_validator("stages")
+    @classmethod
+    def _unique_names(cls, value: list[CurriculumStage]) -> list[CurriculumStage]:
+        if not value:
+            raise ValueError("at least one stage is needed")
+        names = [s.name for s in value]
+        if len(set(names)) != len(names):
+            raise ValueError(f"stage names must be unique, got {names}")
+        return value
+
+    @model_validator(mode="after")
+    def _seq_len_fits(self) -> PretrainConfig:
+        max_len = self.train.model_config_obj().max_seq_len
+        for stage in self.stages:
+            if stage.mixture.seq_len > max_len:
+                raise ValueError(
+                    f"stages.{stage.name}.mixture.seq_len={stage.mixture.seq_len} exceeds the "
+                    f"model's max_seq_len={max_len}; lower seq_len or raise model max_seq_len"
+                )
+        return self
+
+
+def stage_steps(cfg: PretrainConfig, world_size: int = 1) -> list[int]:
+    """Optimizer steps of each stage, from its token budget."""
+    steps, start = [], 0
+    for stage in cfg.stages:
+        n = steps_for_tokens(
+            stage.mixture.num_tokens, cfg.train.batch, stage.mixture.seq_len, world_size, start
+        )
+        steps.append(n)
+        start += n
+    return steps
+
+
+def stage_train_config(
+    cfg: PretrainConfig, index: int, vocab_size: int | None = None
+) -> TrainConfig:
+    """The trainer config of stage ``index``: its step budget and its part of the schedule."""
+    steps = stage_steps(cfg, cfg.num_processes)
+    update: dict[str, Any] = {"max_steps": steps[index], "num_tokens": None}
+    last = index == len(cfg.stages) - 1
+    if last and len(cfg.stages) > 1:
+        total = sum(steps)
+        update["schedule"] = cfg.train.schedule.model_copy(
+            update={
+                "name": cfg.anneal_schedule,
+                "total_steps": total,
+                "decay_fraction": steps[index] / total,
+            }
+        )
+    elif not last:
+        update["schedule"] = cfg.train.schedule.model_copy(
+            update={"name": "constant", "total_steps": None}
+        )
+    train = cfg.train.model_copy(update=update)
+    if vocab_size is not None and "vocab_size" not in train.model.overrides:
+        model = train.model.model_copy(
+            update={"overrides": {**train.model.overrides, "vocab_size": vocab_size}}
+        )
+        train = train.model_copy(update={"model": model})
+    return TrainConfig.model_validate(train.model_dump())
