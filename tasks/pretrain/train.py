@@ -46,7 +46,7 @@ from tasks.pretrain.distributed import (
 from tasks.pretrain.guard import StabilityGuard
 from tasks.pretrain.optim import build_optimizers, set_lr
 from tasks.pretrain.schedule import lr_multiplier, micro_batch_size, steps_for_tokens
-from tasks.pretrain.validate import check_data
+from tasks.pretrain.validate import check_data, check_source, check_world_size
 
 # Dense bf16 peak FLOP/s per GPU, for MFU.
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
@@ -67,6 +67,7 @@ class Trainer:
         self.runtime = rt = setup_runtime()
         if cfg.deterministic and rt.device.type == "cpu":
             torch.use_deterministic_algorithms(True)
+        check_world_size(cfg, rt.world_size)
         self.meta = check_data(cfg, data_dir)
         if val_dir is not None:
             check_data(cfg, val_dir, role="val_dir")
@@ -104,13 +105,13 @@ class Trainer:
         model = Transformer(self.model_config)
         model.init_weights(seed=self.cfg.seed)
         self.init_checksum = param_checksum(model)
+        if self.cfg.compile:  # per block, before sharding, as torchtitan does
+            for block in model.layers:
+                block.compile()
         if rt.distributed:
             shard_model(model, rt)
         else:
             model.to(rt.device)
-        if self.cfg.compile:
-            for block in model.layers:
-                block.compile()
         return model
 
     def _seed_rng(self) -> None:
@@ -147,7 +148,7 @@ class Trainer:
         self.state["end_step"] = self.state["start_step"] + self._stage_steps()
 
     def _load(self, path: Path, resume: bool) -> None:
-        ckpt.check_same_architecture(path, self.model_config)
+        check_source(self.cfg, path)
         trainer_state, rank_state = ckpt.load_checkpoint(path, self.model, self.optimizers)
         self._reset_base_lrs()
         self.state.update(trainer_state["train"])
@@ -306,8 +307,9 @@ class Trainer:
                     logger.log(row)
                 tick, interval_tokens = time.perf_counter(), 0
             if step % cfg.checkpoint.interval == 0 and step < self.state["end_step"]:
+                paused = time.perf_counter()
                 self.save(self.out_dir / "checkpoints" / ckpt.step_dir_name(step))
-                tick = time.perf_counter()
+                tick += time.perf_counter() - paused  # saving is not training time
             if cfg.debug.crash_after_step == step:
                 print(f"debug: crashing after step {step}", flush=True)
                 os._exit(3)

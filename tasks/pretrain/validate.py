@@ -51,17 +51,26 @@ def validate_run(
                 f"val_dir seq_len={val_meta['seq_len']} differs from data_dir seq_len="
                 f"{meta['seq_len']}"
             )
+    check_world_size(cfg, world_size)
+    if init_from is not None:
+        check_source(cfg, resolve_init_from(init_from))
+
+
+def check_world_size(cfg: TrainConfig, world_size: int) -> None:
+    """Muon needs whole matrices: refuse it under FSDP (more than one process)."""
     if cfg.optimizer.name == "muon" and world_size > 1:
         raise ValueError(
             f"optimizer.name='muon' with {world_size} processes: Muon needs whole matrices and "
             "is single-process for now; use optimizer.name='adamw' under FSDP"
         )
-    if init_from is not None:
-        source = resolve_init_from(init_from)
-        check_same_architecture(source, cfg.model_config_obj())
-        state = json.loads((source / "trainer_state.json").read_text())
-        if state.get("optimizer") != cfg.optimizer.name:
-            raise ValueError(
-                f"init_from={init_from} used optimizer.name={state.get('optimizer')!r}, "
-                f"this stage sets optimizer.name={cfg.optimizer.name!r}"
-            )
+
+
+def check_source(cfg: TrainConfig, checkpoint: Path) -> None:
+    """Refuse a checkpoint of another architecture or optimizer (resume or init_from)."""
+    check_same_architecture(checkpoint, cfg.model_config_obj())
+    state = json.loads((Path(checkpoint) / "trainer_state.json").read_text())
+    if state.get("optimizer") != cfg.optimizer.name:
+        raise ValueError(
+            f"checkpoint {checkpoint} used optimizer.name={state.get('optimizer')!r}, "
+            f"this config sets optimizer.name={cfg.optimizer.name!r}"
+        )
