@@ -3,6 +3,7 @@
 The pipeline's deployments run ``run_preset``: its one parameter (a preset, dotted overrides,
 root, until) is what the UI's Run form shows; it resolves the config exactly as ``llmflow run``
 does and runs the pipeline flow as a subflow.
+
 ``prefect deploy --all --prefect-file deployments/prefect.yaml`` registers every deployment with
 its work pool (workers then run them). ``serve()`` registers the one-machine deployments (those of
 the ``llmflow-local`` pool) and runs their flow runs from this process: no pool, no worker.
