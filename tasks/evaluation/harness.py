@@ -40,12 +40,12 @@ def evaluate(
     Args:
         cfg: Tasks, limits and execution settings.
         hf_model_dir: A local directory ``AutoModelForCausalLM.from_pretrained`` loads, tokenizer
-            included.
+            included (or a checkpoint directory holding it in ``hf/``).
         out_dir: An existing local directory; receives ``results.json`` (and
             ``samples_<task>.jsonl`` when ``cfg.log_samples``).
         heldout_dir: Held-out parquet documents for the ``ppl_<domain>`` tasks, or None.
-        suite_dir: A suite ``build_suite`` already wrote (reused across checkpoints); None builds
-            one in a temporary directory.
+        suite_dir: A suite ``build_suite`` already wrote from this ``cfg`` (reused across
+            checkpoints); None builds one in a temporary directory.
 
     Returns:
         Headline metrics: ``"<task>/<metric>"`` values, ``requests_per_second`` and counts.
@@ -54,13 +54,19 @@ def evaluate(
         EvalTaskError: a task is unknown or its data is unavailable (the message names it).
         ModelLoadError: the model directory does not load (the message names it).
     """
+    model_dir = resolve_hf_dir(Path(hf_model_dir))
     if suite_dir is not None:
-        return _evaluate_with_suite(
-            cfg, Path(hf_model_dir), Path(out_dir), Path(suite_dir), heldout_dir
-        )
+        return _evaluate_with_suite(cfg, model_dir, Path(out_dir), Path(suite_dir), heldout_dir)
     with tempfile.TemporaryDirectory(prefix="llmflow-suite-") as tmp:
         suite = build_suite(cfg, heldout_dir, Path(tmp))
-        return _evaluate_with_suite(cfg, Path(hf_model_dir), Path(out_dir), suite, heldout_dir)
+        return _evaluate_with_suite(cfg, model_dir, Path(out_dir), suite, heldout_dir)
+
+
+def resolve_hf_dir(path: Path) -> Path:
+    """``path`` itself, or its ``hf/`` subdirectory when the export lives there."""
+    if not (path / "config.json").exists() and (path / "hf" / "config.json").exists():
+        return path / "hf"
+    return path
 
 
 def _evaluate_with_suite(
