@@ -145,3 +145,13 @@ def test_real_sets_evaluate(tmp_path, tiny_model, shared_eval_dir):
     assert 0.0 <= metrics["piqa_local/acc"] <= 1.0
     assert metrics["wikitext2_local/word_perplexity"] > 1.0
     assert metrics["gsm8k_local/exact_match:strict-match"] == 0.0
+
+
+def test_resolve_hf_dir(tmp_path):
+    from tasks.evaluation.harness import resolve_hf_dir
+
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    assert resolve_hf_dir(tmp_path) == tmp_path / "hf"
+    (tmp_path / "config.json").write_text("{}")
+    assert resolve_hf_dir(tmp_path) == tmp_path
