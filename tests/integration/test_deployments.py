@@ -24,3 +24,17 @@ def test_serve_builds_every_local_deployment_with_its_schedule():
     assert deployments["quickstart"].parameters == {"run": {"preset": "quickstart"}}
     (schedule,) = deployments["scheduled-evaluation"].schedules
     assert schedule.schedule.cron == "0 */6 * * *" and schedule.active
+
+
+def test_multinode_job_gives_each_node_its_rank_and_a_shared_rendezvous():
+    path = PREFECT_FILE.parent / "kubernetes" / "multinode-pretrain.yaml"
+    service, job = yaml.safe_load_all(path.read_text())
+    assert service["spec"]["clusterIP"] == "None"
+    assert job["spec"]["completionMode"] == "Indexed"
+    pod = job["spec"]["template"]["spec"]
+    assert pod["subdomain"] == service["metadata"]["name"]
+    command = pod["containers"][0]["args"][0]
+    assert "--machine_rank $JOB_COMPLETION_INDEX" in command
+    assert f"--main_process_ip {job['metadata']['name']}-0.{pod['subdomain']}" in command
+    config = command.split("--config_file ")[1].split()[0]
+    assert (PREFECT_FILE.parents[1] / config).exists()
