@@ -1,0 +1,31 @@
+"""Post-training: SFT and DPO through TRL, on chat and preference data in common formats.
+
+Plain, Prefect-free entry points (``sft``, ``dpo``) take a config, local input folders and a
+local output folder, and return headline metrics.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# NOTE: names resolve lazily, so importing the configs or the format loaders does not pay for
+# importing torch, transformers and trl (tens of seconds on a loaded CI machine).
+_EXPORTS = {
+    "DPOStepConfig": "tasks.posttrain.config",
+    "SFTStepConfig": "tasks.posttrain.config",
+    "dpo": "tasks.posttrain.dpo",
+    "preference_accuracy": "tasks.posttrain.dpo",
+    "load_preference_pairs": "tasks.posttrain.formats",
+    "load_sft_examples": "tasks.posttrain.formats",
+    "make_quickstart_preferences": "tasks.posttrain.quickstart",
+    "make_quickstart_sft": "tasks.posttrain.quickstart",
+    "sft": "tasks.posttrain.sft",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)
