@@ -12,6 +12,8 @@ from prefect.artifacts import create_table_artifact
 from flows.curate import curate_flow
 from flows.runners import combined, task_runner
 from tasks.config import PipelineConfig
+from tasks.evaluation.steps import ExportConfig, LeaderboardConfig
+from tasks.evaluation.task import evaluate_task, export_task, leaderboard_task
 from tasks.dataprep.task import mixture_task, tokenize_task, validation_task
 from tasks.ingest.task import describe_sources_task, ingest_task, sample_task
 from tasks.pretrain.curriculum import stage_train_config
@@ -91,10 +93,44 @@ def pipeline(config: PipelineConfig) -> list[StepResult]:
         )
     if run.stop_after("pretrain"):
         return _finish(run)
-    return _finish(run)
+    evaluated: list[tuple[str, StepResult, StepResult]] = []
+
+    def export_and_evaluate(label: str, checkpoint: StepResult, **export_options) -> StepResult:
+        exported = run.add(
+            export_task(
+                ExportConfig(label=label, **export_options),
+                inputs={"checkpoint": checkpoint.uri, "tokenizer": tokenizer.uri},
+                root=config.root, name=f"{config.name}-{label}",
+            )
+        )
+        scores = run.add(
+            evaluate_task(
+                config.evaluate, inputs={"model": exported.uri, "heldout": tokenized.uri},
+                root=config.root, name=f"{config.name}-{label}",
+            )
+        )
+        evaluated.append((label, exported, scores))
+        return exported
+
+    base = export_and_evaluate("base", previous)
+    if run.stop_after("evaluate"):
+        return _finish(run, evaluated, config)
+    del base
+    return _finish(run, evaluated, config)
 
 
-def _finish(run: _Run) -> list[StepResult]:
+def _finish(run: _Run, evaluated=(), config: PipelineConfig | None = None) -> list[StepResult]:
+    if evaluated:
+        run.add(
+            leaderboard_task(
+                LeaderboardConfig(labels=[label for label, _, _ in evaluated]),
+                inputs={
+                    "evaluations": [scores.uri for _, _, scores in evaluated],
+                    "models": [model.uri for _, model, _ in evaluated],
+                },
+                root=config.root, name=config.name,
+            )
+        )
     rows = [
         {
             "step": r.step,

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from tasks.curation.config import CurateConfig
 from tasks.dataprep.config import TokenizeConfig, ValidationConfig
 from tasks.errors import ConfigError
+from tasks.evaluation.config import EvalConfig
 from tasks.ingest.ingest import IngestConfig
 from tasks.ingest.sample import SampleConfig
 from tasks.pretrain.curriculum import PretrainConfig
@@ -75,6 +76,7 @@ class PipelineConfig(BaseModel):
     tokenize: TokenizeConfig = Field(default_factory=TokenizeConfig)
     validation: ValidationConfig = Field(default_factory=ValidationConfig)
     pretrain: PretrainConfig
+    evaluate: EvalConfig = Field(default_factory=EvalConfig)
 
     @field_validator("until")
     @classmethod

@@ -8,6 +8,7 @@ never bad input. Each materialized output emits a Prefect asset event with its u
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +18,7 @@ from prefect.context import FlowRunContext, TaskRunContext
 from prefect.events import emit_event
 from prefect.states import Completed, State
 
+from tasks.concurrency import gpu_slot
 from tasks.errors import BadInputError
 from tasks.store import StepContext, StepResult, Store, output_address, run_step
 
@@ -97,7 +99,9 @@ def step_task(
         name: str = "run",
     ):
         store = Store(root)
-        result = run_step(store, step, name, version, config, fn, inputs, sources, _run_info())
+        slot = gpu_slot() if "gpu" in tags else contextlib.nullcontext()
+        with slot:
+            result = run_step(store, step, name, version, config, fn, inputs, sources, _run_info())
         if result.cached:
             return Completed(message=f"output exists: {result.uri}", name="Cached", data=result)
         _publish(result, inputs or {})
