@@ -79,6 +79,27 @@ def build_tiny_llama(tokenizer, seed: int = 0):
     return LlamaForCausalLM(config)
 
 
+def build_tiny_smollm3(tokenizer, seed: int = 0):
+    """The architecture the project's own model exports as (NoPE layers, GQA)."""
+    import torch
+    from transformers import SmolLM3Config, SmolLM3ForCausalLM
+
+    torch.manual_seed(seed)
+    config = SmolLM3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return SmolLM3ForCausalLM(config)
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     return build_tokenizer()
@@ -110,6 +131,14 @@ def _assert_chats(model_dir: Path) -> None:
     out = model.generate(**inputs, max_new_tokens=8, do_sample=False)
     assert out.shape[1] > inputs["input_ids"].shape[1]
     assert tokenizer.convert_tokens_to_ids("<|im_end|>") in model.generation_config.eos_token_id
+
+
+@pytest.fixture(scope="session")
+def tiny_smollm3_dir(tmp_path_factory, tokenizer) -> Path:
+    path = tmp_path_factory.mktemp("tiny_smollm3")
+    build_tiny_smollm3(tokenizer).save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path
 
 
 @pytest.fixture

@@ -35,11 +35,13 @@ def test_pairs_tokenize_like_trl(tiny_model_dir, tokenizer, tmp_path):
         assert tokenizer.decode(ours["chosen_ids"]) == pair["chosen"][0]["content"] + "<|im_end|>\n"
 
 
-def test_reported_margins_and_loss_equal_trl(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("model_fixture", ["tiny_model_dir", "tiny_smollm3_dir"])
+def test_reported_margins_and_loss_equal_trl(request, tmp_path, model_fixture):
     """Our log-probs give TRL's eval rewards, margins and sigmoid DPO loss on the same batch."""
     pairs = quickstart_preference_pairs(8, seed=2)
     cfg = DPOStepConfig(**{**FAST, "per_device_batch_size": 8, "beta": 0.3})
-    trainer = build_dpo_trainer(cfg, tiny_model_dir, tmp_path, pairs, pairs)
+    model_dir = request.getfixturevalue(model_fixture)
+    trainer = build_dpo_trainer(cfg, model_dir, tmp_path, pairs, pairs)
     torch.manual_seed(0)
     with torch.no_grad():  # move the policy away from the reference so margins are nonzero
         for param in trainer.model.parameters():

@@ -55,10 +55,14 @@ def test_labels_mask_system_and_user_tokens_exactly(tiny_model_dir, tokenizer, t
         assert any(label != -100 for label in labels)
 
 
+@pytest.mark.parametrize("model_fixture", ["tiny_model_dir", "tiny_smollm3_dir"])
 @pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
-def test_packed_row_has_no_cross_example_attention(tiny_model_dir, tmp_path, attn_implementation):
+def test_packed_row_has_no_cross_example_attention(
+    request, tmp_path, attn_implementation, model_fixture
+):
+    model_dir = request.getfixturevalue(model_fixture)
     cfg = SFTStepConfig(**{**FAST, "max_length": 128, "attn_implementation": attn_implementation})
-    trainer = build_sft_trainer(cfg, tiny_model_dir, tmp_path, quickstart_sft_examples(16, 2), [])
+    trainer = build_sft_trainer(cfg, model_dir, tmp_path, quickstart_sft_examples(16, 2), [])
     row = trainer.train_dataset[0]
     lengths = row["seq_lengths"]
     assert len(lengths) > 1, "the row must hold several conversations"
