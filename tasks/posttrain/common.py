@@ -6,6 +6,7 @@ import json
 import os
 import random
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,12 +19,25 @@ from transformers import (
 )
 
 from tasks.errors import BadInputError
-from tasks.posttrain.formats import Message, Record, write_jsonl
+from tasks.posttrain.formats import Message, Record, normalize_records, read_records, write_jsonl
 
 MODEL_SUBDIR = "model"
 REJECTS_FILE = "rejects.jsonl"
 METRICS_FILE = "metrics.json"
 END_OF_TURN = "<|im_end|>"
+
+
+def load_normalized(
+    path: Path,
+    normalize: Callable[[Record], Record],
+    tokenizer: PreTrainedTokenizerBase,
+    max_length: int,
+    key: str,
+) -> tuple[list[Record], list[Record]]:
+    """Read, normalize and length-check records; rejects name their position in the file."""
+    kept, indices, rejects = normalize_records(read_records(path), normalize)
+    kept, too_long = drop_long_prompts(kept, indices, tokenizer, max_length, key)
+    return kept, rejects + too_long
 
 
 def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
@@ -64,12 +78,17 @@ def first_prompt(messages: list[Message]) -> list[Message]:
 
 
 def drop_long_prompts(
-    records: list[Record], tokenizer: PreTrainedTokenizerBase, max_length: int, key: str
+    records: list[Record],
+    indices: list[int],
+    tokenizer: PreTrainedTokenizerBase,
+    max_length: int,
+    key: str,
 ) -> tuple[list[Record], list[Record]]:
     """Drop records whose prompt leaves no room for a response within ``max_length``.
 
     Args:
         records: Normalized SFT examples (``key="messages"``) or pairs (``key="prompt"``).
+        indices: Each record's position in the source file, for the rejects.
         tokenizer: Tokenizer with the chat template.
         max_length: Longest tokenized sequence.
         key: Field holding the conversation or prompt.
@@ -78,7 +97,7 @@ def drop_long_prompts(
         ``(kept, rejects)``, rejects with reason ``prompt_too_long``.
     """
     kept, rejects = [], []
-    for index, record in enumerate(records):
+    for index, record in zip(indices, records, strict=True):
         prompt = first_prompt(record[key]) if key == "messages" else record[key]
         length = prompt_length(tokenizer, prompt)
         if length >= max_length:
@@ -101,7 +120,7 @@ def split_heldout(records: list[Record], num_heldout: int, seed: int) -> tuple[l
 
 def write_rejects(out_dir: Path, rejects: list[Record]) -> dict[str, int]:
     """Write rejects.jsonl and return flat counts: ``num_rejected`` and ``rejected_<reason>``."""
-    write_jsonl(Path(out_dir) / REJECTS_FILE, rejects)
+    write_jsonl(Path(out_dir) / REJECTS_FILE, sorted(rejects, key=lambda r: r["index"]))
     counts = Counter(r["reason"] for r in rejects)
     return {"num_rejected": len(rejects), **{f"rejected_{k}": v for k, v in sorted(counts.items())}}
 

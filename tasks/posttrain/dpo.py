@@ -25,9 +25,9 @@ from trl.trainer.dpo_trainer import DataCollatorForPreference
 
 from tasks.posttrain.common import (
     MODEL_SUBDIR,
-    drop_long_prompts,
     export_model,
     load_model,
+    load_normalized,
     load_tokenizer,
     offline_environment,
     require_examples,
@@ -36,7 +36,7 @@ from tasks.posttrain.common import (
     write_rejects,
 )
 from tasks.posttrain.config import DPOStepConfig
-from tasks.posttrain.formats import Record, load_preference_pairs
+from tasks.posttrain.formats import Record, normalize_preference
 from tasks.posttrain.quickstart import make_quickstart_preferences
 
 logger = logging.getLogger(__name__)
@@ -217,9 +217,8 @@ def evaluate_heldout(trainer: DPOTrainer, heldout: list[Record], cfg: DPOStepCon
 
 def prepare_pairs(cfg: DPOStepConfig, model_dir: Path, data_file: Path) -> tuple[list, list]:
     """Load, normalize and length-check pairs; rejects carry the record index and reason."""
-    pairs, rejects = load_preference_pairs(data_file)
-    kept, too_long = drop_long_prompts(pairs, load_tokenizer(model_dir), cfg.max_length, "prompt")
-    return kept, rejects + too_long
+    tokenizer = load_tokenizer(model_dir)
+    return load_normalized(data_file, normalize_preference, tokenizer, cfg.max_length, "prompt")
 
 
 def dpo(

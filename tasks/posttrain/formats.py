@@ -21,6 +21,7 @@ from __future__ import annotations
 import gzip
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -209,14 +210,22 @@ def normalize_preference(record: Record) -> Record:
     return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
 
 
-def _normalize_all(records: list[Record], normalize) -> tuple[list[Record], list[Record]]:
-    kept, rejects = [], []
+def normalize_records(
+    records: list[Record], normalize: Callable[[Record], Record]
+) -> tuple[list[Record], list[int], list[Record]]:
+    """Normalize every record; keep each survivor's position in the source for later rejects.
+
+    Returns:
+        ``(kept, kept_indices, rejects)``; ``kept_indices[i]`` is ``kept[i]``'s source position.
+    """
+    kept, kept_indices, rejects = [], [], []
     for index, record in enumerate(records):
         try:
             kept.append(normalize(record))
+            kept_indices.append(index)
         except RecordError as error:
             rejects.append({"index": index, "reason": error.reason, "detail": error.detail})
-    return kept, rejects
+    return kept, kept_indices, rejects
 
 
 def load_sft_examples(path: Path) -> tuple[list[Record], list[Record]]:
@@ -229,7 +238,8 @@ def load_sft_examples(path: Path) -> tuple[list[Record], list[Record]]:
         ``(examples, rejects)``: examples as ``{"messages": [...]}``; rejects as
         ``{"index", "reason", "detail"}`` with ``index`` the record's position in the file.
     """
-    return _normalize_all(read_records(path), normalize_sft)
+    examples, _, rejects = normalize_records(read_records(path), normalize_sft)
+    return examples, rejects
 
 
 def load_preference_pairs(path: Path) -> tuple[list[Record], list[Record]]:
@@ -242,7 +252,8 @@ def load_preference_pairs(path: Path) -> tuple[list[Record], list[Record]]:
         ``(pairs, rejects)``: pairs as conversational ``{"prompt", "chosen", "rejected"}``;
         rejects as ``{"index", "reason", "detail"}``.
     """
-    return _normalize_all(read_records(path), normalize_preference)
+    pairs, _, rejects = normalize_records(read_records(path), normalize_preference)
+    return pairs, rejects
 
 
 def write_jsonl(path: Path, records: list[Record]) -> None:

@@ -29,9 +29,9 @@ from trl import SFTConfig, SFTTrainer
 
 from tasks.posttrain.common import (
     MODEL_SUBDIR,
-    drop_long_prompts,
     export_model,
     load_model,
+    load_normalized,
     load_tokenizer,
     offline_environment,
     require_examples,
@@ -40,7 +40,7 @@ from tasks.posttrain.common import (
     write_rejects,
 )
 from tasks.posttrain.config import SFTStepConfig
-from tasks.posttrain.formats import Record, load_sft_examples
+from tasks.posttrain.formats import Record, normalize_sft
 from tasks.posttrain.quickstart import make_quickstart_sft
 
 logger = logging.getLogger(__name__)
@@ -104,11 +104,8 @@ def prepare_sft_examples(
     cfg: SFTStepConfig, model_dir: Path, data_file: Path
 ) -> tuple[list[Record], list[Record]]:
     """Load, normalize and length-check examples; rejects carry the record index and reason."""
-    examples, rejects = load_sft_examples(data_file)
-    kept, too_long = drop_long_prompts(
-        examples, load_tokenizer(model_dir), cfg.max_length, "messages"
-    )
-    return kept, rejects + too_long
+    tokenizer = load_tokenizer(model_dir)
+    return load_normalized(data_file, normalize_sft, tokenizer, cfg.max_length, "messages")
 
 
 def sft(

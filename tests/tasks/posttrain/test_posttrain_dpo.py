@@ -129,10 +129,12 @@ def test_dpo_rejects_and_zero_usable_pairs(tiny_model_dir, tmp_path):
     with pytest.raises(BadInputError, match=r"no usable preference pairs .*chosen_equals_rejected"):
         dpo(DPOStepConfig(**FAST), tiny_model_dir, out, data)
     assert not (out / "model").exists()
-    reasons = [
-        json.loads(line)["reason"] for line in (out / "rejects.jsonl").read_text().splitlines()
+    rejects = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
+    assert [(r["index"], r["reason"]) for r in rejects] == [
+        (0, "chosen_equals_rejected"),
+        (1, "empty_response"),
+        (2, "prompt_too_long"),
     ]
-    assert reasons == ["chosen_equals_rejected", "empty_response", "prompt_too_long"]
 
 
 def test_dpo_on_real_hh_rlhf_transcripts(tiny_model_dir, tmp_path, shared_data):

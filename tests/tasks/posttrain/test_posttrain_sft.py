@@ -115,7 +115,10 @@ def test_sft_rejects_long_prompts_and_bad_records(tiny_model_dir, tmp_path):
     assert metrics["rejected_no_assistant_turn"] == 1
     assert metrics["rejected_prompt_too_long"] == 1
     rejects = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
-    assert sorted(r["reason"] for r in rejects) == ["no_assistant_turn", "prompt_too_long"]
+    assert [(r["index"], r["reason"]) for r in rejects] == [
+        (8, "no_assistant_turn"),
+        (9, "prompt_too_long"),
+    ]
 
 
 def test_zero_usable_examples_fails_before_training(tiny_model_dir, tmp_path):
