@@ -151,9 +151,18 @@ def export_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out
     generation_config.eos_token_id = stop_ids
     generation_config.pad_token_id = tokenizer.pad_token_id
     model.config.pad_token_id = tokenizer.pad_token_id
+    # NOTE: the Trainer turned the KV cache off for training; inference wants it back.
+    model.config.use_cache = True
     model.save_pretrained(str(out), safe_serialization=True)
     tokenizer.save_pretrained(str(out))
     return out
+
+
+def remove_if_empty(path: Path) -> None:
+    """Remove a folder the Trainer created but left empty (no checkpoints are saved)."""
+    path = Path(path)
+    if path.is_dir() and not any(path.iterdir()):
+        path.rmdir()
 
 
 def write_metrics(out_dir: Path, metrics: dict[str, Any]) -> None:

@@ -10,7 +10,11 @@ UNVERSIONED = {"versioned": False}
 
 
 class _TrainStepConfig(BaseModel):
-    """Fields shared by SFT and DPO."""
+    """Fields shared by SFT and DPO.
+
+    Defaults suit the CPU quickstart (a tiny model, a few dozen steps); real models want far
+    lower learning rates (SFT ~1e-5, DPO ~5e-7) and ``max_steps=None`` with ``num_epochs``.
+    """
 
     model_config = ConfigDict(extra="forbid")
 
@@ -25,7 +29,7 @@ class _TrainStepConfig(BaseModel):
     max_length: int = Field(
         128, ge=16, description="Longest tokenized sequence; longer prompts are rejected."
     )
-    learning_rate: float = Field(1e-3, gt=0, lt=1, description="Peak AdamW learning rate.")
+    learning_rate: float = Field(3e-3, gt=0, lt=1, description="Peak AdamW learning rate.")
     lr_scheduler_type: Literal["constant", "linear", "cosine"] = Field(
         "cosine", description="Learning-rate schedule after warmup."
     )
@@ -88,12 +92,15 @@ class SFTStepConfig(_TrainStepConfig):
 class DPOStepConfig(_TrainStepConfig):
     """Direct preference optimization through TRL's DPOTrainer; the reference is the SFT model."""
 
-    learning_rate: float = Field(2e-4, gt=0, lt=1, description="Peak AdamW learning rate.")
+    learning_rate: float = Field(2e-3, gt=0, lt=1, description="Peak AdamW learning rate.")
     lr_scheduler_type: Literal["constant", "linear", "cosine"] = Field(
         "constant", description="Learning-rate schedule after warmup."
     )
     max_steps: int | None = Field(
-        40, gt=0, description="Optimizer steps; None trains for num_epochs instead."
+        30, gt=0, description="Optimizer steps; None trains for num_epochs instead."
+    )
+    num_heldout: int = Field(
+        64, ge=0, description="Pairs held out (by seed) for before/after evaluation."
     )
     beta: float = Field(
         0.1, gt=0, description="DPO beta: higher keeps the policy closer to the reference."

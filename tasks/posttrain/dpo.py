@@ -30,6 +30,7 @@ from tasks.posttrain.common import (
     load_normalized,
     load_tokenizer,
     offline_environment,
+    remove_if_empty,
     require_examples,
     split_heldout,
     write_metrics,
@@ -251,6 +252,7 @@ def dpo(
     result = trainer.train()
     metrics.update(evaluate_heldout(trainer, heldout, cfg, "after"))
     export_model(trainer.model, trainer.processing_class, out_dir / MODEL_SUBDIR)
+    remove_if_empty(Path(trainer.args.output_dir))
     metrics.update(
         num_pairs=len(pairs),
         num_train_pairs=len(train),

@@ -34,6 +34,7 @@ from tasks.posttrain.common import (
     load_normalized,
     load_tokenizer,
     offline_environment,
+    remove_if_empty,
     require_examples,
     split_heldout,
     write_metrics,
@@ -139,6 +140,7 @@ def sft(
     if heldout:
         metrics["heldout_loss_after"] = trainer.evaluate()["eval_loss"]
     export_model(trainer.model, trainer.processing_class, out_dir / MODEL_SUBDIR)
+    remove_if_empty(Path(trainer.args.output_dir))
     metrics.update(
         num_examples=len(examples),
         num_train_examples=len(train),

@@ -121,6 +121,7 @@ def _assert_chats(model_dir: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     assert "generation" in tokenizer.chat_template
+    assert model.config.use_cache is True
     assert list(model_dir.glob("*.safetensors"))
     inputs = tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is 2 + 3?"}],

@@ -94,6 +94,12 @@ def test_dpo_quickstart_fast(tiny_model_dir, tmp_path, assert_chats):
     assert metrics["heldout_loss_before"] == pytest.approx(0.6931, abs=1e-4)
     assert metrics["num_steps"] == 6 and metrics["num_rejected"] == 0
     assert metrics["heldout_rewards_margins_after"] > 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "metrics.json",
+        "model",
+        "quickstart_preferences.jsonl",
+        "rejects.jsonl",
+    ]
     assert (
         metrics["heldout_preference_accuracy_after"] > metrics["heldout_preference_accuracy_before"]
     )
@@ -106,9 +112,8 @@ def test_sft_then_dpo_raises_heldout_preference_accuracy(tiny_model_dir, tmp_pat
     """The quickstart recipe: SFT on noisy arithmetic chat, then DPO on preference pairs."""
     sft_out, dpo_out = tmp_path / "sft", tmp_path / "dpo"
     sft_out.mkdir(), dpo_out.mkdir()
-    sft(SFTStepConfig(max_steps=60, learning_rate=3e-3), tiny_model_dir, sft_out)
-    cfg = DPOStepConfig(max_steps=30, learning_rate=2e-3, num_heldout=64)
-    metrics = dpo(cfg, sft_out / "model", dpo_out)
+    sft(SFTStepConfig(), tiny_model_dir, sft_out)  # the defaults are the quickstart recipe
+    metrics = dpo(DPOStepConfig(), sft_out / "model", dpo_out)
     before = metrics["heldout_preference_accuracy_before"]
     after = metrics["heldout_preference_accuracy_after"]
     assert after >= before + 0.2, (before, after)
