@@ -16,6 +16,7 @@ from transformers import (
     AutoTokenizer,
     PreTrainedModel,
     PreTrainedTokenizerBase,
+    Trainer,
 )
 
 from tasks.errors import BadInputError
@@ -169,6 +170,14 @@ def write_metrics(out_dir: Path, metrics: dict[str, Any]) -> None:
     """Write metrics.json (sorted keys) beside the outputs."""
     path = Path(out_dir) / METRICS_FILE
     path.write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
+
+
+def finish_step(trainer: Trainer, out_dir: Path, metrics: dict[str, Any]) -> None:
+    """Export the model and write metrics.json from the main process; drop the empty trainer dir."""
+    if trainer.is_world_process_zero():
+        export_model(trainer.model, trainer.processing_class, Path(out_dir) / MODEL_SUBDIR)
+        remove_if_empty(Path(trainer.args.output_dir))
+        write_metrics(out_dir, metrics)
 
 
 def offline_environment() -> None:

@@ -24,16 +24,13 @@ from trl import DPOConfig, DPOTrainer
 from trl.trainer.dpo_trainer import DataCollatorForPreference
 
 from tasks.posttrain.common import (
-    MODEL_SUBDIR,
-    export_model,
+    finish_step,
     load_model,
     load_normalized,
     load_tokenizer,
     offline_environment,
-    remove_if_empty,
     require_examples,
     split_heldout,
-    write_metrics,
     write_rejects,
 )
 from tasks.posttrain.config import DPOStepConfig
@@ -251,8 +248,6 @@ def dpo(
     metrics.update(evaluate_heldout(trainer, heldout, cfg, "before"))
     result = trainer.train()
     metrics.update(evaluate_heldout(trainer, heldout, cfg, "after"))
-    export_model(trainer.model, trainer.processing_class, out_dir / MODEL_SUBDIR)
-    remove_if_empty(Path(trainer.args.output_dir))
     metrics.update(
         num_pairs=len(pairs),
         num_train_pairs=len(train),
@@ -261,6 +256,6 @@ def dpo(
         train_loss=result.training_loss,
         beta=cfg.beta,
     )
-    write_metrics(out_dir, metrics)
+    finish_step(trainer, out_dir, metrics)
     logger.info("dpo done: %s", metrics)
     return metrics

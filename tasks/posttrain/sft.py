@@ -28,16 +28,13 @@ from datasets import Dataset
 from trl import SFTConfig, SFTTrainer
 
 from tasks.posttrain.common import (
-    MODEL_SUBDIR,
-    export_model,
+    finish_step,
     load_model,
     load_normalized,
     load_tokenizer,
     offline_environment,
-    remove_if_empty,
     require_examples,
     split_heldout,
-    write_metrics,
     write_rejects,
 )
 from tasks.posttrain.config import SFTStepConfig
@@ -139,8 +136,6 @@ def sft(
     result = trainer.train()
     if heldout:
         metrics["heldout_loss_after"] = trainer.evaluate()["eval_loss"]
-    export_model(trainer.model, trainer.processing_class, out_dir / MODEL_SUBDIR)
-    remove_if_empty(Path(trainer.args.output_dir))
     metrics.update(
         num_examples=len(examples),
         num_train_examples=len(train),
@@ -148,6 +143,6 @@ def sft(
         num_steps=result.global_step,
         train_loss=result.training_loss,
     )
-    write_metrics(out_dir, metrics)
+    finish_step(trainer, out_dir, metrics)
     logger.info("sft done: %s", metrics)
     return metrics
