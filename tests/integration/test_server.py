@@ -22,6 +22,7 @@ SMALL = [
     "sample.num_near_duplicates=4", "sample.num_junk=3",
 ]  # fmt: skip
 RUN_TIMEOUT_S = 300
+_EVAL = "llmflow-scheduled-evaluation/scheduled-evaluation"
 
 
 @pytest.fixture(scope="module")
@@ -163,18 +164,15 @@ def test_scheduled_evaluation_deployment_has_a_cron_and_runs(
     from prefect.client.orchestration import get_client
 
     with get_client(sync_client=True) as client:
-        deployment = client.read_deployment_by_name(
-            "llmflow-scheduled-evaluation/scheduled-evaluation"
-        )
+        deployment = client.read_deployment_by_name(_EVAL)
     (schedule,) = deployment.schedules
     assert schedule.active and schedule.schedule.cron == "0 */6 * * *"
-    root = tmp_path_factory.getbasetemp() / "runs"  # the pipeline test's outputs, when it ran
-    config = {"root": str(root), "steps": ["ingest"]}
-    run = _run(deployed, "llmflow-scheduled-evaluation/scheduled-evaluation", {"config": config})
-    (task_run,) = _task_runs(run.id)
-    assert task_run.name.startswith("find-checkpoints") and task_run.state.is_completed()
-    found = len(list(root.glob("ingest/quickstart-*")))
-    _wait_for_log(run.id, f"{found} checkpoints under {root}")
+    root = tmp_path_factory.mktemp("evaluation-root")
+    (root / "export").mkdir()  # no checkpoint exported yet
+    run = _run(deployed, _EVAL, {"config": {"root": str(root)}})
+    names = sorted(t.name.rsplit("-", 1)[0] for t in _task_runs(run.id))
+    assert names == ["evaluate-new-checkpoints", "update-leaderboard"]
+    _wait_for_log(run.id, "evaluated 0 new checkpoint(s)")
 
 
 def test_gpu_slot_holds_the_gpu_limit_and_is_a_no_op_without_it(deployed: PrefectServer):
@@ -204,13 +202,12 @@ def test_gpu_slot_holds_the_gpu_limit_and_is_a_no_op_without_it(deployed: Prefec
     assert active_slots() == 0
 
 
-def test_serve_runs_the_local_deployments_without_a_worker(deployed: PrefectServer):
+def test_serve_runs_the_local_deployments_without_a_worker(deployed: PrefectServer, tmp_path: Path):
     for worker in deployed.processes:  # so that only serve() can run what follows
         stop(worker)
-    name = "llmflow-scheduled-evaluation/scheduled-evaluation"
     # NOTE: serve() over a deployment that `prefect deploy` made keeps some of its pool-only
     # fields and crashes the runs; switching a deployment to serve() means deleting it first.
-    out = deployed.cli("deployment", "delete", name)
+    out = deployed.cli("deployment", "delete", _EVAL)
     assert out.returncode == 0, out.stdout + out.stderr
     code = "from flows.deploy import serve; serve(['scheduled-evaluation'])"
     env = {**deployed.env, "PREFECT_RUNNER_POLL_FREQUENCY": "2"}
@@ -218,6 +215,6 @@ def test_serve_runs_the_local_deployments_without_a_worker(deployed: PrefectServ
     wait_until(
         lambda: "being served" in deployed.log("serve.log"), 180, "serve() to start", interval_s=2
     )
-    config = {"root": "./no-such-root", "steps": ["pretrain"]}
-    run = _run(deployed, name, {"config": config}, "serve.log")
-    _wait_for_log(run.id, "0 checkpoints under ./no-such-root")
+    (tmp_path / "export").mkdir()
+    run = _run(deployed, _EVAL, {"config": {"root": str(tmp_path)}}, "serve.log")
+    _wait_for_log(run.id, "evaluated 0 new checkpoint(s)")
