@@ -149,5 +149,7 @@ def rotate_half(x: Tensor) -> Tensor:
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate heads `x` (B, T, H, D) by the angles in `cos`, `sin` (B, T, D)."""
-    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # (B, T, 1, D) broadcasts over heads
+    # NOTE: under autocast q and k come out of the projection in bf16 while the tables are
+    # float32; matching them keeps the rotated heads in bf16 instead of promoting them.
+    cos, sin = cos.to(x.dtype).unsqueeze(2), sin.to(x.dtype).unsqueeze(2)  # (B, T, 1, D)
     return x * cos + rotate_half(x) * sin

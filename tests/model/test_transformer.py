@@ -95,3 +95,17 @@ def test_bf16_forward_runs_and_tracks_fp32():
     low = model.to(torch.bfloat16)(input_ids)
     assert low.dtype == torch.bfloat16
     assert (low.float() - reference).abs().max() < 0.1
+
+
+def test_autocast_keeps_rotated_heads_in_low_precision():
+    from model.rope import apply_rotary
+
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(num_layers=1))
+    cos, sin = model.rope(torch.arange(16)[None], torch.float32)  # float32 tables, as in forward
+    heads = torch.randn(2, 16, 4, 32, dtype=torch.bfloat16)
+    assert apply_rotary(heads, cos, sin).dtype == torch.bfloat16
+    input_ids = torch.randint(0, 8192, (2, 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(input_ids)
+    assert (logits.float() - model(input_ids)).abs().max() < 0.1
