@@ -77,6 +77,36 @@ def cmd_lineage(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from tasks.pretrain.planner import format_plan, plan
+
+    config = _load(args)
+    pretrain = config.pretrain
+    model = pretrain.train.model_config_obj()
+    seq_len = max(s.mixture.seq_len for s in pretrain.stages)
+    batch = pretrain.train.batch
+    micro = batch.micro_batch_size
+    result = plan(
+        model,
+        seq_len=seq_len,
+        global_batch_tokens=micro * batch.grad_accum_steps * seq_len * args.gpus,
+        num_tokens=sum(s.mixture.num_tokens for s in pretrain.stages),
+        num_gpus=args.gpus,
+        gpu_mem_gb=args.gpu_mem,
+        mfu=args.mfu,
+        micro_batch_size=micro,
+    )
+    print(format_plan(result))
+    return 0 if result.fits else 1
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from flows.deploy import serve
+
+    serve(args.names or None, limit=args.limit)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llmflow", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -92,6 +122,16 @@ def build_parser() -> argparse.ArgumentParser:
     lin = sub.add_parser("lineage", help="Print the upstream tree of an output.")
     lin.add_argument("uri", help="An output directory or URI.")
     lin.set_defaults(func=cmd_lineage)
+    planner = sub.add_parser("plan", help="Parameters, FLOPs, memory per GPU, tokens and time.")
+    _add_config_args(planner)
+    planner.add_argument("--gpus", type=int, default=1, help="Data-parallel GPUs.")
+    planner.add_argument("--gpu-mem", type=float, default=80.0, help="GiB per GPU.")
+    planner.add_argument("--mfu", type=float, default=0.4, help="Expected model FLOPs utilization.")
+    planner.set_defaults(func=cmd_plan)
+    serve = sub.add_parser("serve", help="Serve the deployments from this process (no worker).")
+    serve.add_argument("names", nargs="*", help="Deployment names (default: all local ones).")
+    serve.add_argument("--limit", type=int, help="Concurrent flow runs.")
+    serve.set_defaults(func=cmd_serve)
     return parser
 
 

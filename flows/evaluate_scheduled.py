@@ -54,6 +54,10 @@ def evaluate_new(config: ScheduledEvaluationConfig) -> list[dict]:
     """Evaluate each checkpoint not yet scored on this suite (failures isolated)."""
     checkpoints, results = config.roots()
     heldout = Path(config.heldout_dir) if config.heldout_dir else None
+    fs, path = fsspec.core.url_to_fs(checkpoints)
+    if not fs.exists(path):  # a fresh root: nothing exported yet is zero checkpoints, not an error
+        print(f"no checkpoints yet under {checkpoints}")
+        return []
     with gpu_slot():
         return evaluate_checkpoints(config.evaluate, checkpoints, results, heldout)
 
