@@ -139,3 +139,32 @@ def test_sft_on_real_sharegpt_file(tiny_model_dir, tmp_path, shared_data):
     assert metrics["num_steps"] == 2
     assert metrics["num_examples"] + metrics["num_rejected"] == 500
     assert (tmp_path / "model" / "config.json").exists()
+
+
+def test_fixture_template_matches_the_project_tokenizer(tokenizer):
+    """The tests' chat template renders and masks exactly like the project tokenizer's."""
+    train = pytest.importorskip("tasks.tokenizer.train")
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is 2 + 3?"},
+        {"role": "assistant", "content": "2 + 3 = 5."},
+        {"role": "user", "content": "And 1 + 1?"},
+        {"role": "assistant", "content": "1 + 1 = 2."},
+    ]
+    ours = {}
+    for template in (None, train.CHAT_TEMPLATE):
+        for prompt_only in (False, True):
+            rendered = tokenizer.apply_chat_template(
+                messages[:-1] if prompt_only else messages,
+                chat_template=template,
+                add_generation_prompt=prompt_only,
+                tokenize=True,
+                return_dict=True,
+                return_assistant_tokens_mask=True,
+            )
+            if template is None:
+                ours[prompt_only] = rendered
+            else:
+                assert rendered["input_ids"] == ours[prompt_only]["input_ids"]
+                assert rendered["assistant_masks"] == ours[prompt_only]["assistant_masks"]
+                assert 1 in rendered["assistant_masks"]
