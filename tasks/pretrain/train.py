@@ -229,7 +229,11 @@ class Trainer:
 
     def optimizer_step(self, step: int) -> float:
         """Apply the schedule's LR and step every optimizer; return the LR of group 0."""
-        multiplier = lr_multiplier(step, self.cfg.schedule, self.total_steps)
+        if self.cfg.schedule.per_stage:
+            start = self.state["start_step"]
+            multiplier = lr_multiplier(step - start, self.cfg.schedule, self.state["end_step"] - start)
+        else:
+            multiplier = lr_multiplier(step, self.cfg.schedule, self.total_steps)
         set_lr(self.optimizers, multiplier * self.guard.lr_scale)
         for optimizer in self.optimizers:
             optimizer.step()
@@ -447,8 +451,11 @@ class Trainer:
             self.model_config,
             write_extra=(lambda tmp: save_model(full, self.model_config, tmp)) if final else None,
         )
-        if self.runtime.is_main and not final:
-            ckpt.prune_checkpoints(self.out_dir, self.cfg.checkpoint.keep_last)
+        if self.runtime.is_main:
+            if not final:
+                ckpt.prune_checkpoints(self.out_dir, self.cfg.checkpoint.keep_last)
+            # NOTE: the Prefect wrapper watches for this line to push partial state.
+            print(f"saved checkpoint {path} at step {self.state['step']}", flush=True)
 
     def summary(self) -> dict[str, Any]:
         """Headline metrics (JSON scalars) for summary.json."""

@@ -87,6 +87,7 @@ def test_pretrain_end_to_end(tmp_path, train_data, val_data, monkeypatch):
     summary = pretrain(cfg, train_data, tmp_path / "run", val_dir=val_data, on_line=lines.append)
     assert lines[0].startswith("launching: ")
     assert any(line.startswith("step 4 loss") for line in lines)
+    assert any(line.startswith("saved checkpoint") and "final" in line for line in lines)
     assert summary["steps"] == 4 and summary["tokens_seen"] == 4 * 4 * 32
     assert summary["final_loss"] > 0 and summary["val_loss"] > 0 and summary["tokens_per_s"] > 0
     run = tmp_path / "run"
