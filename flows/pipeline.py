@@ -3,7 +3,7 @@ evaluate → SFT → DPO → evaluate. It reads like a recipe: each line is a st
 earlier steps' outputs (URIs). Steps skip when their content-addressed output exists.
 """
 
-from __future__ import annotations
+from __future__ import annotations  # noqa: I001  (flows must be imported before prefect)
 
 import flows  # noqa: F401  (sets Prefect env defaults before prefect is imported)
 from prefect import flow
@@ -12,10 +12,13 @@ from prefect.artifacts import create_table_artifact
 from flows.curate import curate_flow
 from flows.runners import combined, task_runner
 from tasks.config import PipelineConfig
+from tasks.dataprep.task import mixture_task, tokenize_task, validation_task
 from tasks.evaluation.steps import ExportConfig, LeaderboardConfig
 from tasks.evaluation.task import evaluate_task, export_task, leaderboard_task
-from tasks.dataprep.task import mixture_task, tokenize_task, validation_task
+from tasks.extend.steps import LongContextEval, extension_mixture, extension_train_config
+from tasks.extend.task import longctx_task
 from tasks.ingest.task import describe_sources_task, ingest_task, sample_task
+from tasks.posttrain.task import dpo_task, sft_task
 from tasks.pretrain.curriculum import stage_train_config
 from tasks.pretrain.steps import StageRun
 from tasks.pretrain.task import pretrain_task
@@ -24,11 +27,12 @@ from tasks.tokenizer.task import tokenizer_task
 
 
 class _Run:
-    """Collects step results in order and knows when to stop (``--until``)."""
+    """Collects step results in order, knows when to stop (``--until``), and what was evaluated."""
 
     def __init__(self, config: PipelineConfig):
         self.config = config
         self.results: list[StepResult] = []
+        self.evaluated: list[tuple[str, StepResult, StepResult]] = []
 
     def add(self, result: StepResult) -> StepResult:
         self.results.append(result)
@@ -36,6 +40,9 @@ class _Run:
 
     def stop_after(self, step: str) -> bool:
         return self.config.until == step
+
+    def named(self, label: str) -> dict[str, str]:
+        return {"root": self.config.root, "name": f"{self.config.name}-{label}"}
 
 
 @flow(name="llmflow-pipeline", log_prints=True)
@@ -53,91 +60,121 @@ def pipeline(config: PipelineConfig) -> list[StepResult]:
         raw = run.add(ingest_task(config.ingest, inputs={"sample": sample.uri}, **common))
     if run.stop_after("ingest"):
         return _finish(run)
-    curate_results = curate_flow.with_options(task_runner=task_runner(config.runner))(
-        config.curate, raw.uri, config.root, config.name
+    runner = task_runner(config.runner)
+    curated = run.add(
+        combined("curate", curate_flow.with_options(task_runner=runner)(config.curate, raw.uri, config.root, config.name))
     )
-    curated = run.add(combined("curate", curate_results))
     if run.stop_after("curate"):
         return _finish(run)
     tokenizer = run.add(tokenizer_task(config.tokenizer, inputs={"corpus": curated.uri}, **common))
     if run.stop_after("tokenizer"):
         return _finish(run)
     tokenized = run.add(
-        tokenize_task(
-            config.tokenize, inputs={"corpus": curated.uri, "tokenizer": tokenizer.uri}, **common
-        )
+        tokenize_task(config.tokenize, inputs={"corpus": curated.uri, "tokenizer": tokenizer.uri}, **common)
     )
     if run.stop_after("tokenize"):
         return _finish(run)
     validation = run.add(validation_task(config.validation, inputs={"tokenized": tokenized.uri}, **common))
     mixtures = [
-        run.add(mixture_task(stage.mixture, inputs={"tokenized": tokenized.uri}, root=config.root,
-                             name=f"{config.name}-{stage.name}"))
+        run.add(mixture_task(stage.mixture, inputs={"tokenized": tokenized.uri}, **run.named(stage.name)))
         for stage in config.pretrain.stages
     ]
     if run.stop_after("mixture"):
         return _finish(run)
-    previous = None
+    pretrained = None
     for index, (stage, mixture) in enumerate(zip(config.pretrain.stages, mixtures)):
-        stage_run = StageRun(
-            train=stage_train_config(config.pretrain, index),
-            num_processes=config.pretrain.num_processes,
-            accelerate_config=config.pretrain.accelerate_config,
-            timeout_s=config.pretrain.timeout_s,
-        )
-        inputs = {"data": mixture.uri, "validation": validation.uri}
-        if previous is not None:
-            inputs["init"] = previous.uri
-        previous = run.add(
-            pretrain_task(stage_run, inputs=inputs, root=config.root, name=f"{config.name}-{stage.name}")
-        )
+        pretrained = _train(run, stage.name, stage_train_config(config.pretrain, index), mixture, validation, pretrained)
     if run.stop_after("pretrain"):
         return _finish(run)
-    evaluated: list[tuple[str, StepResult, StepResult]] = []
-
-    def export_and_evaluate(label: str, checkpoint: StepResult, **export_options) -> StepResult:
-        exported = run.add(
-            export_task(
-                ExportConfig(label=label, **export_options),
-                inputs={"checkpoint": checkpoint.uri, "tokenizer": tokenizer.uri},
-                root=config.root, name=f"{config.name}-{label}",
+    extended = pretrained
+    for index, stage in enumerate(config.extend.stages):
+        mixture = run.add(
+            mixture_task(
+                extension_mixture(config.extend, stage, seed=100 + index),
+                inputs={"tokenized": tokenized.uri}, **run.named(f"ctx{stage.seq_len}"),
             )
         )
-        scores = run.add(
-            evaluate_task(
-                config.evaluate, inputs={"model": exported.uri, "heldout": tokenized.uri},
-                root=config.root, name=f"{config.name}-{label}",
-            )
+        train = extension_train_config(config.pretrain.train, stage)
+        extended = _train(run, f"ctx{stage.seq_len}", train, mixture, validation, extended)
+    run.add(
+        longctx_task(
+            LongContextEval(extend=config.extend),
+            inputs={"before": pretrained.uri, "after": extended.uri,
+                    "tokenizer": tokenizer.uri, "tokenized": tokenized.uri},
+            **common,
         )
-        evaluated.append((label, exported, scores))
-        return exported
-
-    base = export_and_evaluate("base", previous)
+    )
+    if run.stop_after("extend"):
+        return _finish(run)
+    base = _export_and_evaluate(run, "base", pretrained, tokenizer, tokenized)
+    long = _export_and_evaluate(
+        run, "extended", extended, tokenizer, tokenized,
+        rope_scaling=config.extend.yarn_scaling(),
+        max_seq_len=int(config.extend.stages[-1].seq_len * config.extend.yarn_factor),
+    ) if config.extend.stages else base
     if run.stop_after("evaluate"):
-        return _finish(run, evaluated, config)
-    del base
-    return _finish(run, evaluated, config)
+        return _finish(run)
+    sft = run.add(sft_task(config.sft, inputs={"model": long.uri}, sources=_data(config.sft.data), **common))
+    _evaluate(run, "sft", sft, tokenized)
+    if run.stop_after("sft"):
+        return _finish(run)
+    dpo = run.add(dpo_task(config.dpo, inputs={"model": sft.uri}, sources=_data(config.dpo.data), **common))
+    _evaluate(run, "dpo", dpo, tokenized)
+    return _finish(run)
 
 
-def _finish(run: _Run, evaluated=(), config: PipelineConfig | None = None) -> list[StepResult]:
-    if evaluated:
+def _train(run: _Run, label: str, train, data: StepResult, validation: StepResult, init: StepResult | None) -> StepResult:
+    """One trainer run (a curriculum or extension stage) from the previous stage's checkpoint."""
+    pretrain = run.config.pretrain
+    stage_run = StageRun(
+        train=train, num_processes=pretrain.num_processes,
+        accelerate_config=pretrain.accelerate_config, timeout_s=pretrain.timeout_s,
+    )
+    inputs = {"data": data.uri, "validation": validation.uri}
+    if init is not None:
+        inputs["init"] = init.uri
+    return run.add(pretrain_task(stage_run, inputs=inputs, **run.named(label)))
+
+
+def _export_and_evaluate(run: _Run, label: str, checkpoint: StepResult, tokenizer: StepResult,
+                         tokenized: StepResult, **export_options) -> StepResult:
+    """Export a checkpoint to Hugging Face format, then evaluate the export."""
+    exported = run.add(
+        export_task(
+            ExportConfig(label=label, **export_options),
+            inputs={"checkpoint": checkpoint.uri, "tokenizer": tokenizer.uri}, **run.named(label),
+        )
+    )
+    _evaluate(run, label, exported, tokenized)
+    return exported
+
+
+def _evaluate(run: _Run, label: str, model: StepResult, tokenized: StepResult) -> None:
+    scores = run.add(
+        evaluate_task(run.config.evaluate, inputs={"model": model.uri, "heldout": tokenized.uri}, **run.named(label))
+    )
+    run.evaluated.append((label, model, scores))
+
+
+def _data(data: str) -> list[dict] | None:
+    """A user's post-training file as a raw source (hashed); None for the generated data."""
+    return None if data == "quickstart" else describe_sources_task([data])
+
+
+def _finish(run: _Run) -> list[StepResult]:
+    if run.evaluated:
         run.add(
             leaderboard_task(
-                LeaderboardConfig(labels=[label for label, _, _ in evaluated]),
+                LeaderboardConfig(labels=[label for label, _, _ in run.evaluated]),
                 inputs={
-                    "evaluations": [scores.uri for _, _, scores in evaluated],
-                    "models": [model.uri for _, model, _ in evaluated],
+                    "evaluations": [scores.uri for _, _, scores in run.evaluated],
+                    "models": [model.uri for _, model, _ in run.evaluated],
                 },
-                root=config.root, name=config.name,
+                root=run.config.root, name=run.config.name,
             )
         )
     rows = [
-        {
-            "step": r.step,
-            "status": "cached" if r.cached else "ran",
-            "seconds": round(r.seconds, 2),
-            "uri": r.uri,
-        }
+        {"step": r.step, "status": "cached" if r.cached else "ran", "seconds": round(r.seconds, 2), "uri": r.uri}
         for r in run.results
     ]
     create_table_artifact(rows, key="llmflow-outputs", description="Outputs of this run, in DAG order")

@@ -17,8 +17,10 @@ from tasks.curation.config import CurateConfig
 from tasks.dataprep.config import TokenizeConfig, ValidationConfig
 from tasks.errors import ConfigError
 from tasks.evaluation.config import EvalConfig
+from tasks.extend.config import ExtendConfig
 from tasks.ingest.ingest import IngestConfig
 from tasks.ingest.sample import SampleConfig
+from tasks.posttrain.config import DPOStepConfig, SFTStepConfig
 from tasks.pretrain.curriculum import PretrainConfig
 from tasks.tokenizer.config import TokenizerConfig
 
@@ -76,7 +78,10 @@ class PipelineConfig(BaseModel):
     tokenize: TokenizeConfig = Field(default_factory=TokenizeConfig)
     validation: ValidationConfig = Field(default_factory=ValidationConfig)
     pretrain: PretrainConfig
+    extend: ExtendConfig
     evaluate: EvalConfig = Field(default_factory=EvalConfig)
+    sft: SFTStepConfig = Field(default_factory=SFTStepConfig)
+    dpo: DPOStepConfig = Field(default_factory=DPOStepConfig)
 
     @field_validator("until")
     @classmethod

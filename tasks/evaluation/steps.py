@@ -73,7 +73,9 @@ def evaluate_step(ctx: StepContext) -> dict[str, Any]:
     """Run the lm-eval suite on one export; publish the scores as a table."""
     heldout = ctx.inputs.get("heldout")
     heldout_docs = heldout / "validation_docs" if heldout is not None else None
-    metrics = evaluate(ctx.config, ctx.inputs["model"], ctx.out_dir, heldout_dir=heldout_docs)
+    model = ctx.inputs["model"]
+    model = model / "model" if (model / "model" / "config.json").exists() else model
+    metrics = evaluate(ctx.config, model, ctx.out_dir, heldout_dir=heldout_docs)
     rows = table_rows(json.loads((ctx.out_dir / "results.json").read_text()))
     ctx.report_table("evaluation", rows, f"lm-eval scores of {ctx.inputs['model'].name}")
     return metrics

@@ -170,12 +170,17 @@ def clean_tmp(out_dir: Path) -> None:
                 shutil.rmtree(tmp, ignore_errors=True)
 
 
+CONTEXT_FIELDS = ("max_seq_len", "rope_theta", "rope_scaling")
+
+
 def check_same_architecture(path: Path, model_config: Any) -> None:
     """Raise ValueError naming the differing fields if ``path`` holds another architecture."""
     saved = json.loads((Path(path) / "model_config.json").read_text())
     current = json.loads(json.dumps(dataclasses.asdict(model_config)))
     diff = {k: (saved.get(k), current.get(k)) for k in saved.keys() | current.keys()}
-    diff = {k: v for k, v in diff.items() if v[0] != v[1]}
+    # NOTE: the weights do not depend on the context fields; changing them from one checkpoint
+    # to the next is context extension (RoPE ABF / YaRN), not another architecture.
+    diff = {k: v for k, v in diff.items() if v[0] != v[1] and k not in CONTEXT_FIELDS}
     if diff:
         detail = ", ".join(f"{k}: checkpoint={a!r} vs config={b!r}" for k, (a, b) in diff.items())
         raise ValueError(f"checkpoint {path} has another architecture ({detail})")

@@ -130,6 +130,11 @@ class ScheduleConfig(_Section):
         description="multistep: fractions of total_steps where the LR is multiplied by gamma.",
     )
     gamma: float = Field(0.316, gt=0, le=1, description="multistep: factor at each milestone.")
+    per_stage: bool = Field(
+        False,
+        description="Restart the schedule at this stage's first step, over this stage's steps "
+        "(context extension: each length has its own warmup and decay).",
+    )
 
     @field_validator("milestones")
     @classmethod

@@ -1,0 +1,73 @@
+"""Context extension (RoPE ABF, then YaRN at inference) and its long-context evaluation."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class ExtensionStage(BaseModel):
+    """One length step: train at ``seq_len`` with a raised RoPE base and its own LR schedule."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    seq_len: int = Field(gt=0, description="Training sequence length of this stage.")
+    rope_theta: float = Field(gt=0, description="RoPE base for this length (ABF raises it).")
+    num_tokens: int = Field(gt=0, description="Token budget of this stage.")
+    lr: float = Field(gt=0, description="Peak LR of this stage's own warmup + cosine schedule.")
+    warmup_steps: int = Field(5, ge=0, description="Warmup steps of this stage.")
+    micro_batch_size: int = Field(
+        4, gt=0, description="Sequences per micro-batch (longer sequences, fewer of them)."
+    )
+
+
+class LongContextEvalConfig(BaseModel):
+    """Passkey retrieval (RULER format) and loss by position, before and after extension."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lengths: list[int] = Field(default_factory=lambda: [256, 512, 1024], description="Haystack sizes.")
+    depths: list[float] = Field(default_factory=lambda: [0.1, 0.5, 0.9], description="Needle depths.")
+    trials: int = Field(2, ge=1, description="Needles per (length, depth) cell.")
+    position_loss_len: int = Field(1024, gt=1, description="Positions scored for loss by position.")
+    num_buckets: int = Field(16, ge=2, description="Position buckets in the loss curve.")
+    seed: int = Field(0, description="Seed of keys, numbers and needle placement.")
+
+    @field_validator("depths")
+    @classmethod
+    def _depths_in_unit(cls, value: list[float]) -> list[float]:
+        if not value or any(not 0 <= d <= 1 for d in value):
+            raise ValueError(f"depths must lie in [0, 1], got {value}")
+        return value
+
+
+class ExtendConfig(BaseModel):
+    """Staged context extension, YaRN for inference, and the long-context evaluation."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    stages: list[ExtensionStage] = Field(description="Length steps in increasing order.")
+    weights: dict[str, float] = Field(description="Domain weights of the extension data.")
+    max_epochs: float = Field(8.0, gt=0, description="Repetition cap of each domain.")
+    yarn_factor: float = Field(
+        2.0, ge=1, description="YaRN factor applied at inference on top of the last length."
+    )
+    beta_fast: float = Field(32.0, gt=0, description="YaRN beta_fast.")
+    beta_slow: float = Field(1.0, gt=0, description="YaRN beta_slow.")
+    eval: LongContextEvalConfig = Field(default_factory=LongContextEvalConfig)
+
+    @model_validator(mode="after")
+    def _increasing(self) -> ExtendConfig:
+        lengths = [s.seq_len for s in self.stages]
+        if not lengths or lengths != sorted(set(lengths)):
+            raise ValueError(f"stages[].seq_len must be strictly increasing, got {lengths}")
+        return self
+
+    def yarn_scaling(self) -> dict:
+        """transformers-style rope parameters for inference past the last trained length."""
+        return {
+            "rope_type": "yarn",
+            "factor": self.yarn_factor,
+            "original_max_position_embeddings": self.stages[-1].seq_len,
+            "beta_fast": self.beta_fast,
+            "beta_slow": self.beta_slow,
+        }

@@ -1,0 +1,41 @@
+"""Store adapters for SFT and DPO (plain Python, no Prefect)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tasks.store import StepContext
+
+SFT_VERSION = "1"
+DPO_VERSION = "1"
+
+
+def model_dir(output: Path) -> Path:
+    """The HF model folder inside an upstream output (export dir itself, or its ``model/``)."""
+    return output / "model" if (output / "model" / "config.json").exists() else output
+
+
+def _data_path(ctx: StepContext) -> Path | None:
+    return Path(ctx.sources[0]["uri"]) if ctx.sources else None
+
+
+def sft_step(ctx: StepContext) -> dict[str, Any]:
+    """Supervised fine-tuning of the base export with TRL; the model lands in ``model/``."""
+    from tasks.posttrain.sft import sft
+
+    return sft(ctx.config, model_dir(ctx.inputs["model"]), ctx.out_dir, _data_path(ctx))
+
+
+def dpo_step(ctx: StepContext) -> dict[str, Any]:
+    """DPO of the SFT model (also the frozen reference) with TRL; the model lands in ``model/``."""
+    from tasks.posttrain.dpo import dpo
+
+    metrics = dpo(ctx.config, model_dir(ctx.inputs["model"]), ctx.out_dir, _data_path(ctx))
+    rows = [
+        {"when": when, **{k.split("/", 1)[1]: v for k, v in metrics.items() if k.startswith(f"{when}/")}}
+        for when in ("before", "after")
+    ]
+    if all(len(r) > 1 for r in rows):
+        ctx.report_table("dpo-heldout", rows, "Held-out preference metrics before and after DPO")
+    return metrics
