@@ -213,6 +213,22 @@ def evaluate_heldout(trainer: DPOTrainer, heldout: list[Record], cfg: DPOStepCon
     return metrics
 
 
+def heldout_rows(metrics: dict[str, Any]) -> list[dict[str, Any]]:
+    """The held-out metrics of ``dpo()`` as two table rows, ``when`` = before / after.
+
+    ``heldout_rewards_margins_before`` becomes ``{"when": "before", "rewards_margins": ...}``.
+    """
+    rows = []
+    for when in ("before", "after"):
+        row = {
+            key.removeprefix("heldout_").removesuffix(f"_{when}"): value
+            for key, value in metrics.items()
+            if key.startswith("heldout_") and key.endswith(f"_{when}")
+        }
+        rows.append({"when": when, **row})
+    return rows
+
+
 def prepare_pairs(cfg: DPOStepConfig, model_dir: Path, data_file: Path) -> tuple[list, list]:
     """Load, normalize and length-check pairs; rejects carry the record index and reason."""
     tokenizer = load_tokenizer(model_dir)

@@ -15,6 +15,7 @@ from tasks.posttrain.config import DPOStepConfig, SFTStepConfig
 from tasks.posttrain.dpo import (
     build_dpo_trainer,
     dpo,
+    heldout_rows,
     preference_accuracy,
     response_logps,
     tokenize_pair,
@@ -104,6 +105,10 @@ def test_dpo_quickstart_fast(tiny_model_dir, tmp_path, assert_chats):
         metrics["heldout_preference_accuracy_after"] > metrics["heldout_preference_accuracy_before"]
     )
     assert json.loads((tmp_path / "metrics.json").read_text()) == metrics
+    before, after = heldout_rows(metrics)
+    assert before["when"] == "before" and after["when"] == "after"
+    assert before["rewards_margins"] == 0.0 and set(before) == set(after)
+    assert after["preference_accuracy"] == metrics["heldout_preference_accuracy_after"]
     assert_chats(tmp_path / "model")
 
 
