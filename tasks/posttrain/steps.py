@@ -29,13 +29,8 @@ def sft_step(ctx: StepContext) -> dict[str, Any]:
 
 def dpo_step(ctx: StepContext) -> dict[str, Any]:
     """DPO of the SFT model (also the frozen reference) with TRL; the model lands in ``model/``."""
-    from tasks.posttrain.dpo import dpo
+    from tasks.posttrain.dpo import dpo, heldout_rows
 
     metrics = dpo(ctx.config, model_dir(ctx.inputs["model"]), ctx.out_dir, _data_path(ctx))
-    rows = [
-        {"when": when, **{k.split("/", 1)[1]: v for k, v in metrics.items() if k.startswith(f"{when}/")}}
-        for when in ("before", "after")
-    ]
-    if all(len(r) > 1 for r in rows):
-        ctx.report_table("dpo-heldout", rows, "Held-out preference metrics before and after DPO")
+    ctx.report_table("dpo-heldout", heldout_rows(metrics), "Held-out preference metrics before and after DPO")
     return metrics
