@@ -231,7 +231,9 @@ class Trainer:
         """Apply the schedule's LR and step every optimizer; return the LR of group 0."""
         if self.cfg.schedule.per_stage:
             start = self.state["start_step"]
-            multiplier = lr_multiplier(step - start, self.cfg.schedule, self.state["end_step"] - start)
+            multiplier = lr_multiplier(
+                step - start, self.cfg.schedule, self.state["end_step"] - start
+            )
         else:
             multiplier = lr_multiplier(step, self.cfg.schedule, self.total_steps)
         set_lr(self.optimizers, multiplier * self.guard.lr_scale)

@@ -48,6 +48,15 @@ def test_second_stage_continues_step_optimizer_and_schedule(tmp_path, train_data
     # the first stage-2 loss comes from trained weights (well below ln(128) = 4.85)
     first_stage2 = losses_by_step(tmp_path / "s2")[7]
     assert first_stage2 < losses_by_step(tmp_path / "s1")[1] - 0.2
+    # A per-stage schedule (context extension) restarts warmup + decay over the stage's steps,
+    # while the global step still continues.
+    per_stage = {"name": "cosine", "warmup_steps": 2, "min_lr_ratio": 0.0, "per_stage": True}
+    stage3 = tiny_config(max_steps=4, schedule=per_stage)
+    run_trainer(stage3, val_data, tmp_path / "s3", init_from=tmp_path / "s2")
+    rows3 = read_jsonl(tmp_path / "s3" / "metrics.jsonl")
+    assert [r["step"] for r in rows3] == [13, 14, 15, 16]
+    # local steps 0-3: warmup 1/2, 2/2, then cosine over the 2 remaining steps: 1, cos(pi/2)
+    assert [r["lr"] for r in rows3] == pytest.approx([1.5e-3, 3e-3, 3e-3, 1.5e-3], abs=1e-12)
     # final/ is also a plain model folder
     model = load_model(tmp_path / "s2" / "final")
     assert isinstance(model, Transformer) and model.cfg.hidden_size == TINY_MODEL["hidden_size"]
