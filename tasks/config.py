@@ -110,16 +110,32 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     """Set each dotted path in a nested dict (creating levels as needed)."""
     for text in overrides:
         keys, value = parse_override(text)
-        node = data
+        node: Any = data
         for key in keys[:-1]:
-            child = node.get(key)
-            if child is None:
-                child = node[key] = {}
-            if not isinstance(child, dict):
-                raise ConfigError(f"override {text!r}: {key!r} is a value, not a section")
-            node = child
-        node[keys[-1]] = value
+            node = _child(node, key, text)
+        if isinstance(node, list):
+            node[_index(node, keys[-1], text)] = value
+        else:
+            node[keys[-1]] = value
     return data
+
+
+def _index(node: list, key: str, text: str) -> int:
+    if not key.isdigit() or int(key) >= len(node):
+        raise ConfigError(f"override {text!r}: {key!r} is not an index of a list of {len(node)}")
+    return int(key)
+
+
+def _child(node: Any, key: str, text: str) -> Any:
+    """One level down a dotted path: a dict key (created if missing) or a list index."""
+    if isinstance(node, list):
+        return node[_index(node, key, text)]
+    child = node.get(key)
+    if child is None:
+        child = node[key] = {}
+    if not isinstance(child, (dict, list)):
+        raise ConfigError(f"override {text!r}: {key!r} is a value, not a section")
+    return child
 
 
 def format_validation_error(err: ValidationError) -> str:

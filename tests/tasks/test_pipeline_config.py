@@ -18,6 +18,10 @@ REPO = Path(__file__).resolve().parents[2]
 def test_quickstart_preset_loads_and_overrides_apply():
     cfg = load_config(None, ["ingest.max_chars=5000", "sample.seed=7", "name=mine"])
     assert cfg.ingest.max_chars == 5000 and cfg.sample.seed == 7 and cfg.name == "mine"
+    cfg = load_config(None, ["pretrain.stages.2.mixture.num_tokens=4096"])
+    assert cfg.pretrain.stages[2].mixture.num_tokens == 4096
+    with pytest.raises(ConfigError, match="not an index"):
+        load_config(None, ["pretrain.stages.7.mixture.num_tokens=4096"])
 
 
 @pytest.mark.parametrize(
@@ -27,6 +31,8 @@ def test_quickstart_preset_loads_and_overrides_apply():
         ("ingest.maxchars=5", "ingest.maxchars"),
         ("sample.num_shards=many", "sample.num_shards"),
         ("until=nowhere", "until"),
+        ("pretrain.stages.0.mixture.weights.prose=-1", "pretrain.stages.0.mixture.weights"),
+        ("extend.stages.1.seq_len=128", "extend"),
     ],
 )
 def test_bad_value_names_the_field(override, field):
