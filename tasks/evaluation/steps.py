@@ -63,10 +63,20 @@ def export_step(ctx: StepContext) -> dict[str, Any]:
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     return {
         "label": cfg.label,
-        "tokens_seen": summary.get("tokens_seen"),
+        "tokens_seen": _total_tokens(ctx.inputs["checkpoint"], summary),
         "step": summary.get("step", summary.get("steps")),
         "num_parameters": model_cfg.num_parameters(),
     }
+
+
+def _total_tokens(checkpoint: Path, summary: dict[str, Any]) -> int | None:
+    """Tokens seen over the whole curriculum (the pretrain step records it), else this stage's."""
+    lineage = checkpoint / "lineage.json"
+    if lineage.exists():
+        total = json.loads(lineage.read_text()).get("metrics", {}).get("total_tokens_seen")
+        if total is not None:
+            return total
+    return summary.get("tokens_seen")
 
 
 def evaluate_step(ctx: StepContext) -> dict[str, Any]:

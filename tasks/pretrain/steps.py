@@ -50,7 +50,7 @@ def pretrain_step(ctx) -> dict[str, Any]:
             ctx.sync()
 
     accelerate = REPO_ROOT / cfg.accelerate_config if cfg.accelerate_config else None
-    return pretrain(
+    metrics = pretrain(
         train,
         data,
         ctx.out_dir,
@@ -61,3 +61,9 @@ def pretrain_step(ctx) -> dict[str, Any]:
         on_line=on_line,
         timeout_s=cfg.timeout_s,
     )
+    previous = 0
+    if init is not None and (init / "lineage.json").exists():
+        previous = json.loads((init / "lineage.json").read_text())["metrics"].get("total_tokens_seen", 0)
+    # The trainer counts this stage's tokens; the curriculum total is what evaluations plot against.
+    metrics["total_tokens_seen"] = previous + metrics.get("tokens_seen", 0)
+    return metrics
