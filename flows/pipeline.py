@@ -94,8 +94,14 @@ def pipeline(config: PipelineConfig) -> list[StepResult]:
                 inputs={"tokenized": tokenized.uri}, **run.named(f"ctx{stage.seq_len}"),
             )
         )
+        long_validation = run.add(
+            validation_task(
+                config.validation.model_copy(update={"seq_len": stage.seq_len}),
+                inputs={"tokenized": tokenized.uri}, **run.named(f"ctx{stage.seq_len}"),
+            )
+        )
         train = extension_train_config(config.pretrain.train, stage)
-        extended = _train(run, f"ctx{stage.seq_len}", train, mixture, validation, extended)
+        extended = _train(run, f"ctx{stage.seq_len}", train, mixture, long_validation, extended)
     run.add(
         longctx_task(
             LongContextEval(extend=config.extend),
