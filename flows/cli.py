@@ -12,9 +12,15 @@ from tasks.errors import BadInputError
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", nargs="?", default=None, help="YAML preset (default: configs/quickstart.yaml)")
     parser.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="a.b=value",
+        "config", nargs="?", default=None, help="YAML preset (default: configs/quickstart.yaml)"
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="a.b=value",
         help="Dotted override of any config field; repeatable.",
     )
 
@@ -47,7 +53,9 @@ def _summary(results, seconds: float) -> str:
         status = "cached" if r.cached else "ran"
         lines.append(f"{r.step:<{width}}  {status:<6}  {r.seconds:7.1f}  {r.uri}")
     ran = sum(not r.cached for r in results)
-    lines.append(f"{len(results)} steps, {ran} ran, {len(results) - ran} cached, {seconds:.1f} s in all")
+    lines.append(
+        f"{len(results)} steps, {ran} ran, {len(results) - ran} cached, {seconds:.1f} s in all"
+    )
     return "\n".join(lines)
 
 
@@ -110,10 +118,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llmflow", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="Run the end-to-end pipeline (steps already done are skipped).")
+    run = sub.add_parser(
+        "run", help="Run the end-to-end pipeline (steps already done are skipped)."
+    )
     _add_config_args(run)
     run.add_argument("--root", help="Artifact root: a folder or s3://bucket/prefix.")
-    run.add_argument("--data", nargs="+", help="Your own data files/folders/globs instead of the sample.")
+    run.add_argument(
+        "--data", nargs="+", help="Your own data files/folders/globs instead of the sample."
+    )
     run.add_argument("--until", help="Stop after this step (e.g. curate).")
     run.set_defaults(func=cmd_run)
     show = sub.add_parser("show", help="Print the resolved config.")

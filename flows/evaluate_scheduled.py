@@ -40,7 +40,9 @@ class ScheduledEvaluationConfig(BaseModel):
         None, description="Local held-out documents (parquet) for the perplexity tasks."
     )
     evaluate: EvalConfig = Field(
-        default_factory=lambda: EvalConfig(tasks=["cf_arith", "mcf_arith", "gen_arith", "cf_facts"]),
+        default_factory=lambda: EvalConfig(
+            tasks=["cf_arith", "mcf_arith", "gen_arith", "cf_facts"]
+        ),
         description="The suite (tasks needing held-out docs need heldout_dir).",
     )
 
@@ -91,8 +93,10 @@ def scheduled_evaluation(
         {"checkpoint": s["checkpoint"], "status": s["status"], "error": s.get("error", "")}
         for s in statuses
     ]
-    create_table_artifact(rows or [{"checkpoint": "(none new)", "status": "", "error": ""}],
-                          key="llmflow-scheduled-evaluation")
+    create_table_artifact(
+        rows or [{"checkpoint": "(none new)", "status": "", "error": ""}],
+        key="llmflow-scheduled-evaluation",
+    )
     print(f"evaluated {len(statuses)} new checkpoint(s)")
     leaderboard(config)
     raise_for_failures(statuses)

@@ -62,7 +62,12 @@ def pipeline(config: PipelineConfig) -> list[StepResult]:
         return _finish(run)
     runner = task_runner(config.runner)
     curated = run.add(
-        combined("curate", curate_flow.with_options(task_runner=runner)(config.curate, raw.uri, config.root, config.name))
+        combined(
+            "curate",
+            curate_flow.with_options(task_runner=runner)(
+                config.curate, raw.uri, config.root, config.name
+            ),
+        )
     )
     if run.stop_after("curate"):
         return _finish(run)
@@ -70,20 +75,35 @@ def pipeline(config: PipelineConfig) -> list[StepResult]:
     if run.stop_after("tokenizer"):
         return _finish(run)
     tokenized = run.add(
-        tokenize_task(config.tokenize, inputs={"corpus": curated.uri, "tokenizer": tokenizer.uri}, **common)
+        tokenize_task(
+            config.tokenize, inputs={"corpus": curated.uri, "tokenizer": tokenizer.uri}, **common
+        )
     )
     if run.stop_after("tokenize"):
         return _finish(run)
-    validation = run.add(validation_task(config.validation, inputs={"tokenized": tokenized.uri}, **common))
+    validation = run.add(
+        validation_task(config.validation, inputs={"tokenized": tokenized.uri}, **common)
+    )
     mixtures = [
-        run.add(mixture_task(stage.mixture, inputs={"tokenized": tokenized.uri}, **run.named(stage.name)))
+        run.add(
+            mixture_task(
+                stage.mixture, inputs={"tokenized": tokenized.uri}, **run.named(stage.name)
+            )
+        )
         for stage in config.pretrain.stages
     ]
     if run.stop_after("mixture"):
         return _finish(run)
     pretrained = None
-    for index, (stage, mixture) in enumerate(zip(config.pretrain.stages, mixtures)):
-        pretrained = _train(run, stage.name, stage_train_config(config.pretrain, index), mixture, validation, pretrained)
+    for index, (stage, mixture) in enumerate(zip(config.pretrain.stages, mixtures, strict=False)):
+        pretrained = _train(
+            run,
+            stage.name,
+            stage_train_config(config.pretrain, index),
+            mixture,
+            validation,
+            pretrained,
+        )
     if run.stop_after("pretrain"):
         return _finish(run)
     extended = pretrained
@@ -91,13 +111,15 @@ def pipeline(config: PipelineConfig) -> list[StepResult]:
         mixture = run.add(
             mixture_task(
                 extension_mixture(config.extend, stage, seed=100 + index),
-                inputs={"tokenized": tokenized.uri}, **run.named(f"ctx{stage.seq_len}"),
+                inputs={"tokenized": tokenized.uri},
+                **run.named(f"ctx{stage.seq_len}"),
             )
         )
         long_validation = run.add(
             validation_task(
                 config.validation.model_copy(update={"seq_len": stage.seq_len}),
-                inputs={"tokenized": tokenized.uri}, **run.named(f"ctx{stage.seq_len}"),
+                inputs={"tokenized": tokenized.uri},
+                **run.named(f"ctx{stage.seq_len}"),
             )
         )
         train = extension_train_config(config.pretrain.train, stage)
@@ -105,36 +127,56 @@ def pipeline(config: PipelineConfig) -> list[StepResult]:
     run.add(
         longctx_task(
             LongContextEval(extend=config.extend),
-            inputs={"before": pretrained.uri, "after": extended.uri,
-                    "tokenizer": tokenizer.uri, "tokenized": tokenized.uri},
+            inputs={
+                "before": pretrained.uri,
+                "after": extended.uri,
+                "tokenizer": tokenizer.uri,
+                "tokenized": tokenized.uri,
+            },
             **common,
         )
     )
     if run.stop_after("extend"):
         return _finish(run)
     base = _export_and_evaluate(run, "base", pretrained, tokenizer, tokenized)
-    long = _export_and_evaluate(
-        run, "extended", extended, tokenizer, tokenized,
-        rope_scaling=config.extend.yarn_scaling(),
-        max_seq_len=int(config.extend.stages[-1].seq_len * config.extend.yarn_factor),
-    ) if config.extend.stages else base
+    long = (
+        _export_and_evaluate(
+            run,
+            "extended",
+            extended,
+            tokenizer,
+            tokenized,
+            rope_scaling=config.extend.yarn_scaling(),
+            max_seq_len=int(config.extend.stages[-1].seq_len * config.extend.yarn_factor),
+        )
+        if config.extend.stages
+        else base
+    )
     if run.stop_after("evaluate"):
         return _finish(run)
-    sft = run.add(sft_task(config.sft, inputs={"model": long.uri}, sources=_data(config.sft.data), **common))
+    sft = run.add(
+        sft_task(config.sft, inputs={"model": long.uri}, sources=_data(config.sft.data), **common)
+    )
     _evaluate(run, "sft", sft, tokenized)
     if run.stop_after("sft"):
         return _finish(run)
-    dpo = run.add(dpo_task(config.dpo, inputs={"model": sft.uri}, sources=_data(config.dpo.data), **common))
+    dpo = run.add(
+        dpo_task(config.dpo, inputs={"model": sft.uri}, sources=_data(config.dpo.data), **common)
+    )
     _evaluate(run, "dpo", dpo, tokenized)
     return _finish(run)
 
 
-def _train(run: _Run, label: str, train, data: StepResult, validation: StepResult, init: StepResult | None) -> StepResult:
+def _train(
+    run: _Run, label: str, train, data: StepResult, validation: StepResult, init: StepResult | None
+) -> StepResult:
     """One trainer run (a curriculum or extension stage) from the previous stage's checkpoint."""
     pretrain = run.config.pretrain
     stage_run = StageRun(
-        train=train, num_processes=pretrain.num_processes,
-        accelerate_config=pretrain.accelerate_config, timeout_s=pretrain.timeout_s,
+        train=train,
+        num_processes=pretrain.num_processes,
+        accelerate_config=pretrain.accelerate_config,
+        timeout_s=pretrain.timeout_s,
     )
     inputs = {"data": data.uri, "validation": validation.uri}
     if init is not None:
@@ -142,13 +184,20 @@ def _train(run: _Run, label: str, train, data: StepResult, validation: StepResul
     return run.add(pretrain_task(stage_run, inputs=inputs, **run.named(label)))
 
 
-def _export_and_evaluate(run: _Run, label: str, checkpoint: StepResult, tokenizer: StepResult,
-                         tokenized: StepResult, **export_options) -> StepResult:
+def _export_and_evaluate(
+    run: _Run,
+    label: str,
+    checkpoint: StepResult,
+    tokenizer: StepResult,
+    tokenized: StepResult,
+    **export_options,
+) -> StepResult:
     """Export a checkpoint to Hugging Face format, then evaluate the export."""
     exported = run.add(
         export_task(
             ExportConfig(label=label, **export_options),
-            inputs={"checkpoint": checkpoint.uri, "tokenizer": tokenizer.uri}, **run.named(label),
+            inputs={"checkpoint": checkpoint.uri, "tokenizer": tokenizer.uri},
+            **run.named(label),
         )
     )
     _evaluate(run, label, exported, tokenized)
@@ -157,7 +206,11 @@ def _export_and_evaluate(run: _Run, label: str, checkpoint: StepResult, tokenize
 
 def _evaluate(run: _Run, label: str, model: StepResult, tokenized: StepResult) -> None:
     scores = run.add(
-        evaluate_task(run.config.evaluate, inputs={"model": model.uri, "heldout": tokenized.uri}, **run.named(label))
+        evaluate_task(
+            run.config.evaluate,
+            inputs={"model": model.uri, "heldout": tokenized.uri},
+            **run.named(label),
+        )
     )
     run.evaluated.append((label, model, scores))
 
@@ -176,12 +229,20 @@ def _finish(run: _Run) -> list[StepResult]:
                     "evaluations": [scores.uri for _, _, scores in run.evaluated],
                     "models": [model.uri for _, model, _ in run.evaluated],
                 },
-                root=run.config.root, name=run.config.name,
+                root=run.config.root,
+                name=run.config.name,
             )
         )
     rows = [
-        {"step": r.step, "status": "cached" if r.cached else "ran", "seconds": round(r.seconds, 2), "uri": r.uri}
+        {
+            "step": r.step,
+            "status": "cached" if r.cached else "ran",
+            "seconds": round(r.seconds, 2),
+            "uri": r.uri,
+        }
         for r in run.results
     ]
-    create_table_artifact(rows, key="llmflow-outputs", description="Outputs of this run, in DAG order")
+    create_table_artifact(
+        rows, key="llmflow-outputs", description="Outputs of this run, in DAG order"
+    )
     return run.results

@@ -19,7 +19,9 @@ def task_runner(cfg):
         if cfg.kind == "dask":
             from prefect_dask import DaskTaskRunner
 
-            return DaskTaskRunner(cluster_kwargs={"n_workers": cfg.max_workers} if cfg.max_workers else None)
+            return DaskTaskRunner(
+                cluster_kwargs={"n_workers": cfg.max_workers} if cfg.max_workers else None
+            )
         from prefect_ray import RayTaskRunner
 
         return RayTaskRunner()

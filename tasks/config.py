@@ -57,9 +57,12 @@ class PipelineConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field("quickstart", pattern=r"^[A-Za-z0-9_.-]+$", description="Label in output names.")
+    name: str = Field(
+        "quickstart", pattern=r"^[A-Za-z0-9_.-]+$", description="Label in output names."
+    )
     root: str = Field(
-        "./runs", description="Artifact root: a folder or s3://bucket/prefix.",
+        "./runs",
+        description="Artifact root: a folder or s3://bucket/prefix.",
         json_schema_extra={"versioned": False},
     )
     data: list[str] = Field(
@@ -67,10 +70,13 @@ class PipelineConfig(BaseModel):
         description="Raw data files, folders or globs (local or s3://). Empty: the generated sample.",
     )
     until: str | None = Field(
-        None, description=f"Stop after this step; one of {', '.join(STEPS)}.",
+        None,
+        description=f"Stop after this step; one of {', '.join(STEPS)}.",
         json_schema_extra={"versioned": False},
     )
-    runner: RunnerConfig = Field(default_factory=RunnerConfig, json_schema_extra={"versioned": False})
+    runner: RunnerConfig = Field(
+        default_factory=RunnerConfig, json_schema_extra={"versioned": False}
+    )
     sample: SampleConfig = Field(default_factory=SampleConfig)
     ingest: IngestConfig = Field(default_factory=IngestConfig)
     curate: CurateConfig = Field(default_factory=CurateConfig)
@@ -162,7 +168,9 @@ def validate(cls: type[BaseModel], data: dict[str, Any]) -> BaseModel:
         raise ConfigError(f"invalid config: {err}") from None
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> PipelineConfig:
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | None = None
+) -> PipelineConfig:
     """Read a YAML preset, apply dotted overrides, validate."""
     path = Path(path) if path else DEFAULT_CONFIG
     if not path.exists():

@@ -109,7 +109,8 @@ def format_tree(uri: str, read_lineage, max_depth: int = 50) -> str:
         metrics = record.get("metrics") or {}
         headline = ", ".join(f"{k}={v}" for k, v in list(metrics.items())[:3])
         lines.append(
-            f"{prefix}{branch}{label}{record['step']} {node_uri}" + (f"  ({headline})" if headline else "")
+            f"{prefix}{branch}{label}{record['step']} {node_uri}"
+            + (f"  ({headline})" if headline else "")
         )
         child_prefix = prefix + ("" if depth == 0 else ("    " if is_last else "│   "))
         children = [("input", i) for i in record.get("inputs", [])]

@@ -53,8 +53,14 @@ def _publish(result: StepResult, inputs: dict[str, str | list[str]]) -> None:
     upstream = [u for v in inputs.values() for u in (v if isinstance(v, list) else [v])]
     emit_event(
         event="prefect.asset.materialization.succeeded",
-        resource={"prefect.resource.id": asset_key(result.uri), "prefect.resource.name": result.step},
-        related=[{"prefect.resource.id": asset_key(u), "prefect.resource.role": "asset"} for u in upstream],
+        resource={
+            "prefect.resource.id": asset_key(result.uri),
+            "prefect.resource.name": result.step,
+        },
+        related=[
+            {"prefect.resource.id": asset_key(u), "prefect.resource.role": "asset"}
+            for u in upstream
+        ],
         payload={"hash": result.hash, "metrics": result.metrics},
     )
     for art in result.artifacts:
@@ -62,7 +68,9 @@ def _publish(result: StepResult, inputs: dict[str, str | list[str]]) -> None:
         if art["kind"] == "table":
             create_table_artifact(art["rows"], key=key, description=art.get("description") or None)
         else:
-            create_markdown_artifact(art["markdown"], key=key, description=art.get("description") or None)
+            create_markdown_artifact(
+                art["markdown"], key=key, description=art.get("description") or None
+            )
 
 
 def step_task(
@@ -84,8 +92,13 @@ def step_task(
         store = Store(parameters["root"])
         try:
             uri, digest, _ = output_address(
-                store, step, parameters["name"], version, parameters["config"],
-                parameters.get("inputs") or {}, parameters.get("sources"),
+                store,
+                step,
+                parameters["name"],
+                version,
+                parameters["config"],
+                parameters.get("inputs") or {},
+                parameters.get("sources"),
             )
         except FileNotFoundError:
             return None
@@ -107,17 +120,19 @@ def step_task(
         _publish(result, inputs or {})
         return result
 
-    return _StepTask(task(
-        run,
-        name=step,
-        task_run_name=f"{step}-{{name}}",
-        retries=retries,
-        retry_delay_seconds=retry_delay_seconds or [2, 10],
-        retry_condition_fn=_retry_transient,
-        cache_key_fn=cache_key,
-        persist_result=True,
-        tags=list(tags),
-    ))
+    return _StepTask(
+        task(
+            run,
+            name=step,
+            task_run_name=f"{step}-{{name}}",
+            retries=retries,
+            retry_delay_seconds=retry_delay_seconds or [2, 10],
+            retry_condition_fn=_retry_transient,
+            cache_key_fn=cache_key,
+            persist_result=True,
+            tags=list(tags),
+        )
+    )
 
 
 class _StepTask:

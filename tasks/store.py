@@ -225,11 +225,15 @@ class StepContext:
 
     def report_table(self, key: str, rows: list[dict[str, Any]], description: str = "") -> None:
         """Ask the orchestrator to publish a table (a Prefect table artifact)."""
-        self.artifacts.append({"kind": "table", "key": key, "rows": rows, "description": description})
+        self.artifacts.append(
+            {"kind": "table", "key": key, "rows": rows, "description": description}
+        )
 
     def report_markdown(self, key: str, markdown: str, description: str = "") -> None:
         """Ask the orchestrator to publish a markdown report."""
-        self.artifacts.append({"kind": "markdown", "key": key, "markdown": markdown, "description": description})
+        self.artifacts.append(
+            {"kind": "markdown", "key": key, "markdown": markdown, "description": description}
+        )
 
 
 @dataclass
@@ -301,10 +305,14 @@ def run_step(
     started = time.perf_counter()
     uri, digest, input_hashes = output_address(store, step, name, version, config, inputs, sources)
     if store.is_complete(uri):
-        return StepResult(step, uri, digest, True, time.perf_counter() - started, _metrics(store, uri))
+        return StepResult(
+            step, uri, digest, True, time.perf_counter() - started, _metrics(store, uri)
+        )
     with store.workdir(step, name, digest) as work:
         if store.is_complete(uri):  # another run finished it while we waited for the lock
-            return StepResult(step, uri, digest, True, time.perf_counter() - started, _metrics(store, uri))
+            return StepResult(
+                step, uri, digest, True, time.perf_counter() - started, _metrics(store, uri)
+            )
         local_inputs = {
             k: [store.local_path(u) for u in v] if isinstance(v, list) else store.local_path(v)
             for k, v in inputs.items()
@@ -330,7 +338,11 @@ def run_step(
             "inputs": [
                 {"name": k, "uri": u, "hash": h}
                 for k, v in inputs.items()
-                for u, h in (zip(v, input_hashes[k]) if isinstance(v, list) else [(v, input_hashes[k])])
+                for u, h in (
+                    zip(v, input_hashes[k], strict=False)
+                    if isinstance(v, list)
+                    else [(v, input_hashes[k])]
+                )
             ],
             "sources": sources or [],
             "code": {**lineage.code_version(), "step_version": version},

@@ -114,7 +114,9 @@ def finalize_step(ctx: StepContext) -> dict[str, Any]:
     )
     summary = ctx.out_dir / "summary.md"
     if summary.exists():
-        ctx.report_markdown("curation-report", summary.read_text(), "Curation: what was removed and why")
+        ctx.report_markdown(
+            "curation-report", summary.read_text(), "Curation: what was removed and why"
+        )
     report = json.loads((ctx.out_dir / "curation_report.json").read_text())
     stages = report.get("stages")
     if isinstance(stages, list) and stages and isinstance(stages[0], dict):

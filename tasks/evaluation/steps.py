@@ -57,8 +57,12 @@ def export_step(ctx: StepContext) -> dict[str, Any]:
     if cfg.max_seq_len is not None:
         changes["max_seq_len"] = cfg.max_seq_len
     if changes:
-        model_cfg = ModelConfig(**{**json.loads((final / "model_config.json").read_text()), **changes})
-    export_hf(load_file(final / "model.safetensors"), model_cfg, ctx.out_dir, ctx.inputs["tokenizer"])
+        model_cfg = ModelConfig(
+            **{**json.loads((final / "model_config.json").read_text()), **changes}
+        )
+    export_hf(
+        load_file(final / "model.safetensors"), model_cfg, ctx.out_dir, ctx.inputs["tokenizer"]
+    )
     summary_path = ctx.inputs["checkpoint"] / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     return {
@@ -95,12 +99,16 @@ def leaderboard_step(ctx: StepContext) -> dict[str, Any]:
     """Every evaluated model x task in one table, plots against tokens seen, signal quality."""
     records = []
     for label, eval_dir, model_dir in zip(
-        ctx.config.labels, ctx.inputs["evaluations"], ctx.inputs["models"]
+        ctx.config.labels, ctx.inputs["evaluations"], ctx.inputs["models"], strict=False
     ):
         record = json.loads((eval_dir / "results.json").read_text())
         lineage = json.loads((model_dir / "lineage.json").read_text())
         metrics = lineage.get("metrics", {})
-        record["checkpoint"] = {"key": label, "tokens_seen": metrics.get("tokens_seen"), "step": metrics.get("step")}
+        record["checkpoint"] = {
+            "key": label,
+            "tokens_seen": metrics.get("tokens_seen"),
+            "step": metrics.get("step"),
+        }
         records.append(record)
     rows = leaderboard_rows(records)
     wide = wide_table(rows)

@@ -25,8 +25,12 @@ class LongContextEvalConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    lengths: list[int] = Field(default_factory=lambda: [256, 512, 1024], description="Haystack sizes.")
-    depths: list[float] = Field(default_factory=lambda: [0.1, 0.5, 0.9], description="Needle depths.")
+    lengths: list[int] = Field(
+        default_factory=lambda: [256, 512, 1024], description="Haystack sizes."
+    )
+    depths: list[float] = Field(
+        default_factory=lambda: [0.1, 0.5, 0.9], description="Needle depths."
+    )
     trials: int = Field(2, ge=1, description="Needles per (length, depth) cell.")
     position_loss_len: int = Field(1024, gt=1, description="Positions scored for loss by position.")
     num_buckets: int = Field(16, ge=2, description="Position buckets in the loss curve.")

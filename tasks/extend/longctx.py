@@ -59,12 +59,14 @@ def position_loss(
     edges = np.linspace(0, seq_len, num_buckets + 1).astype(int)
     return {
         "bucket_start": edges[:-1].tolist(),
-        "loss": [float(mean[a:b].mean()) for a, b in zip(edges[:-1], edges[1:])],
+        "loss": [float(mean[a:b].mean()) for a, b in zip(edges[:-1], edges[1:], strict=False)],
         "num_docs": len(rows),
     }
 
 
-def passkey_prompt(tokenizer, length: int, depth: float, rng: random.Random) -> tuple[list[int], str]:
+def passkey_prompt(
+    tokenizer, length: int, depth: float, rng: random.Random
+) -> tuple[list[int], str]:
     """Token ids of a haystack of about ``length`` tokens with the needle at ``depth`` (0..1)."""
     key, number = rng.choice(_KEYS), str(rng.randint(10000, 99999))
     needle = NEEDLE.format(key=key, number=number)
@@ -144,7 +146,7 @@ def plot_passkey(grids: dict[str, dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(grids), figsize=(4.5 * len(grids), 3.8), squeeze=False)
-    for ax, (label, grid) in zip(axes[0], grids.items()):
+    for ax, (label, grid) in zip(axes[0], grids.items(), strict=False):
         image = ax.imshow(np.array(grid["accuracy"]), vmin=0, vmax=1, cmap="viridis", aspect="auto")
         ax.set_xticks(range(len(grid["depths"])), [f"{d:.0%}" for d in grid["depths"]])
         ax.set_yticks(range(len(grid["lengths"])), grid["lengths"])

@@ -20,14 +20,22 @@ LONGCTX_VERSION = "1"
 def extension_mixture(cfg: ExtendConfig, stage: ExtensionStage, seed: int) -> StageMixture:
     """The packed data of one extension stage, at its sequence length."""
     return StageMixture(
-        weights=cfg.weights, num_tokens=stage.num_tokens, seq_len=stage.seq_len,
-        max_epochs=cfg.max_epochs, on_overflow="reweight", seed=seed,
+        weights=cfg.weights,
+        num_tokens=stage.num_tokens,
+        seq_len=stage.seq_len,
+        max_epochs=cfg.max_epochs,
+        on_overflow="reweight",
+        seed=seed,
     )
 
 
 def extension_train_config(base: TrainConfig, stage: ExtensionStage) -> TrainConfig:
     """The trainer config of one extension stage: longer context, raised RoPE base, own schedule."""
-    overrides = {**base.model.overrides, "max_seq_len": stage.seq_len, "rope_theta": stage.rope_theta}
+    overrides = {
+        **base.model.overrides,
+        "max_seq_len": stage.seq_len,
+        "rope_theta": stage.rope_theta,
+    }
     data = base.model_dump()
     data["model"]["overrides"] = overrides
     data["optimizer"]["lr"] = stage.lr
@@ -73,7 +81,11 @@ def long_documents(tokenized: Path, min_tokens: int) -> tuple[list[np.ndarray], 
                 continue
             tokens = np.fromfile(folder / "tokens.bin", dtype=meta["dtype"])
             offsets = np.load(folder / "offsets.npy")
-            docs += [tokens[a:b] for a, b in zip(offsets[:-1], offsets[1:]) if b - a > min_tokens]
+            docs += [
+                tokens[a:b]
+                for a, b in zip(offsets[:-1], offsets[1:], strict=False)
+                if b - a > min_tokens
+            ]
         if docs:
             return docs, split
     raise ValueError(f"no document in {tokenized} has more than {min_tokens} tokens")
@@ -97,18 +109,33 @@ def longctx_step(ctx: StepContext) -> dict[str, Any]:
     yarn = with_rope(after, rope_scaling=cfg.yarn_scaling())
     models = {"before": before, "after": after, "after+yarn": yarn}
     docs, split = long_documents(ctx.inputs["tokenized"], ev.position_loss_len)
-    curves = {k: position_loss(m, docs, ev.position_loss_len, ev.num_buckets) for k, m in models.items()}
+    curves = {
+        k: position_loss(m, docs, ev.position_loss_len, ev.num_buckets) for k, m in models.items()
+    }
     tokenizer = _TextTokenizer(ctx.inputs["tokenizer"])
-    grids = {k: passkey_grid(m, tokenizer, ev.lengths, ev.depths, ev.trials, ev.seed) for k, m in models.items()}
-    original = json.loads((ctx.inputs["before"] / "final" / "model_config.json").read_text())["max_seq_len"]
+    grids = {
+        k: passkey_grid(m, tokenizer, ev.lengths, ev.depths, ev.trials, ev.seed)
+        for k, m in models.items()
+    }
+    original = json.loads((ctx.inputs["before"] / "final" / "model_config.json").read_text())[
+        "max_seq_len"
+    ]
     plot_position_loss(curves, original, ctx.out_dir / "position_loss.png")
     plot_passkey(grids, ctx.out_dir / "passkey.png")
-    report = {"documents_split": split, "original_len": original, "position_loss": curves, "passkey": grids}
+    report = {
+        "documents_split": split,
+        "original_len": original,
+        "position_loss": curves,
+        "passkey": grids,
+    }
     (ctx.out_dir / "longctx.json").write_text(json.dumps(report, indent=1))
     beyond = {k: _mean_beyond(c, original) for k, c in curves.items()}
     rows = [
-        {"model": k, "loss_beyond_original": round(beyond[k], 4),
-         "passkey_accuracy": round(float(np.mean(grids[k]["accuracy"])), 3)}
+        {
+            "model": k,
+            "loss_beyond_original": round(beyond[k], 4),
+            "passkey_accuracy": round(float(np.mean(grids[k]["accuracy"])), 3),
+        }
         for k in models
     ]
     ctx.report_table("long-context", rows, f"Loss past position {original} and passkey accuracy")
@@ -123,5 +150,9 @@ def longctx_step(ctx: StepContext) -> dict[str, Any]:
 
 
 def _mean_beyond(curve: dict[str, Any], original: int) -> float:
-    values = [loss for start, loss in zip(curve["bucket_start"], curve["loss"]) if start >= original]
+    values = [
+        loss
+        for start, loss in zip(curve["bucket_start"], curve["loss"], strict=False)
+        if start >= original
+    ]
     return float(np.mean(values)) if values else float("nan")

@@ -23,8 +23,16 @@ from tqdm import tqdm
 
 from tasks.errors import BadInputError
 
-SUFFIXES = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".txt": "text", ".md": "text"}
-SCHEMA = pa.schema([("id", pa.string()), ("text", pa.string()), ("domain", pa.string()), ("source", pa.string())])
+SUFFIXES = {
+    ".jsonl": "jsonl",
+    ".json": "json",
+    ".parquet": "parquet",
+    ".txt": "text",
+    ".md": "text",
+}
+SCHEMA = pa.schema(
+    [("id", pa.string()), ("text", pa.string()), ("domain", pa.string()), ("source", pa.string())]
+)
 
 
 class IngestConfig(BaseModel):
@@ -33,21 +41,32 @@ class IngestConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     text_field: str = Field("text", description="Field holding the document text in JSONL/Parquet.")
-    domain_field: str = Field("domain", description="Field naming the domain; absent -> default_domain.")
-    id_field: str = Field("id", description="Field holding a document id; absent -> derived from file and line.")
+    domain_field: str = Field(
+        "domain", description="Field naming the domain; absent -> default_domain."
+    )
+    id_field: str = Field(
+        "id", description="Field holding a document id; absent -> derived from file and line."
+    )
     default_domain: str = Field("web", description="Domain of documents that name none.")
     domain_map: dict[str, str] = Field(
         default_factory=dict,
         description="File-name substring -> domain, for files whose records carry no domain.",
     )
     text_mode: Literal["file", "paragraphs"] = Field(
-        "paragraphs", description="Plain text: one document per file, or split on blank-line runs of 2+."
+        "paragraphs",
+        description="Plain text: one document per file, or split on blank-line runs of 2+.",
     )
-    min_chars: int = Field(1, ge=1, description="Shorter documents (after strip) are rejected as empty.")
-    max_chars: int = Field(1_000_000, ge=100, description="Longer documents are rejected as oversized.")
+    min_chars: int = Field(
+        1, ge=1, description="Shorter documents (after strip) are rejected as empty."
+    )
+    max_chars: int = Field(
+        1_000_000, ge=100, description="Longer documents are rejected as oversized."
+    )
     docs_per_shard: int = Field(2000, ge=1, description="Documents per output Parquet shard.")
     excerpt_chars: int = Field(
-        200, ge=0, description="Characters of each rejected record kept in the rejects file.",
+        200,
+        ge=0,
+        description="Characters of each rejected record kept in the rejects file.",
         json_schema_extra={"versioned": False},
     )
 
@@ -91,7 +110,12 @@ class _Rejects:
     def add(self, source: str, index: int, reason: str, raw: Any) -> None:
         self.counts[reason] += 1
         excerpt = raw if isinstance(raw, str) else repr(raw)
-        record = {"source": source, "record": index, "reason": reason, "excerpt": excerpt[: self.excerpt_chars]}
+        record = {
+            "source": source,
+            "record": index,
+            "reason": reason,
+            "excerpt": excerpt[: self.excerpt_chars],
+        }
         self.file.write(json.dumps(record, ensure_ascii=False) + "\n")
 
 
@@ -184,13 +208,17 @@ def ingest(cfg: IngestConfig, files: list[str], out_dir: Path) -> dict[str, Any]
                 continue
             text = record[cfg.text_field]
             doc_id = record.get(cfg.id_field)
-            doc_id = str(doc_id) if doc_id not in (None, "") else f"{Path(uri).stem}-{file_key}-{index}"
+            doc_id = (
+                str(doc_id) if doc_id not in (None, "") else f"{Path(uri).stem}-{file_key}-{index}"
+            )
             if doc_id in seen_ids:
                 rejects.add(uri, index, f"duplicate id {doc_id!r}", record)
                 counts["rejected"] += 1
                 continue
             seen_ids.add(doc_id)
-            buffer.append({"id": doc_id, "text": text, "domain": _domain_for(uri, record, cfg), "source": uri})
+            buffer.append(
+                {"id": doc_id, "text": text, "domain": _domain_for(uri, record, cfg), "source": uri}
+            )
             counts["kept"] += 1
             if len(buffer) >= cfg.docs_per_shard:
                 flush()
@@ -204,7 +232,9 @@ def ingest(cfg: IngestConfig, files: list[str], out_dir: Path) -> dict[str, Any]
     records = sum(c["records"] for c in per_source.values())
     kept = sum(c["kept"] for c in per_source.values())
     if kept == 0:
-        raise BadInputError(f"no usable documents in {len(files)} file(s); see the reasons in {out_dir}/rejects.jsonl")
+        raise BadInputError(
+            f"no usable documents in {len(files)} file(s); see the reasons in {out_dir}/rejects.jsonl"
+        )
     return {"records": records, "documents": kept, "rejected": records - kept, "shards": num_shards}
 
 

@@ -36,12 +36,20 @@ class SampleConfig(BaseModel):
 
     seed: int = Field(0, description="Seed for every random choice.")
     num_shards: int = Field(4, ge=1, le=64, description="Number of JSONL files written.")
-    num_code_files: int = Field(48, ge=0, description="Standard-library modules taken as code docs.")
-    max_code_chars: int = Field(6000, ge=200, description="Code documents are cut at a line below this.")
+    num_code_files: int = Field(
+        48, ge=0, description="Standard-library modules taken as code docs."
+    )
+    max_code_chars: int = Field(
+        6000, ge=200, description="Code documents are cut at a line below this."
+    )
     num_math_docs: int = Field(400, ge=0, description="Generated arithmetic documents.")
-    prose_chunk_chars: int = Field(3000, ge=200, description="Prose topics are split at paragraphs near this size.")
+    prose_chunk_chars: int = Field(
+        3000, ge=200, description="Prose topics are split at paragraphs near this size."
+    )
     num_exact_duplicates: int = Field(40, ge=0, description="Planted exact copies.")
-    num_near_duplicates: int = Field(40, ge=0, description="Planted copies with 1-3 words replaced.")
+    num_near_duplicates: int = Field(
+        40, ge=0, description="Planted copies with 1-3 words replaced."
+    )
     num_junk: int = Field(30, ge=0, description="Planted junk documents.")
 
 
@@ -129,19 +137,33 @@ def make_sample(cfg: SampleConfig, out_dir: Path) -> dict[str, Any]:
         ("code", _code_docs(rng, cfg.num_code_files, cfg.max_code_chars)),
         ("math", _math_docs(rng, cfg.num_math_docs)),
     ):
-        records += [{"id": f"{domain}-{i:05d}", "text": t, "domain": domain} for i, t in enumerate(texts)]
-    originals = [r for r in records if r["domain"] != "code"] + [r for r in records if r["domain"] == "code"]
+        records += [
+            {"id": f"{domain}-{i:05d}", "text": t, "domain": domain} for i, t in enumerate(texts)
+        ]
+    originals = [r for r in records if r["domain"] != "code"] + [
+        r for r in records if r["domain"] == "code"
+    ]
     manifest: dict[str, dict[str, str]] = {}
-    for i, source in enumerate(rng.sample(originals, min(cfg.num_exact_duplicates, len(originals)))):
+    for i, source in enumerate(
+        rng.sample(originals, min(cfg.num_exact_duplicates, len(originals)))
+    ):
         copy_id = f"exact-{i:05d}"
         records.append({"id": copy_id, "text": source["text"], "domain": source["domain"]})
         manifest[copy_id] = {"kind": "exact_copy", "of": source["id"]}
-    prose_like = [r for r in records if r["domain"] in ("prose", "math") and r["id"] not in manifest]
+    prose_like = [
+        r for r in records if r["domain"] in ("prose", "math") and r["id"] not in manifest
+    ]
     exact_sources = {m["of"] for m in manifest.values()}
-    candidates = [r for r in prose_like if r["id"] not in exact_sources and len(r["text"].split()) > 60]
-    for i, source in enumerate(rng.sample(candidates, min(cfg.num_near_duplicates, len(candidates)))):
+    candidates = [
+        r for r in prose_like if r["id"] not in exact_sources and len(r["text"].split()) > 60
+    ]
+    for i, source in enumerate(
+        rng.sample(candidates, min(cfg.num_near_duplicates, len(candidates)))
+    ):
         copy_id = f"near-{i:05d}"
-        records.append({"id": copy_id, "text": _near_copy(rng, source["text"]), "domain": source["domain"]})
+        records.append(
+            {"id": copy_id, "text": _near_copy(rng, source["text"]), "domain": source["domain"]}
+        )
         manifest[copy_id] = {"kind": "near_copy", "of": source["id"]}
     for i in range(cfg.num_junk):
         kind = ("boilerplate", "symbol_soup", "repeated_lines")[i % 3]
@@ -156,4 +178,8 @@ def make_sample(cfg: SampleConfig, out_dir: Path) -> dict[str, Any]:
                 f.write(json.dumps(record, ensure_ascii=False) + "\n")
     (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
     by_domain = {d: sum(r["domain"] == d for r in records) for d in ("prose", "code", "math")}
-    return {"num_documents": len(records), "num_planted": len(manifest), **{f"docs_{k}": v for k, v in by_domain.items()}}
+    return {
+        "num_documents": len(records),
+        "num_planted": len(manifest),
+        **{f"docs_{k}": v for k, v in by_domain.items()},
+    }

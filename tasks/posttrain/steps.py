@@ -32,5 +32,7 @@ def dpo_step(ctx: StepContext) -> dict[str, Any]:
     from tasks.posttrain.dpo import dpo, heldout_rows
 
     metrics = dpo(ctx.config, model_dir(ctx.inputs["model"]), ctx.out_dir, _data_path(ctx))
-    ctx.report_table("dpo-heldout", heldout_rows(metrics), "Held-out preference metrics before and after DPO")
+    ctx.report_table(
+        "dpo-heldout", heldout_rows(metrics), "Held-out preference metrics before and after DPO"
+    )
     return metrics

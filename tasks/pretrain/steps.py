@@ -63,7 +63,9 @@ def pretrain_step(ctx) -> dict[str, Any]:
     )
     previous = 0
     if init is not None and (init / "lineage.json").exists():
-        previous = json.loads((init / "lineage.json").read_text())["metrics"].get("total_tokens_seen", 0)
+        previous = json.loads((init / "lineage.json").read_text())["metrics"].get(
+            "total_tokens_seen", 0
+        )
     # The trainer counts this stage's tokens; the curriculum total is what evaluations plot against.
     metrics["total_tokens_seen"] = previous + metrics.get("tokens_seen", 0)
     return metrics

@@ -18,5 +18,7 @@ def tokenizer_step(ctx: StepContext) -> dict[str, Any]:
     if report.exists():
         data = json.loads(report.read_text())
         rows = data.get("rows", data) if isinstance(data, dict) else data
-        ctx.report_table("tokenizer-eval", rows, "Fertility, continued-word rate, bytes/token per domain")
+        ctx.report_table(
+            "tokenizer-eval", rows, "Fertility, continued-word rate, bytes/token per domain"
+        )
     return metrics

@@ -12,8 +12,13 @@ import pytest
 from tasks.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
-SMALL = ["sample.num_code_files=4", "sample.num_math_docs=30", "sample.num_exact_duplicates=4",
-         "sample.num_near_duplicates=4", "sample.num_junk=3"]
+SMALL = [
+    "sample.num_code_files=4",
+    "sample.num_math_docs=30",
+    "sample.num_exact_duplicates=4",
+    "sample.num_near_duplicates=4",
+    "sample.num_junk=3",
+]
 
 
 @pytest.fixture()
@@ -52,7 +57,10 @@ def test_user_data_lineage_reaches_raw_files(run_pipeline, tmp_path):
     results = pipeline(cfg)
     out = subprocess.run(
         [sys.executable, "-m", "flows.cli", "lineage", results[-1].uri],
-        cwd=REPO, capture_output=True, text=True, check=True,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     assert "raw: " + str(raw / "a.jsonl") in out.stdout
     assert "ingest" in out.stdout

@@ -13,17 +13,32 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = [
-    "sample.num_code_files=12", "sample.num_math_docs=120", "sample.num_exact_duplicates=10",
-    "sample.num_near_duplicates=10", "sample.num_junk=6", "tokenizer.vocab_size=1024",
-    "pretrain.stages.0.mixture.num_tokens=24000", "pretrain.stages.1.mixture.num_tokens=12000",
-    "pretrain.stages.2.mixture.num_tokens=12000", "pretrain.train.checkpoint.interval=4",
+    "sample.num_code_files=12",
+    "sample.num_math_docs=120",
+    "sample.num_exact_duplicates=10",
+    "sample.num_near_duplicates=10",
+    "sample.num_junk=6",
+    "tokenizer.vocab_size=1024",
+    "pretrain.stages.0.mixture.num_tokens=24000",
+    "pretrain.stages.1.mixture.num_tokens=12000",
+    "pretrain.stages.2.mixture.num_tokens=12000",
+    "pretrain.train.checkpoint.interval=4",
     "pretrain.train.schedule.warmup_steps=2",
-    "extend.stages.0.num_tokens=8000", "extend.stages.1.num_tokens=8000",
-    "extend.eval.lengths=[256,512]", "extend.eval.depths=[0.5]", "extend.eval.trials=1",
+    "extend.stages.0.num_tokens=8000",
+    "extend.stages.1.num_tokens=8000",
+    "extend.eval.lengths=[256,512]",
+    "extend.eval.depths=[0.5]",
+    "extend.eval.trials=1",
     "extend.eval.position_loss_len=512",
-    "evaluate.tasks=[heldout_ppl,cf_arith,gen_arith]", "evaluate.num_items=8", "evaluate.num_ppl_docs=3",
-    "sft.max_steps=4", "sft.num_quickstart_examples=64", "sft.num_heldout=8",
-    "dpo.max_steps=4", "dpo.num_quickstart_examples=64", "dpo.num_heldout=8",
+    "evaluate.tasks=[heldout_ppl,cf_arith,gen_arith]",
+    "evaluate.num_items=8",
+    "evaluate.num_ppl_docs=3",
+    "sft.max_steps=4",
+    "sft.num_quickstart_examples=64",
+    "sft.num_heldout=8",
+    "dpo.max_steps=4",
+    "dpo.num_quickstart_examples=64",
+    "dpo.num_heldout=8",
 ]
 
 
@@ -31,8 +46,14 @@ def run_cli(root: Path) -> str:
     args = [sys.executable, "-m", "flows.cli", "run", "--root", str(root)]
     for override in SMALL:
         args += ["--set", override]
-    out = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=1800,
-                         env={**os.environ, "PREFECT_LOGGING_LEVEL": "WARNING"})
+    out = subprocess.run(
+        args,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        env={**os.environ, "PREFECT_LOGGING_LEVEL": "WARNING"},
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out.stdout
 
@@ -41,20 +62,52 @@ def run_cli(root: Path) -> str:
 def test_quickstart_end_to_end(tmp_path):
     root = tmp_path / "runs"
     summary = run_cli(root)
-    for step in ("sample", "ingest", "curate", "tokenizer", "tokenize", "mixture", "pretrain",
-                 "longctx", "export", "evaluate", "sft", "dpo", "leaderboard"):
+    for step in (
+        "sample",
+        "ingest",
+        "curate",
+        "tokenizer",
+        "tokenize",
+        "mixture",
+        "pretrain",
+        "longctx",
+        "export",
+        "evaluate",
+        "sft",
+        "dpo",
+        "leaderboard",
+    ):
         assert f"\n{step}" in summary, step
     dpo = next(p for p in (root / "dpo").iterdir() if not p.name.startswith("."))
-    lineage = subprocess.run([sys.executable, "-m", "flows.cli", "lineage", str(dpo)], cwd=REPO,
-                             capture_output=True, text=True, check=True).stdout
-    for step in ("dpo", "sft", "export", "pretrain", "mixture", "tokenize", "curate", "ingest", "sample"):
+    lineage = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "lineage", str(dpo)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    for step in (
+        "dpo",
+        "sft",
+        "export",
+        "pretrain",
+        "mixture",
+        "tokenize",
+        "curate",
+        "ingest",
+        "sample",
+    ):
         assert f"{step} " in lineage, step
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(dpo / "model")
     tokenizer = AutoTokenizer.from_pretrained(dpo / "model")
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}],
-                                           add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 2 + 3?"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
     generated = model.generate(**prompt, max_new_tokens=5, do_sample=False)
     assert generated.shape[1] > prompt["input_ids"].shape[1]
     longctx = json.loads(next((root / "longctx").glob("*/lineage.json")).read_text())["metrics"]

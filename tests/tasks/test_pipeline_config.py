@@ -45,7 +45,10 @@ def test_cli_bad_value_fails_fast_naming_field_and_value():
     started = time.perf_counter()
     out = subprocess.run(
         [sys.executable, "-m", "flows.cli", "run", "--set", "ingest.max_chars=-5"],
-        cwd=REPO, capture_output=True, text=True, timeout=60,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     elapsed = time.perf_counter() - started
     assert out.returncode == 2

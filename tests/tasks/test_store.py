@@ -52,8 +52,19 @@ def test_run_writes_lineage_and_skips_when_complete(tmp_path):
     out = Path(first.uri)
     assert (out / COMMIT_MARKER).exists() and (out / "value.txt").read_text() == "3"
     record = json.loads((out / "lineage.json").read_text())
-    for key in ("step", "config", "inputs", "code", "packages", "host", "run", "started_at",
-                "ended_at", "metrics", "hash"):
+    for key in (
+        "step",
+        "config",
+        "inputs",
+        "code",
+        "packages",
+        "host",
+        "run",
+        "started_at",
+        "ended_at",
+        "metrics",
+        "hash",
+    ):
         assert key in record, key
     assert record["code"]["git_sha"] is None or len(record["code"]["git_sha"]) == 40
     assert record["metrics"] == {"value": 3}
@@ -158,7 +169,9 @@ def test_concurrent_runs_of_one_step_do_not_corrupt(tmp_path):
     script.write_text(KILL_SCRIPT.format(repo=str(REPO)))
     root = tmp_path / "root"
     procs = [
-        subprocess.Popen([sys.executable, str(script), str(root), "0.3"], stdout=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, str(script), str(root), "0.3"], stdout=subprocess.PIPE, text=True
+        )
         for _ in range(2)
     ]
     uris = [p.communicate()[0].strip().splitlines()[-1] for p in procs]
@@ -166,6 +179,10 @@ def test_concurrent_runs_of_one_step_do_not_corrupt(tmp_path):
     assert uris[0] == uris[1]
     assert Store(root).is_complete(uris[0])
     assert sorted(p.name for p in Path(uris[0]).iterdir()) == [
-        "_COMMITTED", "lineage.json", "part-0", "part-1", "part-2"
+        "_COMMITTED",
+        "lineage.json",
+        "part-0",
+        "part-1",
+        "part-2",
     ]
     time.sleep(0)

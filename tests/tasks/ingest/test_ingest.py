@@ -43,8 +43,17 @@ def test_rejects_every_malformed_line_with_reason_and_counts_add_up(tmp_path):
     assert metrics["documents"] + metrics["rejected"] == len(lines)
     assert metrics["documents"] == 2 and len(rejects) == 9
     reasons = " | ".join(r["reason"] for r in rejects)
-    for expected in ("malformed JSON", "missing field", "not a string", "empty", "oversized",
-                     "invalid UTF-8", "binary", "duplicate id", "not an object"):
+    for expected in (
+        "malformed JSON",
+        "missing field",
+        "not a string",
+        "empty",
+        "oversized",
+        "invalid UTF-8",
+        "binary",
+        "duplicate id",
+        "not an object",
+    ):
         assert expected in reasons, expected
     assert sorted(r["record"] for r in rejects) == [1, 2, 3, 4, 5, 6, 7, 9, 10]
     docs = read_docs(out)
@@ -62,7 +71,10 @@ def test_reads_parquet_and_text_with_domain_map_and_stable_ids(tmp_path):
     ingest(cfg, list_files([str(raw)]), tmp_path / "o2")
     docs = read_docs(tmp_path / "o1")
     assert [(d["text"].strip(), d["domain"]) for d in docs] == [
-        ("p1", "code"), ("p2", "web"), ("first para", "books"), ("second para", "books")
+        ("p1", "code"),
+        ("p2", "web"),
+        ("first para", "books"),
+        ("second para", "books"),
     ]
     assert [d["id"] for d in docs] == [d["id"] for d in read_docs(tmp_path / "o2")]
     assert len({d["id"] for d in docs}) == 4
@@ -77,8 +89,13 @@ def test_no_usable_documents_is_a_clear_error(tmp_path):
 
 
 def test_sample_is_deterministic_and_plants_what_the_manifest_says(tmp_path):
-    cfg = SampleConfig(num_code_files=5, num_math_docs=20, num_exact_duplicates=5,
-                       num_near_duplicates=5, num_junk=3)
+    cfg = SampleConfig(
+        num_code_files=5,
+        num_math_docs=20,
+        num_exact_duplicates=5,
+        num_near_duplicates=5,
+        num_junk=3,
+    )
     make_sample(cfg, tmp_path / "a")
     make_sample(cfg, tmp_path / "b")
     for f in sorted((tmp_path / "a").iterdir()):
@@ -91,10 +108,14 @@ def test_sample_is_deterministic_and_plants_what_the_manifest_says(tmp_path):
             records[r["id"]] = r
     assert {r["domain"] for r in records.values()} == {"prose", "code", "math"}
     kinds = [m["kind"] for m in manifest.values()]
-    assert kinds.count("exact_copy") == 5 and kinds.count("near_copy") == 5 and kinds.count("junk") == 3
+    assert (
+        kinds.count("exact_copy") == 5
+        and kinds.count("near_copy") == 5
+        and kinds.count("junk") == 3
+    )
     for doc_id, m in manifest.items():
         if m["kind"] == "exact_copy":
             assert records[doc_id]["text"] == records[m["of"]]["text"]
         if m["kind"] == "near_copy":
             a, b = records[doc_id]["text"].split(" "), records[m["of"]]["text"].split(" ")
-            assert len(a) == len(b) and 1 <= sum(x != y for x, y in zip(a, b)) <= 3
+            assert len(a) == len(b) and 1 <= sum(x != y for x, y in zip(a, b, strict=False)) <= 3
