@@ -108,6 +108,20 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0 if result.fits else 1
 
 
+def cmd_ablate(args: argparse.Namespace) -> int:
+    from flows.ablation import AblationConfig, annealing_ablation
+
+    config = _load(args)
+    ablation = AblationConfig(candidate=args.candidate, num_tokens=args.num_tokens)
+    rows = annealing_ablation(config, ablation)
+    print(f"{'metric':<34} {'baseline':>10} {'+' + args.candidate:>10} {'diff':>10}")
+    for row in rows:
+        print(
+            f"{row['metric']:<34} {row['baseline']:>10.4g} {row['candidate']:>10.4g} {row['difference']:>+10.4g}"
+        )
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from flows.deploy import serve
 
@@ -140,6 +154,14 @@ def build_parser() -> argparse.ArgumentParser:
     planner.add_argument("--gpu-mem", type=float, default=80.0, help="GiB per GPU.")
     planner.add_argument("--mfu", type=float, default=0.4, help="Expected model FLOPs utilization.")
     planner.set_defaults(func=cmd_plan)
+    ablate = sub.add_parser(
+        "ablate", help="Annealing ablation: baseline vs 40/60 with a candidate domain."
+    )
+    _add_config_args(ablate)
+    ablate.add_argument("--root", help="Artifact root.")
+    ablate.add_argument("--candidate", required=True, help="Domain to test as late-stage data.")
+    ablate.add_argument("--num-tokens", type=int, default=50_000, help="Annealing budget per arm.")
+    ablate.set_defaults(func=cmd_ablate)
     serve = sub.add_parser("serve", help="Serve the deployments from this process (no worker).")
     serve.add_argument("names", nargs="*", help="Deployment names (default: all local ones).")
     serve.add_argument("--limit", type=int, help="Concurrent flow runs.")
