@@ -77,9 +77,7 @@ def cmd_lineage(args: argparse.Namespace) -> int:
     uri = args.uri.rstrip("/")
     parent = uri.rsplit("/", 2)[0]
     store = Store(parent)
-    if not store.is_local:
-        uri = uri
-    elif "://" not in uri:
+    if store.is_local and "://" not in uri:
         uri = str(Path(uri).resolve())
     print(lineage.format_tree(uri, store.read_lineage))
     return 0

@@ -63,9 +63,12 @@ def evaluate(
 
 
 def resolve_hf_dir(path: Path) -> Path:
-    """``path`` itself, or its ``hf/`` subdirectory when the export lives there."""
-    if not (path / "config.json").exists() and (path / "hf" / "config.json").exists():
-        return path / "hf"
+    """``path`` itself, or its ``hf/`` or ``model/`` subdirectory when the export lives there
+    (a checkpoint's export, or an SFT/DPO step output)."""
+    if not (path / "config.json").exists():
+        for sub in ("hf", "model"):
+            if (path / sub / "config.json").exists():
+                return path / sub
     return path
 
 

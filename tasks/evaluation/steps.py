@@ -50,16 +50,12 @@ def export_step(ctx: StepContext) -> dict[str, Any]:
     """Write an HF directory (weights, config with rope parameters, tokenizer) for a checkpoint."""
     cfg: ExportConfig = ctx.config
     final = ctx.inputs["checkpoint"] / "final"
-    model_cfg = ModelConfig(**json.loads((final / "model_config.json").read_text()))
-    changes = {}
+    fields = json.loads((final / "model_config.json").read_text())
     if cfg.rope_scaling is not None:
-        changes["rope_scaling"] = cfg.rope_scaling
+        fields["rope_scaling"] = cfg.rope_scaling
     if cfg.max_seq_len is not None:
-        changes["max_seq_len"] = cfg.max_seq_len
-    if changes:
-        model_cfg = ModelConfig(
-            **{**json.loads((final / "model_config.json").read_text()), **changes}
-        )
+        fields["max_seq_len"] = cfg.max_seq_len
+    model_cfg = ModelConfig(**fields)
     export_hf(
         load_file(final / "model.safetensors"), model_cfg, ctx.out_dir, ctx.inputs["tokenizer"]
     )
@@ -87,9 +83,7 @@ def evaluate_step(ctx: StepContext) -> dict[str, Any]:
     """Run the lm-eval suite on one export; publish the scores as a table."""
     heldout = ctx.inputs.get("heldout")
     heldout_docs = heldout / "validation_docs" if heldout is not None else None
-    model = ctx.inputs["model"]
-    model = model / "model" if (model / "model" / "config.json").exists() else model
-    metrics = evaluate(ctx.config, model, ctx.out_dir, heldout_dir=heldout_docs)
+    metrics = evaluate(ctx.config, ctx.inputs["model"], ctx.out_dir, heldout_dir=heldout_docs)
     rows = table_rows(json.loads((ctx.out_dir / "results.json").read_text()))
     ctx.report_table("evaluation", rows, f"lm-eval scores of {ctx.inputs['model'].name}")
     return metrics

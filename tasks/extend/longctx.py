@@ -14,7 +14,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from model.config import ModelConfig
 from model.transformer import Transformer
 
 # RULER's "essay-free" haystack: repeated filler sentences.
@@ -157,8 +156,3 @@ def plot_passkey(grids: dict[str, dict[str, Any]], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def model_config_for_eval(cfg: ModelConfig, length: int) -> dict[str, Any]:
-    """Fields to change so a model accepts ``length`` positions without other changes."""
-    return {"max_seq_len": max(cfg.max_seq_len, length)}

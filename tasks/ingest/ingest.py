@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -158,8 +159,6 @@ def _records(uri: str, kind: str, cfg: IngestConfig) -> Iterator[tuple[int, Any]
     if cfg.text_mode == "file":
         yield 0, {cfg.text_field: text}
         return
-    import re
-
     for index, chunk in enumerate(re.split(r"\n\s*\n\s*\n|\n\n(?= = [^=])", text)):
         if chunk.strip():
             yield index, {cfg.text_field: chunk}

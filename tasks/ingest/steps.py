@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import fsspec
@@ -37,8 +38,6 @@ def ingest_step(ctx: StepContext) -> dict[str, Any]:
     else:
         files = [s["uri"] for s in ctx.sources]
     metrics = ingest(ctx.config, files, ctx.out_dir)
-    import json
-
     report = json.loads((ctx.out_dir / "report.json").read_text())
     rows = [{"source": uri, **counts} for uri, counts in report["sources"].items()]
     ctx.report_table("ingest-sources", rows, "Records read, kept and rejected per source file")

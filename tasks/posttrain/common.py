@@ -184,3 +184,29 @@ def offline_environment() -> None:
     """Never reach the Hugging Face Hub from a step: every input is a local folder."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+
+def common_training_args(cfg: Any, out_dir: Path) -> dict[str, Any]:
+    """The TrainingArguments SFT and DPO share: no checkpoints, no trackers, CPU-safe precision."""
+    return dict(
+        output_dir=str(Path(out_dir) / "trainer"),
+        learning_rate=cfg.learning_rate,
+        lr_scheduler_type=cfg.lr_scheduler_type,
+        warmup_steps=cfg.warmup_steps,
+        weight_decay=cfg.weight_decay,
+        max_steps=cfg.max_steps if cfg.max_steps is not None else -1,
+        num_train_epochs=cfg.num_epochs,
+        per_device_train_batch_size=cfg.per_device_batch_size,
+        per_device_eval_batch_size=cfg.per_device_batch_size,
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+        seed=cfg.seed,
+        data_seed=cfg.seed,
+        bf16=cfg.bf16,
+        gradient_checkpointing=cfg.gradient_checkpointing,
+        logging_steps=cfg.logging_steps,
+        dataloader_num_workers=cfg.dataloader_num_workers,
+        save_strategy="no",
+        eval_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+    )

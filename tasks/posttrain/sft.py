@@ -28,6 +28,7 @@ from datasets import Dataset
 from trl import SFTConfig, SFTTrainer
 
 from tasks.posttrain.common import (
+    common_training_args,
     finish_step,
     load_model,
     load_normalized,
@@ -57,30 +58,11 @@ def resolve_sft_data(cfg: SFTStepConfig, out_dir: Path, data_path: Path | None) 
 def sft_training_args(cfg: SFTStepConfig, out_dir: Path) -> SFTConfig:
     """TRL's SFTConfig from the step config: no checkpoints, no trackers, CPU-safe precision."""
     return SFTConfig(
-        output_dir=str(Path(out_dir) / "trainer"),
         max_length=cfg.max_length,
         packing=cfg.packing,
         packing_strategy="bfd",
         assistant_only_loss=cfg.assistant_only_loss,
-        learning_rate=cfg.learning_rate,
-        lr_scheduler_type=cfg.lr_scheduler_type,
-        warmup_steps=cfg.warmup_steps,
-        weight_decay=cfg.weight_decay,
-        max_steps=cfg.max_steps if cfg.max_steps is not None else -1,
-        num_train_epochs=cfg.num_epochs,
-        per_device_train_batch_size=cfg.per_device_batch_size,
-        per_device_eval_batch_size=cfg.per_device_batch_size,
-        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-        seed=cfg.seed,
-        data_seed=cfg.seed,
-        bf16=cfg.bf16,
-        gradient_checkpointing=cfg.gradient_checkpointing,
-        logging_steps=cfg.logging_steps,
-        dataloader_num_workers=cfg.dataloader_num_workers,
-        save_strategy="no",
-        eval_strategy="no",
-        report_to=[],
-        disable_tqdm=True,
+        **common_training_args(cfg, out_dir),
     )
 
 

@@ -5,15 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from tasks.evaluation.harness import resolve_hf_dir
 from tasks.store import StepContext
 
 SFT_VERSION = "1"
 DPO_VERSION = "1"
-
-
-def model_dir(output: Path) -> Path:
-    """The HF model folder inside an upstream output (export dir itself, or its ``model/``)."""
-    return output / "model" if (output / "model" / "config.json").exists() else output
 
 
 def _data_path(ctx: StepContext) -> Path | None:
@@ -24,14 +20,14 @@ def sft_step(ctx: StepContext) -> dict[str, Any]:
     """Supervised fine-tuning of the base export with TRL; the model lands in ``model/``."""
     from tasks.posttrain.sft import sft
 
-    return sft(ctx.config, model_dir(ctx.inputs["model"]), ctx.out_dir, _data_path(ctx))
+    return sft(ctx.config, resolve_hf_dir(ctx.inputs["model"]), ctx.out_dir, _data_path(ctx))
 
 
 def dpo_step(ctx: StepContext) -> dict[str, Any]:
     """DPO of the SFT model (also the frozen reference) with TRL; the model lands in ``model/``."""
     from tasks.posttrain.dpo import dpo, heldout_rows
 
-    metrics = dpo(ctx.config, model_dir(ctx.inputs["model"]), ctx.out_dir, _data_path(ctx))
+    metrics = dpo(ctx.config, resolve_hf_dir(ctx.inputs["model"]), ctx.out_dir, _data_path(ctx))
     ctx.report_table(
         "dpo-heldout", heldout_rows(metrics), "Held-out preference metrics before and after DPO"
     )

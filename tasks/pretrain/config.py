@@ -15,6 +15,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from tasks.hashing import versioned_fields  # noqa: F401  (re-exported: the store's hash view)
+
 UNVERSIONED = {"versioned": False}
 
 
@@ -278,15 +280,3 @@ class TrainConfig(_Section):
 
             return cls.model_validate(yaml.safe_load(text))
         return cls.model_validate_json(text)
-
-
-def versioned_fields(cfg: BaseModel) -> dict[str, Any]:
-    """Return the config as a dict without execution-only fields (for content hashes)."""
-    out: dict[str, Any] = {}
-    for name, field in type(cfg).model_fields.items():
-        extra = field.json_schema_extra
-        if isinstance(extra, dict) and extra.get("versioned") is False:
-            continue
-        value = getattr(cfg, name)
-        out[name] = versioned_fields(value) if isinstance(value, BaseModel) else value
-    return out

@@ -83,9 +83,7 @@ def stage_steps(cfg: PretrainConfig, world_size: int = 1) -> list[int]:
     return steps
 
 
-def stage_train_config(
-    cfg: PretrainConfig, index: int, vocab_size: int | None = None
-) -> TrainConfig:
+def stage_train_config(cfg: PretrainConfig, index: int) -> TrainConfig:
     """The trainer config of stage ``index``: its step budget and its part of the schedule."""
     steps = stage_steps(cfg, cfg.num_processes)
     update: dict[str, Any] = {"max_steps": steps[index], "num_tokens": None}
@@ -104,9 +102,4 @@ def stage_train_config(
             update={"name": "constant", "total_steps": None}
         )
     train = cfg.train.model_copy(update=update)
-    if vocab_size is not None and "vocab_size" not in train.model.overrides:
-        model = train.model.model_copy(
-            update={"overrides": {**train.model.overrides, "vocab_size": vocab_size}}
-        )
-        train = train.model_copy(update={"model": model})
     return TrainConfig.model_validate(train.model_dump())

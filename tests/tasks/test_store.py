@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -185,4 +184,3 @@ def test_concurrent_runs_of_one_step_do_not_corrupt(tmp_path):
         "part-1",
         "part-2",
     ]
-    time.sleep(0)
