@@ -36,16 +36,16 @@ sys.path.insert(0, str(ROOT))
 
 import pyarrow.parquet as pq  # noqa: E402
 
-from tasks.curation.config import CurateConfig, FiltersConfig  # noqa: E402
-from tasks.curation.filters import (  # noqa: E402
+from llmflow.tasks.curation.config import CurateConfig, FiltersConfig  # noqa: E402
+from llmflow.tasks.curation.filters import (  # noqa: E402
     Doc,
     c4_filter,
     fineweb_quality_filter,
     gopher_quality_filter,
     gopher_repetition_filter,
 )
-from tasks.curation.heuristics import apply_filters  # noqa: E402
-from tasks.curation.minhash import minhash_signatures_shard, near_dedup  # noqa: E402
+from llmflow.tasks.curation.heuristics import apply_filters  # noqa: E402
+from llmflow.tasks.curation.minhash import minhash_signatures_shard, near_dedup  # noqa: E402
 from tests.tasks.curation.helpers import near_copy, real_documents, write_shards  # noqa: E402
 
 try:
@@ -58,7 +58,7 @@ except ImportError:
 
 def build_corpus(tmp: Path, num_near: int, seed: int = 0) -> tuple[list[dict], dict[str, str]]:
     """Returns (records, planted copy id -> original id)."""
-    from tasks.ingest.sample import SampleConfig, make_sample
+    from llmflow.tasks.ingest.sample import SampleConfig, make_sample
 
     make_sample(SampleConfig(seed=seed), tmp / "sample")
     records = [
@@ -166,7 +166,7 @@ def disagreements(records, ours, theirs) -> list[dict]:
 
 
 def _shingle_sets(records: list[dict]) -> dict[str, set[int]]:
-    from tasks.curation.text import simplify_text
+    from llmflow.tasks.curation.text import simplify_text
 
     sets = {}
     for r in records:

@@ -26,8 +26,8 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from tasks.dataprep.loader import PackedLoader  # noqa: E402
-from tasks.dataprep.pack import write_packed  # noqa: E402
+from llmflow.tasks.dataprep.loader import PackedLoader  # noqa: E402
+from llmflow.tasks.dataprep.pack import write_packed  # noqa: E402
 
 BATCH, SEQ_LEN, VOCAB = 8, 256, 8192
 
@@ -61,8 +61,8 @@ def loader_seconds_per_batch(data_dir: Path, num_batches: int = 300) -> float:
 
 def build_model() -> tuple[torch.nn.Module, str]:
     try:
-        from model.config import preset
-        from model.transformer import Transformer
+        from llmflow.model.config import preset
+        from llmflow.model.transformer import Transformer
 
         return Transformer(preset("debug", vocab_size=VOCAB)), "transformer_debug"
     except ImportError:

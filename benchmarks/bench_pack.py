@@ -25,12 +25,12 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 
-from tasks.dataprep.config import StageMixture, TokenizeConfig  # noqa: E402
-from tasks.dataprep.mixture import build_mixture  # noqa: E402
-from tasks.dataprep.pack import read_all_rows, write_packed  # noqa: E402
-from tasks.dataprep.tokenize import tokenize_corpus  # noqa: E402
-from tasks.tokenizer.config import TokenizerConfig  # noqa: E402
-from tasks.tokenizer.train import train_tokenizer  # noqa: E402
+from llmflow.tasks.dataprep.config import StageMixture, TokenizeConfig  # noqa: E402
+from llmflow.tasks.dataprep.mixture import build_mixture  # noqa: E402
+from llmflow.tasks.dataprep.pack import read_all_rows, write_packed  # noqa: E402
+from llmflow.tasks.dataprep.tokenize import tokenize_corpus  # noqa: E402
+from llmflow.tasks.tokenizer.config import TokenizerConfig  # noqa: E402
+from llmflow.tasks.tokenizer.train import train_tokenizer  # noqa: E402
 from tests.tasks.tokenizer.corpus_helpers import (  # noqa: E402
     SHARED_DATA,
     real_docs,

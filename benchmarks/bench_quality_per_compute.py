@@ -25,11 +25,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from model.loss import IGNORE_INDEX, causal_lm_loss  # noqa: E402
-from tasks.dataprep.loader import PackedLoader  # noqa: E402
-from tasks.dataprep.pack import write_packed  # noqa: E402
-from tasks.pretrain.config import ScheduleConfig, TrainConfig  # noqa: E402
-from tasks.pretrain.schedule import lr_multiplier  # noqa: E402
+from llmflow.model.loss import IGNORE_INDEX, causal_lm_loss  # noqa: E402
+from llmflow.tasks.dataprep.loader import PackedLoader  # noqa: E402
+from llmflow.tasks.dataprep.pack import write_packed  # noqa: E402
+from llmflow.tasks.pretrain.config import ScheduleConfig, TrainConfig  # noqa: E402
+from llmflow.tasks.pretrain.schedule import lr_multiplier  # noqa: E402
 
 DATA = ROOT.parent / "shared" / "data" / "text"
 VOCAB, SEQ, BATCH, LR = 4096, 128, 16, 3e-3
@@ -63,7 +63,7 @@ def build_data(work: Path) -> tuple[Path, Path]:
 
 
 def train_ours(train: Path, val: Path, out: Path, steps: int, val_batches: int) -> dict:
-    from tasks.pretrain.train import run
+    from llmflow.tasks.pretrain.train import run
 
     cfg = TrainConfig.model_validate({
         "model": {"preset": "debug", "overrides": {**WIDTH, "vocab_size": VOCAB,

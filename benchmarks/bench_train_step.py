@@ -22,11 +22,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from model.config import ModelConfig  # noqa: E402
-from model.loss import causal_lm_loss  # noqa: E402
-from model.transformer import Transformer  # noqa: E402
-from tasks.pretrain.config import OptimizerConfig  # noqa: E402
-from tasks.pretrain.optim import build_optimizers  # noqa: E402
+from llmflow.model.config import ModelConfig  # noqa: E402
+from llmflow.model.loss import causal_lm_loss  # noqa: E402
+from llmflow.model.transformer import Transformer  # noqa: E402
+from llmflow.tasks.pretrain.config import OptimizerConfig  # noqa: E402
+from llmflow.tasks.pretrain.optim import build_optimizers  # noqa: E402
 
 SHAPES = dict(vocab_size=8192, hidden_size=256, num_layers=6, num_heads=8, num_kv_heads=2,
               intermediate_size=768, max_seq_len=256, tie_embeddings=True, nope_interval=4)  # fmt: skip

@@ -6,16 +6,16 @@ and report the difference. Every run is a content-addressed step, so re-runs are
 from __future__ import annotations  # noqa: I001  (flows must be imported before prefect)
 
 
-import flows  # noqa: F401  (sets Prefect env defaults before prefect is imported)
+import llmflow.flows  # noqa: F401  (sets Prefect env defaults before prefect is imported)
 from prefect import flow
 from prefect.artifacts import create_table_artifact
 from pydantic import BaseModel, ConfigDict, Field
 
-from flows.pipeline import _export_and_evaluate, _Run, _train, pipeline
-from tasks.config import PipelineConfig
-from tasks.dataprep.task import mixture_task
-from tasks.pretrain.curriculum import stage_train_config
-from tasks.store import StepResult, Store
+from llmflow.flows.pipeline import _export_and_evaluate, _Run, _train, pipeline
+from llmflow.tasks.config import PipelineConfig
+from llmflow.tasks.dataprep.task import mixture_task
+from llmflow.tasks.pretrain.curriculum import stage_train_config
+from llmflow.tasks.framework.store import StepResult, Store
 
 
 class AblationConfig(BaseModel):

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from tasks.errors import BadInputError
+from llmflow.tasks.framework.errors import BadInputError
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -26,7 +26,7 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _load(args: argparse.Namespace):
-    from tasks.config import load_config
+    from llmflow.tasks.config import load_config
 
     overrides = list(args.overrides)
     for field in ("root", "until"):
@@ -40,7 +40,7 @@ def _load(args: argparse.Namespace):
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from tasks.config import dump_config
+    from llmflow.tasks.config import dump_config
 
     print(dump_config(_load(args)), end="")
     return 0
@@ -62,7 +62,7 @@ def _summary(results, seconds: float) -> str:
 def cmd_run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     config = _load(args)  # fails here, before Prefect starts, on any bad value
-    from flows.pipeline import pipeline
+    from llmflow.flows.pipeline import pipeline
 
     results = pipeline(config)
     print()
@@ -71,8 +71,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_lineage(args: argparse.Namespace) -> int:
-    from tasks import lineage
-    from tasks.store import Store
+    from llmflow.tasks.framework import lineage
+    from llmflow.tasks.framework.store import Store
 
     uri = args.uri.rstrip("/")
     parent = uri.rsplit("/", 2)[0]
@@ -84,7 +84,7 @@ def cmd_lineage(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from tasks.pretrain.planner import format_plan, plan
+    from llmflow.tasks.pretrain.planner import format_plan, plan
 
     config = _load(args)
     pretrain = config.pretrain
@@ -107,7 +107,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_ablate(args: argparse.Namespace) -> int:
-    from flows.ablation import AblationConfig, annealing_ablation
+    from llmflow.flows.ablation import AblationConfig, annealing_ablation
 
     config = _load(args)
     ablation = AblationConfig(candidate=args.candidate, num_tokens=args.num_tokens)
@@ -121,7 +121,7 @@ def cmd_ablate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from flows.deploy import serve
+    from llmflow.flows.deploy import serve
 
     serve(args.names or None, limit=args.limit)
     return 0

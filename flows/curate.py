@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from prefect import flow
 
-import flows  # noqa: F401
-from tasks.curation.config import CurateConfig
-from tasks.curation.steps import stage
-from tasks.curation.task import (
+import llmflow.flows  # noqa: F401
+from llmflow.tasks.curation.config import CurateConfig
+from llmflow.tasks.curation.steps import stage
+from llmflow.tasks.curation.task import (
     exact_dedup_task,
     exact_hashes_task,
     filter_task,
@@ -22,7 +22,7 @@ from tasks.curation.task import (
     normalize_task,
     quality_model_task,
 )
-from tasks.store import StepResult
+from llmflow.tasks.framework.store import StepResult
 
 
 def _map(task, cfg: CurateConfig, name: str, per_shard: dict[str, dict], root: str, label: str):

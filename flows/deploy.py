@@ -21,13 +21,14 @@ import yaml
 from prefect import flow
 from pydantic import BaseModel, ConfigDict, Field
 
-from flows.pipeline import pipeline
-from tasks.config import STEPS, PipelineConfig, load_config
+from llmflow.flows.pipeline import pipeline
+from llmflow.tasks.config import STEPS, PipelineConfig, load_config
+from llmflow.tasks.framework.resources import data_dir
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-PREFECT_FILE = REPO_ROOT / "deployments" / "prefect.yaml"
+PRESET_ROOT = data_dir("configs").parent  # the checkout, or the installed package's data
+PREFECT_FILE = data_dir("deployments") / "prefect.yaml"
 LOCAL_POOL = "llmflow-local"
-PRESETS = sorted(p.stem for p in (REPO_ROOT / "configs").glob("*.yaml"))
+PRESETS = sorted(p.stem for p in data_dir("configs").glob("*.yaml"))
 
 
 class PipelineRun(BaseModel):
@@ -54,7 +55,7 @@ class PipelineRun(BaseModel):
         path = Path(self.preset if self.preset.endswith(".yaml") else f"configs/{self.preset}.yaml")
         overrides = [*self.overrides]
         overrides += [f"{k}={v}" for k, v in (("root", self.root), ("until", self.until)) if v]
-        config = load_config(REPO_ROOT / path, overrides)
+        config = load_config(PRESET_ROOT / path, overrides)
         return config.model_copy(update={"data": list(self.data)}) if self.data else config
 
 
@@ -132,5 +133,5 @@ def serve(
     from prefect import serve as prefect_serve
 
     deployments = local_deployments(names, prefect_file)
-    os.chdir(REPO_ROOT)
+    os.chdir(PRESET_ROOT)
     prefect_serve(*deployments, limit=limit)

@@ -12,16 +12,16 @@ from __future__ import annotations  # noqa: I001  (flows must be imported before
 import tempfile
 from pathlib import Path
 
-import flows  # noqa: F401  (sets Prefect env defaults before prefect is imported)
+import llmflow.flows  # noqa: F401  (sets Prefect env defaults before prefect is imported)
 import fsspec
 from prefect import flow, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from pydantic import BaseModel, ConfigDict, Field
 
-from tasks.concurrency import gpu_slot
-from tasks.evaluation.checkpoints import evaluate_checkpoints, raise_for_failures
-from tasks.evaluation.config import EvalConfig
-from tasks.evaluation.leaderboard import update_leaderboard
+from llmflow.tasks.framework.concurrency import gpu_slot
+from llmflow.tasks.evaluation.checkpoints import evaluate_checkpoints, raise_for_failures
+from llmflow.tasks.evaluation.config import EvalConfig
+from llmflow.tasks.evaluation.leaderboard import update_leaderboard
 
 
 class ScheduledEvaluationConfig(BaseModel):

@@ -5,25 +5,25 @@ earlier steps' outputs (URIs). Steps skip when their content-addressed output ex
 
 from __future__ import annotations  # noqa: I001  (flows must be imported before prefect)
 
-import flows  # noqa: F401  (sets Prefect env defaults before prefect is imported)
+import llmflow.flows  # noqa: F401  (sets Prefect env defaults before prefect is imported)
 from prefect import flow
 from prefect.artifacts import create_table_artifact
 
-from flows.curate import curate_flow
-from flows.runners import combined, task_runner
-from tasks.config import PipelineConfig
-from tasks.dataprep.task import mixture_task, tokenize_task, validation_task
-from tasks.evaluation.steps import ExportConfig, LeaderboardConfig
-from tasks.evaluation.task import evaluate_task, export_task, leaderboard_task
-from tasks.extend.steps import LongContextEval, extension_mixture, extension_train_config
-from tasks.extend.task import longctx_task
-from tasks.ingest.task import describe_sources_task, ingest_task, sample_task
-from tasks.posttrain.task import dpo_task, sft_task
-from tasks.pretrain.curriculum import stage_train_config
-from tasks.pretrain.steps import StageRun
-from tasks.pretrain.task import pretrain_task
-from tasks.store import StepResult
-from tasks.tokenizer.task import tokenizer_task
+from llmflow.flows.curate import curate_flow
+from llmflow.flows.runners import combined, task_runner
+from llmflow.tasks.config import PipelineConfig
+from llmflow.tasks.dataprep.task import mixture_task, tokenize_task, validation_task
+from llmflow.tasks.evaluation.steps import ExportConfig, LeaderboardConfig
+from llmflow.tasks.evaluation.task import evaluate_task, export_task, leaderboard_task
+from llmflow.tasks.extend.steps import LongContextEval, extension_mixture, extension_train_config
+from llmflow.tasks.extend.task import longctx_task
+from llmflow.tasks.ingest.task import describe_sources_task, ingest_task, sample_task
+from llmflow.tasks.posttrain.task import dpo_task, sft_task
+from llmflow.tasks.pretrain.curriculum import stage_train_config
+from llmflow.tasks.pretrain.steps import StageRun
+from llmflow.tasks.pretrain.task import pretrain_task
+from llmflow.tasks.framework.store import StepResult
+from llmflow.tasks.tokenizer.task import tokenizer_task
 
 
 class _Run:

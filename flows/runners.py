@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from tasks.store import StepResult
+from llmflow.tasks.framework.store import StepResult
 
 
 def task_runner(cfg):

@@ -6,9 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from model.config import ModelConfig
-from model.norm import RMSNorm
-from model.rope import apply_rotary
+from llmflow.model.config import ModelConfig
+from llmflow.model.norm import RMSNorm
+from llmflow.model.rope import apply_rotary
 
 
 def document_ids(

@@ -15,8 +15,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from model.config import ModelConfig
-from model.transformer import Transformer
+from llmflow.model.config import ModelConfig
+from llmflow.model.transformer import Transformer
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "model_config.json"
@@ -50,7 +50,10 @@ def to_hf_state_dict(state_dict: dict[str, Tensor], cfg: ModelConfig) -> dict[st
     """Rename and split our tensors into transformers' SmolLM3/Llama names."""
     sd = _clean(state_dict)
     q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    hf = {"model.embed_tokens.weight": sd["embed.weight"], "model.norm.weight": sd["norm.weight"]}
+    hf = {
+        "model.embed_tokens.weight": sd["embed.weight"],
+        "model.norm.weight": sd["norm.weight"],
+    }
     if not cfg.tie_embeddings:
         hf["lm_head.weight"] = sd["lm_head.weight"]
     for i in range(cfg.num_layers):
@@ -69,7 +72,10 @@ def to_hf_state_dict(state_dict: dict[str, Tensor], cfg: ModelConfig) -> dict[st
 
 def from_hf_state_dict(hf: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
     """Inverse of `to_hf_state_dict`: fuse q/k/v and gate/up back into our names."""
-    sd = {"embed.weight": hf["model.embed_tokens.weight"], "norm.weight": hf["model.norm.weight"]}
+    sd = {
+        "embed.weight": hf["model.embed_tokens.weight"],
+        "norm.weight": hf["model.norm.weight"],
+    }
     if not cfg.tie_embeddings:
         sd["lm_head.weight"] = hf["lm_head.weight"]
     for i in range(cfg.num_layers):

@@ -11,7 +11,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from model.config import ModelConfig
+from llmflow.model.config import ModelConfig
 
 
 def default_inv_freq(head_dim: int, theta: float) -> Tensor:

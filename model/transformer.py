@@ -8,10 +8,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from model.attention import Attention, document_ids, document_mask, positions_from_cu_seqlens
-from model.config import ModelConfig
-from model.norm import RMSNorm
-from model.rope import RotaryEmbedding
+from llmflow.model.attention import (
+    Attention,
+    document_ids,
+    document_mask,
+    positions_from_cu_seqlens,
+)
+from llmflow.model.config import ModelConfig
+from llmflow.model.norm import RMSNorm
+from llmflow.model.rope import RotaryEmbedding
 
 
 class MLP(nn.Module):

@@ -13,19 +13,20 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from tasks.curation.config import CurateConfig
-from tasks.dataprep.config import TokenizeConfig, ValidationConfig
-from tasks.errors import ConfigError
-from tasks.evaluation.config import EvalConfig
-from tasks.extend.config import ExtendConfig
-from tasks.ingest.ingest import IngestConfig
-from tasks.ingest.sample import SampleConfig
-from tasks.posttrain.config import DPOStepConfig, SFTStepConfig
-from tasks.pretrain.curriculum import PretrainConfig
-from tasks.tokenizer.config import TokenizerConfig
+from llmflow.tasks.curation.config import CurateConfig
+from llmflow.tasks.dataprep.config import TokenizeConfig, ValidationConfig
+from llmflow.tasks.evaluation.config import EvalConfig
+from llmflow.tasks.extend.config import ExtendConfig
+from llmflow.tasks.framework.errors import ConfigError
+from llmflow.tasks.framework.resources import data_dir
+from llmflow.tasks.ingest.ingest import IngestConfig
+from llmflow.tasks.ingest.sample import SampleConfig
+from llmflow.tasks.posttrain.config import DPOStepConfig, SFTStepConfig
+from llmflow.tasks.pretrain.curriculum import PretrainConfig
+from llmflow.tasks.tokenizer.config import TokenizerConfig
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_CONFIG = REPO_ROOT / "configs" / "quickstart.yaml"
+CONFIGS = data_dir("configs")
+DEFAULT_CONFIG = CONFIGS / "quickstart.yaml"
 STEPS = (
     "sample",
     "ingest",

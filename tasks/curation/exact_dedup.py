@@ -21,9 +21,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from tasks.curation.config import CurateConfig
-from tasks.curation.shards import iter_rows, read_column, shards_in, write_json
-from tasks.curation.text import simplify_text
+from llmflow.tasks.curation.config import CurateConfig
+from llmflow.tasks.curation.shards import iter_rows, read_column, shards_in, write_json
+from llmflow.tasks.curation.text import simplify_text
 
 PARAGRAPH_SEPARATOR = "\n\n"
 BLOOM_BATCH = 4096

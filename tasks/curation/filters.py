@@ -15,14 +15,14 @@ from functools import cached_property
 import numpy as np
 import regex
 
-from tasks.curation.config import (
+from llmflow.tasks.curation.config import (
     C4Config,
     FineWebQualityConfig,
     GopherQualityConfig,
     GopherRepetitionConfig,
 )
-from tasks.curation.text import PUNCTUATION_SET
-from tasks.curation.words import split_words
+from llmflow.tasks.curation.text import PUNCTUATION_SET
+from llmflow.tasks.curation.words import split_words
 
 _PARAGRAPHS = re.compile(r"\n{2,}")
 _LINES = re.compile(r"\n+")

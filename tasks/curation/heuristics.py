@@ -11,16 +11,16 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from tasks.curation.config import CurateConfig, FiltersConfig
-from tasks.curation.filters import (
+from llmflow.tasks.curation.config import CurateConfig, FiltersConfig
+from llmflow.tasks.curation.filters import (
     Doc,
     c4_filter,
     fineweb_quality_filter,
     gopher_quality_filter,
     gopher_repetition_filter,
 )
-from tasks.curation.pii import scrub_pii
-from tasks.curation.shards import (
+from llmflow.tasks.curation.pii import scrub_pii
+from llmflow.tasks.curation.shards import (
     ShardWriter,
     add_count,
     iter_rows,
@@ -28,7 +28,7 @@ from tasks.curation.shards import (
     write_json,
     write_jsonl,
 )
-from tasks.curation.text import count_tokens
+from llmflow.tasks.curation.text import count_tokens
 
 FILTER_ORDER = ("gopher_repetition", "gopher_quality", "c4", "fineweb")
 

@@ -21,10 +21,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from tasks.curation.config import CurateConfig, MinhashConfig
-from tasks.curation.exact_dedup import surviving_ids
-from tasks.curation.shards import iter_rows, preview, shards_in, write_json
-from tasks.curation.text import simplify_text
+from llmflow.tasks.curation.config import CurateConfig, MinhashConfig
+from llmflow.tasks.curation.exact_dedup import surviving_ids
+from llmflow.tasks.curation.shards import iter_rows, preview, shards_in, write_json
+from llmflow.tasks.curation.text import simplify_text
 
 MERSENNE_PRIME = np.uint64((1 << 61) - 1)
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)

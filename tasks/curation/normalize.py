@@ -12,8 +12,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from tasks.curation.config import CurateConfig, NormalizeConfig
-from tasks.curation.shards import (
+from llmflow.tasks.curation.config import CurateConfig, NormalizeConfig
+from llmflow.tasks.curation.shards import (
     ShardWriter,
     add_count,
     iter_rows,
@@ -21,7 +21,7 @@ from tasks.curation.shards import (
     write_json,
     write_jsonl,
 )
-from tasks.curation.text import clean_whitespace, count_tokens, normalize_unicode
+from llmflow.tasks.curation.text import clean_whitespace, count_tokens, normalize_unicode
 
 _BINARY_CONTROL = re.compile(r"[\x00-\x08\x0e-\x1f\x7f]")
 

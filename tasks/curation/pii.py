@@ -5,7 +5,7 @@ from __future__ import annotations
 import ipaddress
 import re
 
-from tasks.curation.config import PIIConfig
+from llmflow.tasks.curation.config import PIIConfig
 
 _EMAIL = re.compile(r"\b[\w.+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}\b")
 _IPV4 = re.compile(r"(?<![\d.])(?:\d{1,3}\.){3}\d{1,3}(?![\d.]|\.\d)")

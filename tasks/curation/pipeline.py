@@ -24,14 +24,14 @@ from pathlib import Path
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from tasks.curation.config import CurateConfig
-from tasks.curation.exact_dedup import PARAGRAPH_SEPARATOR, exact_dedup, exact_hashes_shard
-from tasks.curation.heuristics import filter_shard
-from tasks.curation.minhash import minhash_signatures_shard, near_dedup
-from tasks.curation.normalize import normalize_shard
-from tasks.curation.quality_model import quality_model
-from tasks.curation.report import markdown_summary, merge_stats, samples, stage_entry
-from tasks.curation.shards import (
+from llmflow.tasks.curation.config import CurateConfig
+from llmflow.tasks.curation.exact_dedup import PARAGRAPH_SEPARATOR, exact_dedup, exact_hashes_shard
+from llmflow.tasks.curation.heuristics import filter_shard
+from llmflow.tasks.curation.minhash import minhash_signatures_shard, near_dedup
+from llmflow.tasks.curation.normalize import normalize_shard
+from llmflow.tasks.curation.quality_model import quality_model
+from llmflow.tasks.curation.report import markdown_summary, merge_stats, samples, stage_entry
+from llmflow.tasks.curation.shards import (
     ShardWriter,
     add_count,
     iter_rows,
@@ -39,7 +39,7 @@ from tasks.curation.shards import (
     shards_in,
     write_json,
 )
-from tasks.curation.text import count_tokens
+from llmflow.tasks.curation.text import count_tokens
 
 __all__ = [
     "curate",

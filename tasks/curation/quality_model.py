@@ -17,10 +17,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from tasks.curation.config import CurateConfig, QualityModelConfig
-from tasks.curation.minhash import _excluded_ids, _word_hash
-from tasks.curation.shards import iter_rows, shards_in, write_json
-from tasks.curation.text import simplify_text
+from llmflow.tasks.curation.config import CurateConfig, QualityModelConfig
+from llmflow.tasks.curation.minhash import _excluded_ids, _word_hash
+from llmflow.tasks.curation.shards import iter_rows, shards_in, write_json
+from llmflow.tasks.curation.text import simplify_text
 
 _STOP = frozenset("the of and to a in is that it for as was with be by on are this from".split())
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tasks.curation.shards import read_json, read_jsonl
+from llmflow.tasks.curation.shards import read_json, read_jsonl
 
 
 def _totals(by_domain: dict[str, dict], key: str) -> dict[str, int]:

@@ -14,8 +14,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tasks.curation.config import CurateConfig
-from tasks.curation.pipeline import (
+from llmflow.tasks.curation.config import CurateConfig
+from llmflow.tasks.curation.pipeline import (
     exact_dedup,
     exact_hashes_shard,
     filter_shard,
@@ -26,8 +26,8 @@ from tasks.curation.pipeline import (
     quality_model,
     stage_config,
 )
-from tasks.curation.shards import shards_in
-from tasks.store import StepContext
+from llmflow.tasks.curation.shards import shards_in
+from llmflow.tasks.framework.store import StepContext
 
 CURATE_VERSION = "1"
 

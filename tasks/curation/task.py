@@ -2,8 +2,8 @@
 
 from prefect import task
 
-from tasks.curation import steps
-from tasks.prefect_step import step_task
+from llmflow.tasks.curation import steps
+from llmflow.tasks.framework.prefect_step import step_task
 
 V = steps.CURATE_VERSION
 normalize_task = step_task("curate-normalize", V, steps.normalize_step)
@@ -19,6 +19,6 @@ finalize_task = step_task("curate", V, steps.finalize_step)
 @task(name="list-shards", retries=2, retry_delay_seconds=2)
 def list_shards_task(ingest_uri: str, root: str) -> list[str]:
     """The ingested shard names (reads the input's listing through the store)."""
-    from tasks.store import Store
+    from llmflow.tasks.framework.store import Store
 
     return steps.shard_names(Store(root).local_path(ingest_uri))

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tasks.dataprep.pack import read_meta
+from llmflow.tasks.dataprep.pack import read_meta
 
 IGNORE_INDEX = -100
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import numpy as np
 
-from tasks.dataprep.config import StageMixture, ValidationConfig
-from tasks.dataprep.pack import write_packed
-from tasks.errors import BadInputError
+from llmflow.tasks.dataprep.config import StageMixture, ValidationConfig
+from llmflow.tasks.dataprep.pack import write_packed
+from llmflow.tasks.framework.errors import BadInputError
 
 logger = logging.getLogger(__name__)
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from tasks.dataprep.mixture import build_mixture, build_validation
-from tasks.dataprep.tokenize import tokenize_corpus
-from tasks.store import StepContext
+from llmflow.tasks.dataprep.mixture import build_mixture, build_validation
+from llmflow.tasks.dataprep.tokenize import tokenize_corpus
+from llmflow.tasks.framework.store import StepContext
 
 TOKENIZE_VERSION = "1"
 MIXTURE_VERSION = "1"

@@ -1,6 +1,6 @@
 """Prefect tasks for tokenization, mixtures and the validation set."""
 
-from tasks.dataprep.steps import (
+from llmflow.tasks.dataprep.steps import (
     MIXTURE_VERSION,
     TOKENIZE_VERSION,
     VALIDATION_VERSION,
@@ -8,7 +8,7 @@ from tasks.dataprep.steps import (
     tokenize_step,
     validation_step,
 )
-from tasks.prefect_step import step_task
+from llmflow.tasks.framework.prefect_step import step_task
 
 tokenize_task = step_task("tokenize", TOKENIZE_VERSION, tokenize_step)
 mixture_task = step_task("mixture", MIXTURE_VERSION, mixture_step)

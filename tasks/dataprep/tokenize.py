@@ -25,11 +25,11 @@ import pyarrow.parquet as pq
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
-from tasks.dataprep.config import TokenizeConfig
-from tasks.dataprep.pack import token_dtype
-from tasks.errors import BadInputError
-from tasks.tokenizer.config import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN
-from tasks.tokenizer.corpus import (
+from llmflow.tasks.dataprep.config import TokenizeConfig
+from llmflow.tasks.dataprep.pack import token_dtype
+from llmflow.tasks.framework.errors import BadInputError
+from llmflow.tasks.tokenizer.config import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN
+from llmflow.tasks.tokenizer.corpus import (
     CORPUS_COLUMNS,
     RejectLog,
     corpus_files,

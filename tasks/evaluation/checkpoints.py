@@ -21,9 +21,9 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from tasks.evaluation.config import EvalConfig
-from tasks.evaluation.harness import RESULTS_FILE, ModelLoadError, evaluate
-from tasks.evaluation.suite import build_suite, read_manifest
+from llmflow.tasks.evaluation.config import EvalConfig
+from llmflow.tasks.evaluation.harness import RESULTS_FILE, ModelLoadError, evaluate
+from llmflow.tasks.evaluation.suite import build_suite, read_manifest
 
 COMMIT_MARKER = "_COMMITTED"  # the store's marker (tasks/store.py), written last
 ERROR_FILE = "error.json"

@@ -11,9 +11,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tasks.errors import BadInputError
-from tasks.evaluation.config import EvalConfig
-from tasks.evaluation.suite import build_suite, missing_data_reason, read_manifest
+from llmflow.tasks.evaluation.config import EvalConfig
+from llmflow.tasks.evaluation.suite import build_suite, missing_data_reason, read_manifest
+from llmflow.tasks.framework.errors import BadInputError
 
 RESULTS_FILE = "results.json"
 CPU_BATCH_SIZE = 16  # what batch_size="auto" means on CPU (see load_model)

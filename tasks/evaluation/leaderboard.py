@@ -23,8 +23,8 @@ from typing import Any
 import fsspec
 import numpy as np
 
-from tasks.evaluation.checkpoints import COMMIT_MARKER
-from tasks.evaluation.harness import RESULTS_FILE
+from llmflow.tasks.evaluation.checkpoints import COMMIT_MARKER
+from llmflow.tasks.evaluation.harness import RESULTS_FILE
 
 MIN_MONOTONICITY = 0.5  # Spearman below this: the task does not track training (yet)
 MIN_SNR = 2.0  # a training trend under twice the seed noise cannot rank runs

@@ -9,17 +9,17 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import load_file
 
-from model.config import ModelConfig
-from model.hf import export_hf
-from tasks.evaluation.harness import evaluate, table_rows
-from tasks.evaluation.leaderboard import (
+from llmflow.model.config import ModelConfig
+from llmflow.model.hf import export_hf
+from llmflow.tasks.evaluation.harness import evaluate, table_rows
+from llmflow.tasks.evaluation.leaderboard import (
     leaderboard_rows,
     markdown_table,
     plot_metrics,
     signal_quality,
     wide_table,
 )
-from tasks.store import StepContext
+from llmflow.tasks.framework.store import StepContext
 
 EXPORT_VERSION = "1"
 EVALUATE_VERSION = "1"

@@ -22,9 +22,9 @@ from typing import Any
 import pyarrow.parquet as pq
 import yaml
 
-from tasks.evaluation.config import EvalConfig
-from tasks.evaluation.synthetic import LETTERS, arithmetic_items, fact_items
-from tasks.hashing import digest, versioned_fields
+from llmflow.tasks.evaluation.config import EvalConfig
+from llmflow.tasks.evaluation.synthetic import LETTERS, arithmetic_items, fact_items
+from llmflow.tasks.framework.hashing import digest, versioned_fields
 
 SUITE_VERSION = "1"
 MANIFEST = "suite.json"

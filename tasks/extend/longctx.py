@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from model.transformer import Transformer
+from llmflow.model.transformer import Transformer
 
 # RULER's "essay-free" haystack: repeated filler sentences.
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."

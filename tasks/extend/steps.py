@@ -9,10 +9,10 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
-from tasks.dataprep.config import StageMixture
-from tasks.extend.config import ExtendConfig, ExtensionStage
-from tasks.pretrain.config import TrainConfig
-from tasks.store import StepContext
+from llmflow.tasks.dataprep.config import StageMixture
+from llmflow.tasks.extend.config import ExtendConfig, ExtensionStage
+from llmflow.tasks.framework.store import StepContext
+from llmflow.tasks.pretrain.config import TrainConfig
 
 LONGCTX_VERSION = "1"
 
@@ -93,8 +93,8 @@ def long_documents(tokenized: Path, min_tokens: int) -> tuple[list[np.ndarray], 
 
 def longctx_step(ctx: StepContext) -> dict[str, Any]:
     """Loss by position and passkey retrieval: before extension, after, and after + YaRN."""
-    from model.hf import load_model
-    from tasks.extend.longctx import (
+    from llmflow.model.hf import load_model
+    from llmflow.tasks.extend.longctx import (
         passkey_grid,
         plot_passkey,
         plot_position_loss,

@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from tqdm import tqdm
 
-from tasks.errors import BadInputError
+from llmflow.tasks.framework.errors import BadInputError
 
 SUFFIXES = {
     ".jsonl": "jsonl",

@@ -7,9 +7,9 @@ from typing import Any
 
 import fsspec
 
-from tasks.ingest.ingest import ingest, list_files
-from tasks.ingest.sample import make_sample
-from tasks.store import StepContext, file_sha256
+from llmflow.tasks.framework.store import StepContext, file_sha256
+from llmflow.tasks.ingest.ingest import ingest, list_files
+from llmflow.tasks.ingest.sample import make_sample
 
 SAMPLE_VERSION = "1"
 INGEST_VERSION = "1"

@@ -2,14 +2,14 @@
 
 from prefect import task
 
-from tasks.ingest.steps import (
+from llmflow.tasks.framework.prefect_step import step_task
+from llmflow.tasks.ingest.steps import (
     INGEST_VERSION,
     SAMPLE_VERSION,
     describe_sources,
     ingest_step,
     sample_step,
 )
-from tasks.prefect_step import step_task
 
 sample_task = step_task("sample", SAMPLE_VERSION, sample_step)
 ingest_task = step_task("ingest", INGEST_VERSION, ingest_step, tags=("io",))

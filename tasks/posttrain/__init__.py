@@ -12,15 +12,15 @@ from typing import Any
 # NOTE: names resolve lazily, so importing the configs or the format loaders does not pay for
 # importing torch, transformers and trl (tens of seconds on a loaded CI machine).
 _EXPORTS = {
-    "DPOStepConfig": "tasks.posttrain.config",
-    "SFTStepConfig": "tasks.posttrain.config",
-    "dpo": "tasks.posttrain.dpo",
-    "preference_accuracy": "tasks.posttrain.dpo",
-    "load_preference_pairs": "tasks.posttrain.formats",
-    "load_sft_examples": "tasks.posttrain.formats",
-    "make_quickstart_preferences": "tasks.posttrain.quickstart",
-    "make_quickstart_sft": "tasks.posttrain.quickstart",
-    "sft": "tasks.posttrain.sft",
+    "DPOStepConfig": "llmflow.tasks.posttrain.config",
+    "SFTStepConfig": "llmflow.tasks.posttrain.config",
+    "dpo": "llmflow.tasks.posttrain.dpo",
+    "preference_accuracy": "llmflow.tasks.posttrain.dpo",
+    "load_preference_pairs": "llmflow.tasks.posttrain.formats",
+    "load_sft_examples": "llmflow.tasks.posttrain.formats",
+    "make_quickstart_preferences": "llmflow.tasks.posttrain.quickstart",
+    "make_quickstart_sft": "llmflow.tasks.posttrain.quickstart",
+    "sft": "llmflow.tasks.posttrain.sft",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -19,8 +19,14 @@ from transformers import (
     Trainer,
 )
 
-from tasks.errors import BadInputError
-from tasks.posttrain.formats import Message, Record, normalize_records, read_records, write_jsonl
+from llmflow.tasks.framework.errors import BadInputError
+from llmflow.tasks.posttrain.formats import (
+    Message,
+    Record,
+    normalize_records,
+    read_records,
+    write_jsonl,
+)
 
 MODEL_SUBDIR = "model"
 REJECTS_FILE = "rejects.jsonl"

@@ -23,7 +23,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from trl import DPOConfig, DPOTrainer
 from trl.trainer.dpo_trainer import DataCollatorForPreference
 
-from tasks.posttrain.common import (
+from llmflow.tasks.posttrain.common import (
     common_training_args,
     finish_step,
     load_model,
@@ -34,9 +34,9 @@ from tasks.posttrain.common import (
     split_heldout,
     write_rejects,
 )
-from tasks.posttrain.config import DPOStepConfig
-from tasks.posttrain.formats import Record, normalize_preference
-from tasks.posttrain.quickstart import make_quickstart_preferences
+from llmflow.tasks.posttrain.config import DPOStepConfig
+from llmflow.tasks.posttrain.formats import Record, normalize_preference
+from llmflow.tasks.posttrain.quickstart import make_quickstart_preferences
 
 logger = logging.getLogger(__name__)
 TRL_EVAL_KEYS = ("eval_loss", "eval_rewards/accuracies", "eval_rewards/margins")

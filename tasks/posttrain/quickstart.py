@@ -15,7 +15,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from tasks.posttrain.formats import Record, write_jsonl
+from llmflow.tasks.posttrain.formats import Record, write_jsonl
 
 SYSTEM_PROMPT = "You are a careful assistant who answers arithmetic questions."
 EVASIVE_ANSWER = "I am not sure."

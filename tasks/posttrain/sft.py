@@ -27,7 +27,7 @@ from typing import Any
 from datasets import Dataset
 from trl import SFTConfig, SFTTrainer
 
-from tasks.posttrain.common import (
+from llmflow.tasks.posttrain.common import (
     common_training_args,
     finish_step,
     load_model,
@@ -38,9 +38,9 @@ from tasks.posttrain.common import (
     split_heldout,
     write_rejects,
 )
-from tasks.posttrain.config import SFTStepConfig
-from tasks.posttrain.formats import Record, normalize_sft
-from tasks.posttrain.quickstart import make_quickstart_sft
+from llmflow.tasks.posttrain.config import SFTStepConfig
+from llmflow.tasks.posttrain.formats import Record, normalize_sft
+from llmflow.tasks.posttrain.quickstart import make_quickstart_sft
 
 logger = logging.getLogger(__name__)
 

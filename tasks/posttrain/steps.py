@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from tasks.evaluation.harness import resolve_hf_dir
-from tasks.store import StepContext
+from llmflow.tasks.evaluation.harness import resolve_hf_dir
+from llmflow.tasks.framework.store import StepContext
 
 SFT_VERSION = "1"
 DPO_VERSION = "1"
@@ -18,14 +18,14 @@ def _data_path(ctx: StepContext) -> Path | None:
 
 def sft_step(ctx: StepContext) -> dict[str, Any]:
     """Supervised fine-tuning of the base export with TRL; the model lands in ``model/``."""
-    from tasks.posttrain.sft import sft
+    from llmflow.tasks.posttrain.sft import sft
 
     return sft(ctx.config, resolve_hf_dir(ctx.inputs["model"]), ctx.out_dir, _data_path(ctx))
 
 
 def dpo_step(ctx: StepContext) -> dict[str, Any]:
     """DPO of the SFT model (also the frozen reference) with TRL; the model lands in ``model/``."""
-    from tasks.posttrain.dpo import dpo, heldout_rows
+    from llmflow.tasks.posttrain.dpo import dpo, heldout_rows
 
     metrics = dpo(ctx.config, resolve_hf_dir(ctx.inputs["model"]), ctx.out_dir, _data_path(ctx))
     ctx.report_table(

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tasks.pretrain.config import TrainConfig
+from llmflow.tasks.pretrain.config import TrainConfig
 
 
 def append_jsonl(path: Path, row: dict[str, Any]) -> None:

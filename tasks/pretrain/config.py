@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from tasks.hashing import versioned_fields  # noqa: F401  (re-exported: the store's hash view)
+from llmflow.tasks.framework.hashing import versioned_fields  # noqa: F401  (re-exported: the store's hash view)
 
 UNVERSIONED = {"versioned": False}
 
@@ -34,7 +34,7 @@ class ModelSpec(_Section):
 
     def build(self) -> Any:
         """Return the resolved ``model.config.ModelConfig``."""
-        from model.config import preset
+        from llmflow.model.config import preset
 
         base = preset(self.preset)
         names = {f.name for f in dataclasses.fields(base)}
@@ -46,7 +46,7 @@ class ModelSpec(_Section):
     @model_validator(mode="after")
     def _check_buildable(self) -> ModelSpec:
         try:
-            import model.config  # noqa: F401
+            import llmflow.model.config  # noqa: F401
         except ImportError:  # NOTE: lets configs be parsed where model/ is absent (docs, UI).
             return self
         cfg = self.build()

@@ -12,9 +12,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from tasks.dataprep.config import StageMixture
-from tasks.pretrain.config import TrainConfig
-from tasks.pretrain.schedule import steps_for_tokens
+from llmflow.tasks.dataprep.config import StageMixture
+from llmflow.tasks.pretrain.config import TrainConfig
+from llmflow.tasks.pretrain.schedule import steps_for_tokens
 
 EXEC = {"versioned": False}
 

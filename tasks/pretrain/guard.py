@@ -11,7 +11,7 @@ import math
 from collections import deque
 from typing import Any
 
-from tasks.pretrain.config import GuardConfig
+from llmflow.tasks.pretrain.config import GuardConfig
 
 
 class StabilityGuard:

@@ -21,10 +21,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tasks.pretrain.config import TrainConfig
+from llmflow.tasks.pretrain.config import TrainConfig
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-TRAIN_MODULE = "tasks.pretrain.train"
+TRAIN_MODULE = "llmflow.tasks.pretrain.train"
 
 
 class TrainingFailed(RuntimeError):
@@ -45,7 +44,7 @@ def build_command(
     """Return the argv that runs the trainer.
 
     Args:
-        train_args: Arguments of ``python -m tasks.pretrain.train``.
+        train_args: Arguments of ``python -m llmflow.tasks.pretrain.train``.
         num_processes: Processes on this machine (torchrun on CPU when > 1 and no config).
         accelerate_config: An accelerate YAML (``deployments/accelerate/*.yaml``); wins if set.
     """
@@ -70,19 +69,15 @@ def run_streaming(
     env: dict[str, str] | None = None,
     tail_lines: int = 50,
 ) -> list[str]:
-    """Run ``command`` from the repo root, stream lines, enforce the deadline; return the tail.
+    """Run ``command``, stream lines, enforce the deadline; return the tail.
 
     Raises:
         TrainingFailed: on a non-zero exit or when ``timeout_s`` passes (process group killed).
     """
     full_env = {**os.environ, **(env or {})}
-    full_env["PYTHONPATH"] = os.pathsep.join(
-        [str(REPO_ROOT), *filter(None, [full_env.get("PYTHONPATH")])]
-    )
     full_env.setdefault("PYTHONUNBUFFERED", "1")
     proc = subprocess.Popen(
         command,
-        cwd=REPO_ROOT,
         env=full_env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -172,7 +167,7 @@ def pretrain(
     Returns:
         The trainer's ``summary.json``: final_loss, val_loss, tokens_seen, tokens_per_s, steps, ...
     """
-    from tasks.pretrain.validate import validate_run
+    from llmflow.tasks.pretrain.validate import validate_run
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tasks.pretrain.config import OptimizerConfig
+from llmflow.tasks.pretrain.config import OptimizerConfig
 
 
 def split_parameters(model: nn.Module) -> dict[str, list[tuple[str, nn.Parameter]]]:

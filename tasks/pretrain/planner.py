@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from model.config import ModelConfig
+from llmflow.model.config import ModelConfig
 
 GB = 1e9
 HEADROOM = 0.9

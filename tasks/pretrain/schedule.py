@@ -9,7 +9,7 @@ from __future__ import annotations
 import bisect
 import math
 
-from tasks.pretrain.config import BatchConfig, ScheduleConfig
+from llmflow.tasks.pretrain.config import BatchConfig, ScheduleConfig
 
 
 def lr_multiplier(step: int, cfg: ScheduleConfig, total_steps: int) -> float:

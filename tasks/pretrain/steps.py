@@ -8,11 +8,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tasks.pretrain.config import TrainConfig
-from tasks.pretrain.launch import pretrain
+from llmflow.tasks.framework.resources import preset_path
+from llmflow.tasks.pretrain.config import TrainConfig
+from llmflow.tasks.pretrain.launch import pretrain
 
 PRETRAIN_VERSION = "1"
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 class StageRun(BaseModel):
@@ -49,7 +49,7 @@ def pretrain_step(ctx) -> dict[str, Any]:
         if "saved checkpoint" in line:  # push partial state so a killed run resumes remotely
             ctx.sync()
 
-    accelerate = REPO_ROOT / cfg.accelerate_config if cfg.accelerate_config else None
+    accelerate = preset_path(cfg.accelerate_config) if cfg.accelerate_config else None
     metrics = pretrain(
         train,
         data,

@@ -2,10 +2,10 @@
 
 Run it as its own process (never imports Prefect)::
 
-    python -m tasks.pretrain.train --config cfg.json --data-dir D --out-dir O [--val-dir V]
-    torchrun --nproc_per_node 2 -m tasks.pretrain.train ...      # CPU (gloo) or GPU (nccl)
+    python -m llmflow.tasks.pretrain.train --config cfg.json --data-dir D --out-dir O [--val-dir V]
+    torchrun --nproc_per_node 2 -m llmflow.tasks.pretrain.train ...      # CPU (gloo) or GPU (nccl)
     accelerate launch --config_file deployments/accelerate/multi_gpu_fsdp2.yaml \
-        -m tasks.pretrain.train ...
+        -m llmflow.tasks.pretrain.train ...
 
 ``out_dir`` may hold a previous attempt: training resumes exactly from its latest checkpoint.
 """
@@ -28,14 +28,14 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from model.hf import save_model
-from model.loss import IGNORE_INDEX, causal_lm_loss
-from model.transformer import Transformer
-from tasks.dataprep.loader import PackedLoader
-from tasks.pretrain import checkpoint as ckpt
-from tasks.pretrain.callbacks import MetricsLogger, log_event
-from tasks.pretrain.config import TrainConfig
-from tasks.pretrain.distributed import (
+from llmflow.model.hf import save_model
+from llmflow.model.loss import IGNORE_INDEX, causal_lm_loss
+from llmflow.model.transformer import Transformer
+from llmflow.tasks.dataprep.loader import PackedLoader
+from llmflow.tasks.pretrain import checkpoint as ckpt
+from llmflow.tasks.pretrain.callbacks import MetricsLogger, log_event
+from llmflow.tasks.pretrain.config import TrainConfig
+from llmflow.tasks.pretrain.distributed import (
     all_reduce_sum,
     param_checksum,
     setup_runtime,
@@ -43,10 +43,10 @@ from tasks.pretrain.distributed import (
     sharding_report,
     teardown_runtime,
 )
-from tasks.pretrain.guard import StabilityGuard
-from tasks.pretrain.optim import build_optimizers, set_lr
-from tasks.pretrain.schedule import lr_multiplier, micro_batch_size, steps_for_tokens
-from tasks.pretrain.validate import check_data, check_source, check_world_size
+from llmflow.tasks.pretrain.guard import StabilityGuard
+from llmflow.tasks.pretrain.optim import build_optimizers, set_lr
+from llmflow.tasks.pretrain.schedule import lr_multiplier, micro_batch_size, steps_for_tokens
+from llmflow.tasks.pretrain.validate import check_data, check_source, check_world_size
 
 # Dense bf16 peak FLOP/s per GPU, for MFU.
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}

@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tasks.pretrain.checkpoint import check_same_architecture, resolve_init_from
-from tasks.pretrain.config import TrainConfig
+from llmflow.tasks.pretrain.checkpoint import check_same_architecture, resolve_init_from
+from llmflow.tasks.pretrain.config import TrainConfig
 
 
 def read_meta(data_dir: Path) -> dict[str, Any]:

@@ -11,7 +11,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tasks.errors import BadInputError
+from llmflow.tasks.framework.errors import BadInputError
 
 CORPUS_COLUMNS = ["id", "text", "domain", "source"]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from tasks.store import StepContext
-from tasks.tokenizer.train import train_tokenizer
+from llmflow.tasks.framework.store import StepContext
+from llmflow.tasks.tokenizer.train import train_tokenizer
 
 TOKENIZER_VERSION = "1"
 

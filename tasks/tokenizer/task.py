@@ -1,6 +1,6 @@
 """Prefect task for tokenizer training."""
 
-from tasks.prefect_step import step_task
-from tasks.tokenizer.steps import TOKENIZER_VERSION, tokenizer_step
+from llmflow.tasks.framework.prefect_step import step_task
+from llmflow.tasks.tokenizer.steps import TOKENIZER_VERSION, tokenizer_step
 
 tokenizer_task = step_task("tokenizer", TOKENIZER_VERSION, tokenizer_step)

@@ -10,8 +10,8 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from tasks.errors import BadInputError
-from tasks.tokenizer.config import (
+from llmflow.tasks.framework.errors import BadInputError
+from llmflow.tasks.tokenizer.config import (
     BOS_TOKEN,
     EOS_TOKEN,
     IM_END_TOKEN,
@@ -20,8 +20,14 @@ from tasks.tokenizer.config import (
     SPECIAL_TOKENS,
     TokenizerConfig,
 )
-from tasks.tokenizer.corpus import RejectLog, corpus_files, holdout_mask, iter_batches, valid_rows
-from tasks.tokenizer.evaluate import evaluate_tokenizer, write_report
+from llmflow.tasks.tokenizer.corpus import (
+    RejectLog,
+    corpus_files,
+    holdout_mask,
+    iter_batches,
+    valid_rows,
+)
+from llmflow.tasks.tokenizer.evaluate import evaluate_tokenizer, write_report
 
 # ChatML. The assistant turn (its content and closing <|im_end|>) sits inside
 # {% generation %} so that TRL's assistant_only_loss can mask everything else.

@@ -2,7 +2,7 @@
 
 import pytest
 
-from flows.ablation import arm_weights
+from llmflow.flows.ablation import arm_weights
 
 
 def test_candidate_arm_is_forty_sixty():

@@ -22,8 +22,8 @@ def _commit(export: Path) -> Path:
 
 
 def test_scheduled_flow_evaluates_new_checkpoints_once(prefect_harness, tmp_path):
-    from flows.evaluate_scheduled import ScheduledEvaluationConfig, scheduled_evaluation
-    from tasks.evaluation.config import EvalConfig
+    from llmflow.flows.evaluate_scheduled import ScheduledEvaluationConfig, scheduled_evaluation
+    from llmflow.tasks.evaluation.config import EvalConfig
 
     exports = tmp_path / "export"
     first = _commit(make_tiny_model(exports / "a-1", seed=0))

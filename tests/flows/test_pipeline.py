@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.config import load_config
+from llmflow.tasks.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = [
@@ -23,7 +23,7 @@ SMALL = [
 
 @pytest.fixture()
 def run_pipeline(prefect_harness, tmp_path):
-    from flows.pipeline import pipeline
+    from llmflow.flows.pipeline import pipeline
 
     def run(*overrides: str):
         cfg = load_config(None, [f"root={tmp_path}", *SMALL, *overrides])
@@ -49,14 +49,14 @@ def test_user_data_lineage_reaches_raw_files(run_pipeline, tmp_path):
     raw = tmp_path / "mydata"
     raw.mkdir()
     (raw / "a.jsonl").write_text('{"text": "hello world"}\n{"text": "bye"}\n')
-    from flows.pipeline import pipeline
+    from llmflow.flows.pipeline import pipeline
 
     cfg = load_config(None, [f"root={tmp_path}", "until=ingest"]).model_copy(
         update={"data": [str(raw)]}
     )
     results = pipeline(cfg)
     out = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "lineage", results[-1].uri],
+        [sys.executable, "-m", "llmflow.flows.cli", "lineage", results[-1].uri],
         cwd=REPO,
         capture_output=True,
         text=True,

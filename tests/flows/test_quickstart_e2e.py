@@ -43,7 +43,7 @@ SMALL = [
 
 
 def run_cli(root: Path) -> str:
-    args = [sys.executable, "-m", "flows.cli", "run", "--root", str(root)]
+    args = [sys.executable, "-m", "llmflow.flows.cli", "run", "--root", str(root)]
     for override in SMALL:
         args += ["--set", override]
     out = subprocess.run(
@@ -80,7 +80,7 @@ def test_quickstart_end_to_end(tmp_path):
         assert f"\n{step}" in summary, step
     dpo = next(p for p in (root / "dpo").iterdir() if not p.name.startswith("."))
     lineage = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "lineage", str(dpo)],
+        [sys.executable, "-m", "llmflow.flows.cli", "lineage", str(dpo)],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import yaml
 
-from flows.deploy import PREFECT_FILE, load_flow, local_deployments
-from tasks.config import PipelineConfig
+from llmflow.flows.deploy import PREFECT_FILE, load_flow, local_deployments
+from llmflow.tasks.config import PipelineConfig
 
 
 def test_every_deployment_parameter_resolves_to_a_valid_config():

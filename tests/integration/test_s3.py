@@ -152,7 +152,7 @@ def _commit_by_hand(s3: S3, key: str, ended_at: str) -> str:
 
 
 def test_long_lived_process_sees_outputs_committed_by_others(s3_env: S3, tmp_path: Path):
-    from tasks.store import Store
+    from llmflow.tasks.framework.store import Store
 
     store = Store(f"s3://{s3_env.bucket}/shared", cache_dir=tmp_path)
     first = _commit_by_hand(s3_env, "shared/toy/a-0123456789abcdef", "2026-01-01")
@@ -163,7 +163,7 @@ def test_long_lived_process_sees_outputs_committed_by_others(s3_env: S3, tmp_pat
 
 
 def test_sync_uploads_in_write_order_and_only_what_changed(s3_env: S3, tmp_path: Path):
-    from tasks.store import Store
+    from llmflow.tasks.framework.store import Store
 
     store = Store(f"s3://{s3_env.bucket}/order", cache_dir=tmp_path / "cache")
     work = tmp_path / "work"

@@ -179,7 +179,7 @@ def test_gpu_slot_holds_the_gpu_limit_and_is_a_no_op_without_it(deployed: Prefec
     from prefect import flow
     from prefect.client.orchestration import get_client
 
-    from tasks.concurrency import gpu_slot
+    from llmflow.tasks.framework.concurrency import gpu_slot
 
     out = deployed.cli("global-concurrency-limit", "create", "gpu", "--limit", "2")
     assert out.returncode == 0, out.stdout + out.stderr

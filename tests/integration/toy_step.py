@@ -15,7 +15,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from tasks.store import Store, run_step
+from llmflow.tasks.framework.store import Store, run_step
 
 
 class ToyConfig(BaseModel):

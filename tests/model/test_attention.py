@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from model.attention import document_ids, document_mask
-from model.config import ModelConfig
-from model.transformer import Transformer
+from llmflow.model.attention import document_ids, document_mask
+from llmflow.model.config import ModelConfig
+from llmflow.model.transformer import Transformer
 
 CFG = ModelConfig(vocab_size=100, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2)
 
@@ -81,7 +81,7 @@ def test_positions_follow_cu_seqlens_when_not_given():
 @pytest.mark.parametrize("masked", [False, True])
 def test_native_and_expanded_gqa_agree_with_a_reference(masked):
     """Both SDPA paths (shared k/v, repeated k/v) against attention written out by hand."""
-    from model.attention import attend
+    from llmflow.model.attention import attend
 
     torch.manual_seed(0)
     q, k, v = torch.randn(2, 4, 6, 8), torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8)

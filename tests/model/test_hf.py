@@ -4,9 +4,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, SmolLM3Config, SmolLM3ForCausalLM
 
-from model.config import ModelConfig, preset
-from model.hf import export_hf, hf_config, import_hf, load_model, save_model
-from model.transformer import Transformer
+from llmflow.model.config import ModelConfig, preset
+from llmflow.model.hf import export_hf, hf_config, import_hf, load_model, save_model
+from llmflow.model.transformer import Transformer
 
 TINY = dict(vocab_size=300, hidden_size=64, num_heads=4, intermediate_size=96, max_seq_len=128)
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}

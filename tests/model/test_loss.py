@@ -3,7 +3,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from model.loss import causal_lm_loss
+from llmflow.model.loss import causal_lm_loss
 
 
 def test_cross_entropy_ignores_masked_labels():

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from model.config import PRESETS, ModelConfig, preset
-from model.transformer import Transformer
+from llmflow.model.config import PRESETS, ModelConfig, preset
+from llmflow.model.transformer import Transformer
 
 
 @pytest.mark.parametrize(
@@ -76,7 +76,7 @@ def test_nope_layers_follow_smollm3_convention():
 
 
 def test_extend_context_abf_and_yarn():
-    from model.config import extend_context
+    from llmflow.model.config import extend_context
 
     cfg = ModelConfig(max_seq_len=256, rope_theta=10000.0)
     once = extend_context(cfg, 1024, rope_theta=50000.0)

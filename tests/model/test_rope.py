@@ -5,9 +5,9 @@ from transformers.modeling_rope_utils import _compute_yarn_parameters
 from transformers.models.smollm3.modeling_smollm3 import SmolLM3RotaryEmbedding
 from transformers.models.smollm3.modeling_smollm3 import apply_rotary_pos_emb as hf_apply
 
-from model.config import ModelConfig
-from model.hf import hf_config
-from model.rope import RotaryEmbedding, apply_rotary, rope_parameters, yarn_inv_freq
+from llmflow.model.config import ModelConfig
+from llmflow.model.hf import hf_config
+from llmflow.model.rope import RotaryEmbedding, apply_rotary, rope_parameters, yarn_inv_freq
 
 YARN_SETTINGS = [
     dict(factor=4.0, original_max_position_embeddings=256),

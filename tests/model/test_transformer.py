@@ -3,9 +3,9 @@ import time
 
 import torch
 
-from model.config import ModelConfig, preset
-from model.loss import causal_lm_loss
-from model.transformer import Transformer
+from llmflow.model.config import ModelConfig, preset
+from llmflow.model.loss import causal_lm_loss
+from llmflow.model.transformer import Transformer
 
 
 def test_debug_preset_is_about_2m_and_trains_fast():
@@ -98,7 +98,7 @@ def test_bf16_forward_runs_and_tracks_fp32():
 
 
 def test_autocast_keeps_rotated_heads_in_low_precision():
-    from model.rope import apply_rotary
+    from llmflow.model.rope import apply_rotary
 
     torch.manual_seed(0)
     model = Transformer(ModelConfig(num_layers=1))

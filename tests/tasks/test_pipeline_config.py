@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tasks.config import load_config
-from tasks.errors import ConfigError
+from llmflow.tasks.config import load_config
+from llmflow.tasks.framework.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -44,7 +44,7 @@ def test_bad_value_names_the_field(override, field):
 def test_cli_bad_value_fails_fast_naming_field_and_value():
     started = time.perf_counter()
     out = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "run", "--set", "ingest.max_chars=-5"],
+        [sys.executable, "-m", "llmflow.flows.cli", "run", "--set", "ingest.max_chars=-5"],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
-from tasks.hashing import step_hash
-from tasks.lineage import format_tree
-from tasks.store import COMMIT_MARKER, Store, run_step
+from llmflow.tasks.framework.hashing import step_hash
+from llmflow.tasks.framework.lineage import format_tree
+from llmflow.tasks.framework.store import COMMIT_MARKER, Store, run_step
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -119,7 +119,7 @@ import sys, time
 from pathlib import Path
 sys.path.insert(0, {repo!r})
 from pydantic import BaseModel
-from tasks.store import Store, run_step
+from llmflow.tasks.framework.store import Store, run_step
 
 class C(BaseModel):
     n: int = 3

@@ -8,9 +8,14 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from tasks.curation.config import CurateConfig, MinhashConfig
-from tasks.curation.exact_dedup import BloomFilter, exact_dedup, exact_hashes_shard, text_hash
-from tasks.curation.minhash import (
+from llmflow.tasks.curation.config import CurateConfig, MinhashConfig
+from llmflow.tasks.curation.exact_dedup import (
+    BloomFilter,
+    exact_dedup,
+    exact_hashes_shard,
+    text_hash,
+)
+from llmflow.tasks.curation.minhash import (
     UnionFind,
     minhash_signatures_shard,
     near_dedup,
@@ -63,7 +68,7 @@ def test_exact_dedup_removes_planted_copies_across_shards(tmp_path):
 
 
 def test_bloom_false_positives_never_drop_unique_documents(tmp_path, monkeypatch):
-    monkeypatch.setattr("tasks.curation.exact_dedup.BLOOM_BATCH", 16)
+    monkeypatch.setattr("llmflow.tasks.curation.exact_dedup.BLOOM_BATCH", 16)
     rng = random.Random(2)
     docs = [{"id": f"d{i}", "text": prose(rng, 2), "domain": "web"} for i in range(300)]
     docs.append({"id": "dup", "text": docs[7]["text"], "domain": "web"})
@@ -108,7 +113,7 @@ def test_signature_matches_brute_force_minhash():
     assert owner.tolist() == [0, 0, 0, 2, 2]  # 3 + 0 (too short) + 2 five-grams
     sig, docs = signatures(shingles, owner, cfg, chunk=2)  # chunks split documents
     assert docs.tolist() == [0, 2]
-    from tasks.curation.minhash import permutation_parameters
+    from llmflow.tasks.curation.minhash import permutation_parameters
 
     a, b = permutation_parameters(cfg)
     with np.errstate(over="ignore"):

@@ -6,14 +6,14 @@ import random
 
 import pytest
 
-from tasks.curation.config import (
+from llmflow.tasks.curation.config import (
     C4Config,
     FiltersConfig,
     FineWebQualityConfig,
     GopherQualityConfig,
     GopherRepetitionConfig,
 )
-from tasks.curation.filters import (
+from llmflow.tasks.curation.filters import (
     Doc,
     c4_filter,
     count_sentences,
@@ -21,7 +21,7 @@ from tasks.curation.filters import (
     gopher_quality_filter,
     gopher_repetition_filter,
 )
-from tasks.curation.heuristics import apply_filters
+from llmflow.tasks.curation.heuristics import apply_filters
 from tests.tasks.curation.helpers import prose, real_documents
 
 GOOD = prose(random.Random(0), 12)

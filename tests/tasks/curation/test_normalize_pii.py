@@ -7,10 +7,10 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tasks.curation.config import CurateConfig, PIIConfig
-from tasks.curation.normalize import normalize_shard
-from tasks.curation.pii import scrub_pii
-from tasks.curation.shards import read_column, read_json, read_jsonl
+from llmflow.tasks.curation.config import CurateConfig, PIIConfig
+from llmflow.tasks.curation.normalize import normalize_shard
+from llmflow.tasks.curation.pii import scrub_pii
+from llmflow.tasks.curation.shards import read_column, read_json, read_jsonl
 
 
 def _write(path, ids, texts, text_type=None):

@@ -8,9 +8,9 @@ import random
 import pyarrow.parquet as pq
 import pytest
 
-from tasks.curation.config import CurateConfig, QualityModelConfig
-from tasks.curation.pipeline import curate, stage_config
-from tasks.curation.quality_model import (
+from llmflow.tasks.curation.config import CurateConfig, QualityModelConfig
+from llmflow.tasks.curation.pipeline import curate, stage_config
+from llmflow.tasks.curation.quality_model import (
     HashedLinearModel,
     features,
     precision_recall,
@@ -197,7 +197,7 @@ def _tiny_hf_classifier(path) -> None:
 @pytest.mark.slow
 def test_hf_teacher_scores_each_text_independently_of_batching(tmp_path):
     pytest.importorskip("transformers")
-    from tasks.curation.quality_model import hf_teacher
+    from llmflow.tasks.curation.quality_model import hf_teacher
 
     _tiny_hf_classifier(tmp_path / "teacher")
     texts = ["good good", "bad text here and more bad words", "good"]

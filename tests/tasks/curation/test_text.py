@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tasks.curation.text import clean_whitespace, normalize_unicode, simplify_text
-from tasks.curation.words import split_words
+from llmflow.tasks.curation.text import clean_whitespace, normalize_unicode, simplify_text
+from llmflow.tasks.curation.words import split_words
 
 
 def test_nfc_composes_accents():

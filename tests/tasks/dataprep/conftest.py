@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tasks.dataprep.pack import write_packed
+from llmflow.tasks.dataprep.pack import write_packed
 
 EOS, PAD, VOCAB = 1, 0, 1000
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from tasks.dataprep.loader import IGNORE_INDEX, PackedLoader
-from tasks.dataprep.pack import read_all_rows
+from llmflow.tasks.dataprep.loader import IGNORE_INDEX, PackedLoader
+from llmflow.tasks.dataprep.pack import read_all_rows
 from tests.tasks.dataprep.conftest import EOS, PAD, make_docs, pack_docs
 
 
@@ -124,7 +124,7 @@ def test_state_is_small_and_bad_arguments_fail(packed_36):
 
 
 def test_large_vocabularies_use_uint32(tmp_path):
-    from tasks.dataprep.pack import write_packed
+    from llmflow.tasks.dataprep.pack import write_packed
 
     tokens = np.array([70_000, 65_536, 3, EOS, 99_999, EOS], np.int64)
     meta = write_packed(

@@ -5,17 +5,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tasks.dataprep.config import StageMixture, TokenizeConfig, ValidationConfig
-from tasks.dataprep.loader import PackedLoader
-from tasks.dataprep.mixture import build_mixture, build_validation
-from tasks.tokenizer.config import TokenizerConfig
-from tasks.tokenizer.train import train_tokenizer
+from llmflow.tasks.dataprep.config import StageMixture, TokenizeConfig, ValidationConfig
+from llmflow.tasks.dataprep.loader import PackedLoader
+from llmflow.tasks.dataprep.mixture import build_mixture, build_validation
+from llmflow.tasks.tokenizer.config import TokenizerConfig
+from llmflow.tasks.tokenizer.train import train_tokenizer
 from tests.tasks.tokenizer.corpus_helpers import real_docs, write_corpus
 
 
 @pytest.mark.slow
 def test_real_corpus_end_to_end(tmp_path):
-    from tasks.dataprep.tokenize import tokenize_corpus
+    from llmflow.tasks.dataprep.tokenize import tokenize_corpus
 
     write_corpus(real_docs(), tmp_path / "corpus", num_files=2)
     for name in ("tok", "tokenized", "stage1", "stage3", "val"):

@@ -9,19 +9,19 @@ import pyarrow.parquet as pq
 import pytest
 from pydantic import ValidationError
 
-from tasks.dataprep.config import StageMixture, TokenizeConfig, ValidationConfig
-from tasks.dataprep.loader import PackedLoader
-from tasks.dataprep.mixture import (
+from llmflow.tasks.dataprep.config import StageMixture, TokenizeConfig, ValidationConfig
+from llmflow.tasks.dataprep.loader import PackedLoader
+from llmflow.tasks.dataprep.mixture import (
     build_mixture,
     build_validation,
     chinchilla_report,
     select_documents,
 )
-from tasks.dataprep.pack import read_all_rows, read_meta
-from tasks.dataprep.tokenize import tokenize_corpus
-from tasks.errors import BadInputError
-from tasks.tokenizer.config import TokenizerConfig
-from tasks.tokenizer.train import train_tokenizer
+from llmflow.tasks.dataprep.pack import read_all_rows, read_meta
+from llmflow.tasks.dataprep.tokenize import tokenize_corpus
+from llmflow.tasks.framework.errors import BadInputError
+from llmflow.tasks.tokenizer.config import TokenizerConfig
+from llmflow.tasks.tokenizer.train import train_tokenizer
 from tests.tasks.tokenizer.corpus_helpers import synthetic_docs, write_corpus
 
 

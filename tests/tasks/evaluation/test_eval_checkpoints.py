@@ -7,16 +7,16 @@ from pathlib import Path
 import fsspec
 import pytest
 
-from tasks.evaluation.checkpoints import (
+from llmflow.tasks.evaluation.checkpoints import (
     CheckpointEvalError,
     evaluate_checkpoints,
     find_checkpoints,
     find_unevaluated,
     raise_for_failures,
 )
-from tasks.evaluation.config import EvalConfig
-from tasks.evaluation.leaderboard import update_leaderboard
-from tasks.evaluation.suite import build_suite, read_manifest
+from llmflow.tasks.evaluation.config import EvalConfig
+from llmflow.tasks.evaluation.leaderboard import update_leaderboard
+from llmflow.tasks.evaluation.suite import build_suite, read_manifest
 
 CFG = EvalConfig(tasks=["cf_arith", "mcf_facts"], limit=4, num_items=4, device="cpu")
 

@@ -1,8 +1,8 @@
 import pytest
 from pydantic import ValidationError
 
-from tasks.evaluation.config import EvalConfig
-from tasks.hashing import versioned_fields
+from llmflow.tasks.evaluation.config import EvalConfig
+from llmflow.tasks.framework.hashing import versioned_fields
 
 
 @pytest.mark.parametrize(

@@ -10,9 +10,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tasks.evaluation.config import EvalConfig
-from tasks.evaluation.harness import EvalTaskError, ModelLoadError, evaluate, table_rows
-from tasks.evaluation.suite import build_suite
+from llmflow.tasks.evaluation.config import EvalConfig
+from llmflow.tasks.evaluation.harness import EvalTaskError, ModelLoadError, evaluate, table_rows
+from llmflow.tasks.evaluation.suite import build_suite
 
 DOC = "The quick brown fox jumps over the lazy dog.\nWhat is 3 + 4? The answer is 7.\n"
 
@@ -148,7 +148,7 @@ def test_real_sets_evaluate(tmp_path, tiny_model, shared_eval_dir):
 
 
 def test_resolve_hf_dir(tmp_path):
-    from tasks.evaluation.harness import resolve_hf_dir
+    from llmflow.tasks.evaluation.harness import resolve_hf_dir
 
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "config.json").write_text("{}")

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from tasks.evaluation.leaderboard import (
+from llmflow.tasks.evaluation.leaderboard import (
     load_results,
     seed_spread,
     signal_quality,

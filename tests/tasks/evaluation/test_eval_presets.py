@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tasks.evaluation.config import EvalConfig
+from llmflow.tasks.evaluation.config import EvalConfig
 
 PRESETS = sorted((Path(__file__).resolve().parents[3] / "configs" / "eval").glob("*.yaml"))
 

@@ -2,9 +2,9 @@ import json
 
 import yaml
 
-from tasks.evaluation.config import EvalConfig
-from tasks.evaluation.suite import build_suite, heldout_documents, read_manifest
-from tasks.evaluation.synthetic import arithmetic_items, fact_items
+from llmflow.tasks.evaluation.config import EvalConfig
+from llmflow.tasks.evaluation.suite import build_suite, heldout_documents, read_manifest
+from llmflow.tasks.evaluation.synthetic import arithmetic_items, fact_items
 
 
 def test_synthetic_items_are_deterministic_and_consistent():

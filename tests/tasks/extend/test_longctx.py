@@ -8,13 +8,19 @@ import numpy as np
 import pytest
 import torch
 
-from model.config import preset
-from model.transformer import Transformer
-from tasks.extend.config import ExtendConfig, ExtensionStage
-from tasks.extend.longctx import NEEDLE, passkey_grid, passkey_prompt, position_loss, with_rope
-from tasks.extend.steps import extension_train_config
-from tasks.pretrain.config import TrainConfig
-from tasks.pretrain.schedule import lr_multiplier
+from llmflow.model.config import preset
+from llmflow.model.transformer import Transformer
+from llmflow.tasks.extend.config import ExtendConfig, ExtensionStage
+from llmflow.tasks.extend.longctx import (
+    NEEDLE,
+    passkey_grid,
+    passkey_prompt,
+    position_loss,
+    with_rope,
+)
+from llmflow.tasks.extend.steps import extension_train_config
+from llmflow.tasks.pretrain.config import TrainConfig
+from llmflow.tasks.pretrain.schedule import lr_multiplier
 
 
 class CharTokenizer:

@@ -8,9 +8,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tasks.errors import BadInputError
-from tasks.ingest.ingest import IngestConfig, ingest, list_files
-from tasks.ingest.sample import SampleConfig, make_sample
+from llmflow.tasks.framework.errors import BadInputError
+from llmflow.tasks.ingest.ingest import IngestConfig, ingest, list_files
+from llmflow.tasks.ingest.sample import SampleConfig, make_sample
 
 
 def read_docs(out_dir):

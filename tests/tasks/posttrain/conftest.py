@@ -27,7 +27,7 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|bos|>", "<|pad|>", "<|im_start|>", "<|im_e
 
 
 def _training_text() -> str:
-    from tasks.posttrain.quickstart import quickstart_sft_examples
+    from llmflow.tasks.posttrain.quickstart import quickstart_sft_examples
 
     lines = [m["content"] for e in quickstart_sft_examples(200, seed=123) for m in e["messages"]]
     prose = "The quick brown fox jumps over the lazy dog. Who are you? I am a helpful assistant. "

@@ -7,8 +7,8 @@ import re
 import pytest
 from pydantic import ValidationError
 
-from tasks.posttrain.config import DPOStepConfig, SFTStepConfig
-from tasks.posttrain.quickstart import (
+from llmflow.tasks.posttrain.config import DPOStepConfig, SFTStepConfig
+from llmflow.tasks.posttrain.quickstart import (
     EVASIVE_ANSWER,
     make_quickstart_preferences,
     quickstart_preference_pairs,

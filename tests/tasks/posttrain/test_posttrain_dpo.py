@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from tasks.errors import BadInputError
-from tasks.posttrain.config import DPOStepConfig, SFTStepConfig
-from tasks.posttrain.dpo import (
+from llmflow.tasks.framework.errors import BadInputError
+from llmflow.tasks.posttrain.config import DPOStepConfig, SFTStepConfig
+from llmflow.tasks.posttrain.dpo import (
     build_dpo_trainer,
     dpo,
     heldout_rows,
@@ -20,9 +20,9 @@ from tasks.posttrain.dpo import (
     response_logps,
     tokenize_pair,
 )
-from tasks.posttrain.formats import read_records, write_jsonl
-from tasks.posttrain.quickstart import quickstart_preference_pairs
-from tasks.posttrain.sft import sft
+from llmflow.tasks.posttrain.formats import read_records, write_jsonl
+from llmflow.tasks.posttrain.quickstart import quickstart_preference_pairs
+from llmflow.tasks.posttrain.sft import sft
 
 FAST = dict(max_length=64, per_device_batch_size=4, max_steps=2, num_heldout=4, logging_steps=1)
 

@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from tasks.posttrain.formats import (
+from llmflow.tasks.posttrain.formats import (
     load_preference_pairs,
     load_sft_examples,
     normalize_preference,

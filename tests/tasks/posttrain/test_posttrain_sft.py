@@ -8,11 +8,11 @@ import re
 import pytest
 import torch
 
-from tasks.errors import BadInputError
-from tasks.posttrain.config import SFTStepConfig
-from tasks.posttrain.formats import write_jsonl
-from tasks.posttrain.quickstart import quickstart_sft_examples
-from tasks.posttrain.sft import build_sft_trainer, sft
+from llmflow.tasks.framework.errors import BadInputError
+from llmflow.tasks.posttrain.config import SFTStepConfig
+from llmflow.tasks.posttrain.formats import write_jsonl
+from llmflow.tasks.posttrain.quickstart import quickstart_sft_examples
+from llmflow.tasks.posttrain.sft import build_sft_trainer, sft
 
 FAST = dict(max_length=64, per_device_batch_size=4, max_steps=3, num_heldout=4, logging_steps=1)
 ASSISTANT_SPAN = re.compile(r"<\|im_start\|>assistant\n(.*?<\|im_end\|>)", re.DOTALL)
@@ -143,7 +143,7 @@ def test_sft_on_real_sharegpt_file(tiny_model_dir, tmp_path, shared_data):
 
 def test_fixture_template_matches_the_project_tokenizer(tokenizer):
     """The tests' chat template renders and masks exactly like the project tokenizer's."""
-    train = pytest.importorskip("tasks.tokenizer.train")
+    train = pytest.importorskip("llmflow.tasks.tokenizer.train")
     messages = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "What is 2 + 3?"},

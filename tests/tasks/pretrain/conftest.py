@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tasks.dataprep.pack import write_packed
+from llmflow.tasks.dataprep.pack import write_packed
 
 VOCAB = 128
 SEQ_LEN = 32
@@ -74,7 +74,7 @@ def val_data(tmp_path_factory) -> Path:
 
 def tiny_config(**changes):
     """A TrainConfig for the tiny model; keyword args replace top-level sections or fields."""
-    from tasks.pretrain.config import TrainConfig
+    from llmflow.tasks.pretrain.config import TrainConfig
 
     base = {
         "model": {"preset": "debug", "overrides": TINY_MODEL},
@@ -107,17 +107,17 @@ def run_trainer(
     """Run the trainer as its own process (as production does); return the CompletedProcess."""
     import subprocess
 
-    from tasks.pretrain.launch import REPO_ROOT, build_command, train_arguments
+    from llmflow.tasks.pretrain.launch import build_command, train_arguments
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     config_path = out_dir / "train_config.json"
     cfg.save(config_path)
     args = train_arguments(config_path, data_dir, out_dir, val_dir, init_from)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         build_command(args, num_processes=num_processes),
-        cwd=REPO_ROOT,
+        cwd=out_dir,
         env=env,
         capture_output=True,
         text=True,

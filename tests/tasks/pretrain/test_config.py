@@ -6,8 +6,8 @@ import pytest
 from conftest import TINY_MODEL, make_packed, run_trainer, tiny_config
 from pydantic import ValidationError
 
-from tasks.pretrain.config import TrainConfig, versioned_fields
-from tasks.pretrain.validate import validate_run
+from llmflow.tasks.pretrain.config import TrainConfig, versioned_fields
+from llmflow.tasks.pretrain.validate import validate_run
 
 
 def _model(**changes):

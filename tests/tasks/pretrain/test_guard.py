@@ -8,8 +8,8 @@ import math
 import pytest
 from conftest import losses_by_step, read_jsonl, run_trainer, tiny_config
 
-from tasks.pretrain.config import GuardConfig
-from tasks.pretrain.guard import StabilityGuard
+from llmflow.tasks.pretrain.config import GuardConfig
+from llmflow.tasks.pretrain.guard import StabilityGuard
 
 
 def test_zscore_hand_computed():

@@ -8,12 +8,12 @@ import pytest
 import torch
 from conftest import TINY_MODEL, losses_by_step, read_jsonl, run_trainer, tiny_config
 
-from model.hf import load_model
-from model.transformer import Transformer
-from tasks.pretrain.checkpoint import load_checkpoint
-from tasks.pretrain.optim import build_optimizers
-from tasks.pretrain.schedule import lr_multiplier
-from tasks.pretrain.validate import validate_run
+from llmflow.model.hf import load_model
+from llmflow.model.transformer import Transformer
+from llmflow.tasks.pretrain.checkpoint import load_checkpoint
+from llmflow.tasks.pretrain.optim import build_optimizers
+from llmflow.tasks.pretrain.schedule import lr_multiplier
+from llmflow.tasks.pretrain.validate import validate_run
 
 
 def _optimizer_steps(checkpoint_dir, cfg) -> set[float]:

@@ -9,22 +9,22 @@ from pathlib import Path
 import pytest
 from conftest import TINY_MODEL, tiny_config
 
-from tasks.pretrain.launch import TrainingFailed, build_command, pretrain, run_streaming
+from llmflow.tasks.pretrain.launch import TrainingFailed, build_command, pretrain, run_streaming
 
 ARGS = ["--config", "c.json", "--data-dir", "d", "--out-dir", "o"]
 
 
 def test_build_command_variants():
     py = sys.executable
-    assert build_command(ARGS) == [py, "-m", "tasks.pretrain.train", *ARGS]
+    assert build_command(ARGS) == [py, "-m", "llmflow.tasks.pretrain.train", *ARGS]
     assert build_command(ARGS, num_processes=2) == [
         py, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-        "-m", "tasks.pretrain.train", *ARGS,
+        "-m", "llmflow.tasks.pretrain.train", *ARGS,
     ]  # fmt: skip
     cfg = Path("deployments/accelerate/multi_gpu_fsdp2.yaml")
     assert build_command(ARGS, num_processes=4, accelerate_config=cfg) == [
         py, "-m", "accelerate.commands.launch", "--config_file", str(cfg),
-        "--num_processes", "4", "-m", "tasks.pretrain.train", *ARGS,
+        "--num_processes", "4", "-m", "llmflow.tasks.pretrain.train", *ARGS,
     ]  # fmt: skip
 
 

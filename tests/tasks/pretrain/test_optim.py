@@ -7,10 +7,10 @@ import json
 import torch
 from conftest import TINY_MODEL, run_trainer, tiny_config
 
-from model.config import preset
-from model.transformer import Transformer
-from tasks.pretrain.config import OptimizerConfig
-from tasks.pretrain.optim import build_optimizers, set_lr, split_parameters
+from llmflow.model.config import preset
+from llmflow.model.transformer import Transformer
+from llmflow.tasks.pretrain.config import OptimizerConfig
+from llmflow.tasks.pretrain.optim import build_optimizers, set_lr, split_parameters
 
 
 def _model(**changes):

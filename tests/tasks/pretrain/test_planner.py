@@ -3,9 +3,9 @@ import math
 import pytest
 import torch
 
-from model.config import PRESETS, ModelConfig, preset
-from model.transformer import Transformer
-from tasks.pretrain.planner import (
+from llmflow.model.config import PRESETS, ModelConfig, preset
+from llmflow.model.transformer import Transformer
+from llmflow.tasks.pretrain.planner import (
     GB,
     activation_bytes_per_token,
     flops_per_token,

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from tasks.pretrain.config import BatchConfig, ScheduleConfig
-from tasks.pretrain.schedule import lr_multiplier, micro_batch_size, steps_for_tokens
+from llmflow.tasks.pretrain.config import BatchConfig, ScheduleConfig
+from llmflow.tasks.pretrain.schedule import lr_multiplier, micro_batch_size, steps_for_tokens
 
 
 def test_warmup_is_linear_from_one_over_warmup():

@@ -7,9 +7,9 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from tasks.errors import BadInputError
-from tasks.tokenizer.config import TokenizerConfig
-from tasks.tokenizer.train import train_tokenizer
+from llmflow.tasks.framework.errors import BadInputError
+from llmflow.tasks.tokenizer.config import TokenizerConfig
+from llmflow.tasks.tokenizer.train import train_tokenizer
 from tests.tasks.tokenizer.corpus_helpers import real_docs, synthetic_docs, write_corpus
 
 ROUND_TRIP = [
@@ -110,7 +110,7 @@ def test_report_rows_and_plot(trained):
 def test_fertility_by_hand(trained):
     from tokenizers import Tokenizer
 
-    from tasks.tokenizer.evaluate import domain_stats
+    from llmflow.tasks.tokenizer.evaluate import domain_stats
 
     tok = Tokenizer.from_file(str(trained[0] / "tokenizer.json"))
     texts = ["the the zqxjv", "the"]

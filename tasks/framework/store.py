@@ -30,8 +30,8 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 from pydantic import BaseModel
 
-from tasks import lineage
-from tasks.hashing import step_hash
+from llmflow.tasks.framework import lineage
+from llmflow.tasks.framework.hashing import step_hash
 
 COMMIT_MARKER = "_COMMITTED"
 PARTIAL_DIR = ".partial"

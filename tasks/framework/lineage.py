@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 LINEAGE_FILE = "lineage.json"
-REPO_ROOT = Path(__file__).resolve().parents[1]
+SOURCE_DIR = Path(__file__).resolve().parents[2]  # the checkout, when llmflow runs from one
 TRACKED_PACKAGES = (
     "llmflow",
     "torch",
@@ -43,7 +43,7 @@ def code_version() -> dict[str, Any]:
     def git(*args: str) -> str | None:
         try:
             out = subprocess.run(
-                ["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10
+                ["git", *args], cwd=SOURCE_DIR, capture_output=True, text=True, timeout=10
             )
         except (OSError, subprocess.TimeoutExpired):
             return None

@@ -18,9 +18,9 @@ from prefect.context import FlowRunContext, TaskRunContext
 from prefect.events import emit_event
 from prefect.states import Completed, State
 
-from tasks.concurrency import gpu_slot
-from tasks.errors import BadInputError
-from tasks.store import StepContext, StepResult, Store, output_address, run_step
+from llmflow.tasks.framework.concurrency import gpu_slot
+from llmflow.tasks.framework.errors import BadInputError
+from llmflow.tasks.framework.store import StepContext, StepResult, Store, output_address, run_step
 
 
 def asset_key(uri: str) -> str:
