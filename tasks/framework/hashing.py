@@ -16,7 +16,7 @@ def canonical_json(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
 
 
-def _is_versioned(field_info: Any) -> bool:
+def is_versioned(field_info: Any) -> bool:
     extra = field_info.json_schema_extra
     return not (isinstance(extra, dict) and extra.get("versioned") is False)
 
@@ -30,7 +30,7 @@ def versioned_fields(value: Any) -> Any:
     if isinstance(value, BaseModel):
         out = {}
         for name, info in type(value).model_fields.items():
-            if _is_versioned(info):
+            if is_versioned(info):
                 out[name] = versioned_fields(getattr(value, name))
         return out
     if isinstance(value, dict):

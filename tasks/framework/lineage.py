@@ -128,6 +128,64 @@ def format_tree(uri: str, read_lineage, max_depth: int = 50) -> str:
     return "\n".join(lines)
 
 
+def record(
+    *,
+    step: str,
+    name: str,
+    digest: str,
+    uri: str,
+    version: str,
+    config: Any,
+    inputs: dict[str, list[dict[str, Any]]],
+    run: dict[str, Any],
+    started_at: str,
+    metrics: dict[str, Any],
+) -> dict[str, Any]:
+    """The lineage record of one output: what made it, from what, where and when."""
+    from datetime import datetime, timezone
+
+    return {
+        "step": step,
+        "name": name,
+        "hash": digest,
+        "uri": uri,
+        "version": version,
+        "config": config.model_dump(mode="json"),
+        **inputs,
+        "code": {**code_version(), "step_version": version},
+        "packages": package_versions(),
+        "host": host_info(),
+        "run": run,
+        "started_at": started_at,
+        "ended_at": datetime.now(timezone.utc).isoformat(),
+        "metrics": metrics,
+    }
+
+
+def source_record(uri: str) -> dict[str, Any]:
+    """A raw file's URI, sha256 and size (hashed once per process while it is unchanged)."""
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(uri)
+    info = fs.info(path)
+    stamp = (info.get("size"), info.get("mtime") or info.get("LastModified") or info.get("ETag"))
+    return _source_record(uri, str(stamp))
+
+
+@functools.lru_cache(maxsize=4096)
+def _source_record(uri: str, stamp: str) -> dict[str, Any]:
+    import hashlib
+
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(uri)
+    digest = hashlib.sha256()
+    with fs.open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return {"uri": uri, "sha256": digest.hexdigest(), "bytes": fs.size(path)}
+
+
 def dumps(record: dict[str, Any]) -> str:
     """Serialize a lineage record, masking anything that looks like a credential."""
     return json.dumps(mask_secrets(record), indent=2, sort_keys=False, default=str)

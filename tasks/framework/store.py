@@ -19,19 +19,15 @@ import json
 import logging
 import os
 import shutil
-import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
-from pydantic import BaseModel
 
 from llmflow.tasks.framework import lineage
-from llmflow.tasks.framework.hashing import step_hash
 
 COMMIT_MARKER = "_COMMITTED"
 PARTIAL_DIR = ".partial"
@@ -156,7 +152,7 @@ class Store:
     def commit(self, work: Path, uri: str, step: str, name: str, digest: str) -> None:
         """Publish a finished working directory at ``uri``; the commit marker comes last."""
         if self.is_local:
-            (work / COMMIT_MARKER).write_text(_now())
+            (work / COMMIT_MARKER).write_text(now())
             final = Path(uri)
             if final.exists():  # an incomplete leftover: never trusted, replaced
                 shutil.rmtree(final)
@@ -166,7 +162,7 @@ class Store:
             self.fs.rm(uri, recursive=True)
         self.fs.put(f"{work}/", f"{uri}/", recursive=True)
         with self.fs.open(f"{uri}/{COMMIT_MARKER}", "w") as f:
-            f.write(_now())
+            f.write(now())
         partial = self.partial_uri(step, name, digest)
         if self.fs.exists(partial):
             self.fs.rm(partial, recursive=True)
@@ -197,170 +193,5 @@ def _sync_state_path(work: Path) -> Path:
     return work.with_name(work.name + ".synced.json")
 
 
-def _now() -> str:
+def now() -> str:
     return datetime.now(timezone.utc).isoformat()
-
-
-def file_sha256(fs: fsspec.AbstractFileSystem, path: str) -> str:
-    """Streaming sha256 of one raw input file."""
-    digest = hashlib.sha256()
-    with fs.open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-@dataclass
-class StepContext:
-    """What a step function sees: its config, local inputs, and a local directory to fill."""
-
-    step: str
-    config: BaseModel
-    out_dir: Path
-    inputs: dict[str, Path | list[Path]]
-    sources: list[dict[str, Any]] = field(default_factory=list)
-    log: logging.Logger = log
-    sync: Callable[[], None] = lambda: None
-    artifacts: list[dict[str, Any]] = field(default_factory=list)
-
-    def report_table(self, key: str, rows: list[dict[str, Any]], description: str = "") -> None:
-        """Ask the orchestrator to publish a table (a Prefect table artifact)."""
-        self.artifacts.append(
-            {"kind": "table", "key": key, "rows": rows, "description": description}
-        )
-
-    def report_markdown(self, key: str, markdown: str, description: str = "") -> None:
-        """Ask the orchestrator to publish a markdown report."""
-        self.artifacts.append(
-            {"kind": "markdown", "key": key, "markdown": markdown, "description": description}
-        )
-
-
-@dataclass
-class StepResult:
-    """What a flow gets back from a step: the output's URI and how it was obtained."""
-
-    step: str
-    uri: str
-    hash: str
-    cached: bool
-    seconds: float
-    metrics: dict[str, Any] = field(default_factory=dict)
-    artifacts: list[dict[str, Any]] = field(default_factory=list)
-
-
-def resolve_inputs(store: Store, inputs: dict[str, str | list[str]]) -> dict[str, Any]:
-    """Hashes of the step's inputs, by name (lists keep their order)."""
-    hashes: dict[str, Any] = {}
-    for key, value in inputs.items():
-        if isinstance(value, list):
-            hashes[key] = [store.input_hash(v) for v in value]
-        else:
-            hashes[key] = store.input_hash(value)
-    return hashes
-
-
-def output_address(
-    store: Store,
-    step: str,
-    name: str,
-    version: str,
-    config: BaseModel,
-    inputs: dict[str, str | list[str]],
-    sources: list[dict[str, Any]] | None = None,
-) -> tuple[str, str, dict[str, Any]]:
-    """The (uri, hash, input hashes) a step with these arguments writes to."""
-    input_hashes = resolve_inputs(store, inputs)
-    if sources:
-        input_hashes["__sources__"] = [s["sha256"] for s in sources]
-    digest = step_hash(step, version, config, input_hashes)
-    return store.uri(step, name, digest), digest, input_hashes
-
-
-def run_step(
-    store: Store,
-    step: str,
-    name: str,
-    version: str,
-    config: BaseModel,
-    fn: Callable[[StepContext], dict[str, Any] | None],
-    inputs: dict[str, str | list[str]] | None = None,
-    sources: list[dict[str, Any]] | None = None,
-    run_info: dict[str, Any] | None = None,
-) -> StepResult:
-    """Run one step through the store: skip it if its output exists, else build and commit it.
-
-    Args:
-        store: Where outputs live.
-        step: Step name, the first path component (``curate``).
-        name: Output label, the second (``quickstart``).
-        version: The step's code version; bump it when the step's output semantics change.
-        config: The step's pydantic config; its versioned fields enter the hash.
-        fn: Does the work into ``ctx.out_dir`` and returns headline metrics.
-        inputs: Upstream outputs by name (one URI or a list of URIs each).
-        sources: Raw files (dicts with ``uri`` and ``sha256``) for steps that read outside the store.
-        run_info: Extra lineage fields (e.g. the Prefect flow-run id).
-    """
-    inputs = inputs or {}
-    started = time.perf_counter()
-    uri, digest, input_hashes = output_address(store, step, name, version, config, inputs, sources)
-    if store.is_complete(uri):
-        return StepResult(
-            step, uri, digest, True, time.perf_counter() - started, _metrics(store, uri)
-        )
-    with store.workdir(step, name, digest) as work:
-        if store.is_complete(uri):  # another run finished it while we waited for the lock
-            return StepResult(
-                step, uri, digest, True, time.perf_counter() - started, _metrics(store, uri)
-            )
-        local_inputs = {
-            k: [store.local_path(u) for u in v] if isinstance(v, list) else store.local_path(v)
-            for k, v in inputs.items()
-        }
-        ctx = StepContext(
-            step=step,
-            config=config,
-            out_dir=work,
-            inputs=local_inputs,
-            sources=sources or [],
-            log=logging.getLogger(f"llmflow.{step}"),
-            sync=lambda: store.sync_partial(step, name, digest, work),
-        )
-        started_at = _now()
-        metrics = fn(ctx) or {}
-        record = {
-            "step": step,
-            "name": name,
-            "hash": digest,
-            "uri": uri,
-            "version": version,
-            "config": config.model_dump(mode="json"),
-            "inputs": [
-                {"name": k, "uri": u, "hash": h}
-                for k, v in inputs.items()
-                for u, h in (
-                    zip(v, input_hashes[k], strict=False)
-                    if isinstance(v, list)
-                    else [(v, input_hashes[k])]
-                )
-            ],
-            "sources": sources or [],
-            "code": {**lineage.code_version(), "step_version": version},
-            "packages": lineage.package_versions(),
-            "host": lineage.host_info(),
-            "run": run_info or {},
-            "started_at": started_at,
-            "ended_at": _now(),
-            "metrics": metrics,
-        }
-        (work / lineage.LINEAGE_FILE).write_text(lineage.dumps(record))
-        store.commit(work, uri, step, name, digest)
-    seconds = time.perf_counter() - started
-    return StepResult(step, uri, digest, False, seconds, metrics, ctx.artifacts)
-
-
-def _metrics(store: Store, uri: str) -> dict[str, Any]:
-    try:
-        return store.read_lineage(uri).get("metrics", {})
-    except FileNotFoundError:
-        return {}

@@ -1,4 +1,4 @@
-"""The one thin layer between plain steps and Prefect: ``step_task`` turns a step into a task.
+"""The one thin layer between declared steps and Prefect: ``step_task`` makes a step a task.
 
 The task's cache key is the output's content hash (only once that output is complete, so a
 deleted output is rebuilt rather than served stale). When the store already holds the output,
@@ -9,7 +9,6 @@ never bad input. Each materialized output emits a Prefect asset event with its u
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
 from typing import Any
 
 from prefect import task
@@ -20,7 +19,8 @@ from prefect.states import Completed, State
 
 from llmflow.tasks.framework.concurrency import gpu_slot
 from llmflow.tasks.framework.errors import BadInputError
-from llmflow.tasks.framework.store import StepContext, StepResult, Store, output_address, run_step
+from llmflow.tasks.framework.step import Shard, Step, StepResult
+from llmflow.tasks.framework.store import Store
 
 
 def asset_key(uri: str) -> str:
@@ -50,7 +50,11 @@ def _run_info() -> dict[str, Any]:
 
 
 def _publish(result: StepResult, inputs: dict[str, str | list[str]]) -> None:
-    upstream = [u for v in inputs.values() for u in (v if isinstance(v, list) else [v])]
+    upstream = []
+    for value in inputs.values():
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, (str, Shard)):
+                upstream.append(item.uri if isinstance(item, Shard) else item)
     emit_event(
         event="prefect.asset.materialization.succeeded",
         resource={
@@ -73,48 +77,29 @@ def _publish(result: StepResult, inputs: dict[str, str | list[str]]) -> None:
             )
 
 
-def step_task(
-    step: str,
-    version: str,
-    fn: Callable[[StepContext], dict[str, Any] | None],
-    *,
-    retries: int = 2,
-    retry_delay_seconds: list[float] | None = None,
-    tags: tuple[str, ...] = (),
-):
-    """Wrap a plain step function as a Prefect task that goes through the store.
+def step_task(step: Step):
+    """Wrap a declared step as a Prefect task that goes through the store.
 
-    The returned task is called as ``t(config, inputs={...}, sources=[...], root=..., name=...)``
-    and returns a ``StepResult`` whose ``uri`` the next step takes.
+    The returned callable is called as ``t(config, inputs={...}, root=..., name=...)`` (or
+    ``t.submit(...)``) and gives the ``StepResult`` whose ``uri`` the next step takes.
     """
 
     def cache_key(_context, parameters: dict[str, Any]) -> str | None:
         store = Store(parameters["root"])
+        inputs = parameters.get("inputs") or {}
         try:
-            uri, digest, _ = output_address(
-                store,
-                step,
-                parameters["name"],
-                version,
-                parameters["config"],
-                parameters.get("inputs") or {},
-                parameters.get("sources"),
-            )
+            uri, digest, _ = step.address(store, parameters["config"], parameters["name"], inputs)
         except FileNotFoundError:
             return None
-        return f"llmflow-{step}-{digest}" if store.is_complete(uri) else None
+        return f"llmflow-{step.name}-{digest}" if store.is_complete(uri) else None
 
     def run(
-        config: Any,
-        inputs: dict[str, str | list[str]] | None = None,
-        sources: list[dict[str, Any]] | None = None,
-        root: str = "./runs",
-        name: str = "run",
+        config: Any, inputs: dict[str, Any] | None = None, root: str = "./runs", name: str = "run"
     ):
         store = Store(root)
-        slot = gpu_slot() if "gpu" in tags else contextlib.nullcontext()
+        slot = gpu_slot() if step.gpu else contextlib.nullcontext()
         with slot:
-            result = run_step(store, step, name, version, config, fn, inputs, sources, _run_info())
+            result = step.run(store, config, name, inputs, _run_info())
         if result.cached:
             return Completed(message=f"output exists: {result.uri}", name="Cached", data=result)
         _publish(result, inputs or {})
@@ -123,14 +108,15 @@ def step_task(
     return _StepTask(
         task(
             run,
-            name=step,
-            task_run_name=f"{step}-{{name}}",
-            retries=retries,
-            retry_delay_seconds=retry_delay_seconds or [2, 10],
+            name=step.name,
+            description=step.doc,
+            task_run_name=f"{step.name}-{{name}}",
+            retries=step.retries,
+            retry_delay_seconds=[2, 10],
             retry_condition_fn=_retry_transient,
             cache_key_fn=cache_key,
             persist_result=True,
-            tags=list(tags),
+            tags=["gpu"] if step.gpu else [],
         )
     )
 

@@ -1,0 +1,179 @@
+"""One executor for any graph of steps: in-process (tests, benchmarks) or on Prefect.
+
+Each node runs through its step's store address, so a node whose output exists is skipped (and
+shows as Cached in Prefect, whose cache key is the same content hash). A mapped node fans out
+over the shards of its input; one failing shard retries alone. Prefect is imported here and in
+``flows/`` only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from llmflow.tasks.framework.audit import unhashed_reads
+from llmflow.tasks.framework.concurrency import gpu_slot
+from llmflow.tasks.framework.errors import BadInputError
+from llmflow.tasks.framework.graph import Existing, Graph, Node, Raw
+from llmflow.tasks.framework.step import RawFiles, Shard, Step, StepResult
+from llmflow.tasks.framework.store import Store
+
+log = logging.getLogger("llmflow.executor")
+
+
+@dataclass
+class Mapped:
+    """The outputs of a mapped node, one per shard, with the shards' labels."""
+
+    labels: list[str]
+    results: list[StepResult]
+
+    def summary(self, label: str) -> StepResult:
+        """One row for all shards: the last output, cached only if every shard was."""
+        return replace(
+            self.results[-1],
+            step=f"{label} ({len(self.results)} shards)",
+            cached=all(r.cached for r in self.results),
+            seconds=sum(r.seconds for r in self.results),
+        )
+
+
+@dataclass
+class Outcome:
+    """A run of a graph: each node's result, in run order, and the nodes that failed."""
+
+    results: dict[Node, StepResult | Mapped]
+    failed: dict[Node, BaseException]
+
+    def __getitem__(self, node: Node) -> StepResult | Mapped:
+        return self.results[node]
+
+    def rows(self) -> list[StepResult]:
+        """One summary row per node, in run order (a mapped node folds its shards)."""
+        return [
+            r.summary(n.label) if isinstance(r, Mapped) else replace(r, step=n.label)
+            for n, r in self.results.items()
+        ]
+
+
+class Executor:
+    """Runs the nodes of a graph in order, in this process."""
+
+    def __init__(self, root: str, *, keep_going: bool = False, audit: bool = False):
+        self.store = Store(root)
+        self.keep_going = keep_going
+        self.reads: dict[str, set[str]] | None = {} if audit else None
+
+    def run(self, graph: Graph) -> Outcome:
+        """Run every node whose output is not yet in the store; return every node's result.
+
+        With ``keep_going``, a failing node is recorded and the nodes that do not depend on it
+        still run (scheduled evaluation: one bad checkpoint must not block the others).
+        """
+        outcome = Outcome({}, {})
+        for node in graph.nodes:
+            if any(up in outcome.failed for up in node.upstream()):
+                outcome.failed[node] = RuntimeError(f"upstream of {node.label} failed")
+                continue
+            try:
+                outcome.results[node] = self._run_node(node, outcome.results)
+            except Exception as err:
+                if not self.keep_going or isinstance(err, BadInputError):
+                    raise
+                log.error("%s failed: %s", node.label, err)
+                outcome.failed[node] = err
+        return outcome
+
+    def _run_node(self, node: Node, done: dict[Node, Any]) -> StepResult | Mapped:
+        inputs = {k: self._resolve(v, done) for k, v in node.inputs.items()}
+        if node.map_over is None:
+            return self.call(node.step, node.config, node.name, inputs)
+        source = node.inputs[node.map_over]
+        if isinstance(source, Node) and isinstance(done[source], Mapped):
+            labels, elements = done[source].labels, inputs[node.map_over]
+        else:
+            labels, elements = self._shards(inputs[node.map_over])
+        per_shard = [
+            (f"{node.name}-{label}", {**inputs, node.map_over: element})
+            for label, element in zip(labels, elements, strict=True)
+        ]
+        return Mapped(labels, self.map(node.step, node.config, per_shard))
+
+    def _resolve(self, value: Any, done: dict[Node, Any]) -> Any:
+        """An input as the step takes it: a URI, a list of URIs, or raw files."""
+        if isinstance(value, list):
+            return [u for v in value for u in _as_list(self._resolve(v, done))]
+        if isinstance(value, Existing):
+            return value.uri
+        if isinstance(value, Raw):
+            return RawFiles(value.files)
+        result = done[value]
+        return [r.uri for r in result.results] if isinstance(result, Mapped) else result.uri
+
+    def _shards(self, uri: str) -> tuple[list[str], list[Shard]]:
+        """The shard files of one output (``shards/*.parquet``), the unit a mapped step runs on."""
+        shards = sorted(p.name for p in (self.store.local_path(uri) / "shards").glob("*.parquet"))
+        return [s.removesuffix(".parquet") for s in shards], [Shard(uri, s) for s in shards]
+
+    def call(self, step: Step, config: Any, name: str, inputs: dict[str, Any]) -> StepResult:
+        """Run one step through the store."""
+        slot = gpu_slot() if step.gpu else contextlib.nullcontext()
+        reads = None if self.reads is None else self.reads.setdefault(step.name, set())
+        with slot:
+            return step.run(self.store, config, name, inputs, reads=reads)
+
+    def unhashed_reads(self, graph: Graph) -> dict[str, list[str]]:
+        """After an audited run: per step, the config fields read that its hash leaves out."""
+        steps = {n.step.name: n.step for n in graph.nodes}
+        found = {
+            name: unhashed_reads(steps[name].config_type, reads, steps[name].execution)
+            for name, reads in (self.reads or {}).items()
+        }
+        return {name: bad for name, bad in found.items() if bad}
+
+    def map(self, step: Step, config: Any, per_shard: list[tuple[str, dict]]) -> list[StepResult]:
+        """Run one step once per shard."""
+        return [self.call(step, config, name, inputs) for name, inputs in per_shard]
+
+
+def _as_list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else [value]
+
+
+def run_graph(graph: Graph, root: str, **options: Any) -> Outcome:
+    """Run ``graph`` in this process, without Prefect."""
+    return Executor(root, **options).run(graph)
+
+
+class PrefectExecutor(Executor):
+    """The same walk, each step a Prefect task: retries, Cached states, events and artifacts."""
+
+    def __init__(self, root: str, *, keep_going: bool = False):
+        super().__init__(root, keep_going=keep_going)
+        self._tasks: dict[int, Callable] = {}
+
+    def task(self, step: Step):
+        if id(step) not in self._tasks:
+            from llmflow.tasks.framework.prefect_task import step_task
+
+            self._tasks[id(step)] = step_task(step)
+        return self._tasks[id(step)]
+
+    def call(self, step: Step, config: Any, name: str, inputs: dict[str, Any]) -> StepResult:
+        return self.task(step)(config, inputs=inputs, root=self.store.root, name=name)
+
+    def map(self, step: Step, config: Any, per_shard: list[tuple[str, dict]]) -> list[StepResult]:
+        futures = [
+            self.task(step).submit(config, inputs=inputs, root=self.store.root, name=name)
+            for name, inputs in per_shard
+        ]
+        return [_unwrap(f.result()) for f in futures]
+
+
+def _unwrap(value: Any) -> StepResult:
+    from prefect.states import State
+
+    return value.result() if isinstance(value, State) else value
