@@ -1,15 +1,22 @@
-"""Prefect flows (they compose steps and compute nothing) and the ``llmflow`` CLI."""
+"""Prefect flows (they build graphs of steps and run them) and the ``llmflow`` CLI.
 
-import os
-
-# NOTE: Prefect reads these at import; set them before anything imports prefect.
-os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "llmflow")
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-os.environ.setdefault("PREFECT_RESULTS_PERSIST_BY_DEFAULT", "true")
-# NOTE: on a busy 2-core machine the ephemeral API can take longer than the 20 s default to start.
-os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+Prefect reads its settings when it is first imported, and every module here imports it, so this
+package's ``__init__`` (which Python runs before any of them) sets llmflow's defaults, once. A
+user's own environment variables win.
+"""
 
 import logging
+import os
 
-# The steps log through "llmflow.*"; Prefect forwards those records to the run's logs.
+PREFECT_DEFAULTS = {
+    "PREFECT_LOGGING_EXTRA_LOGGERS": "llmflow",  # the steps log through "llmflow.*"
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "PREFECT_RESULTS_PERSIST_BY_DEFAULT": "true",
+    # NOTE: on a busy 2-core machine the ephemeral API can take longer than the 20 s default.
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
+    # Steps called outside a flow (tests, notebooks) log locally without a warning per record.
+    "PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW": "ignore",
+}
+for key, value in PREFECT_DEFAULTS.items():
+    os.environ.setdefault(key, value)
 logging.getLogger("llmflow").setLevel(logging.INFO)

@@ -62,9 +62,12 @@ def _summary(results, seconds: float) -> str:
 def cmd_run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     config = _load(args)  # fails here, before Prefect starts, on any bad value
-    from llmflow.flows.pipeline import pipeline
+    from llmflow.flows.recipe import recipe
 
-    results = pipeline(config)
+    recipe(config)  # and so does a missing --data path or a misnamed input
+    from llmflow.flows.pipeline import run_pipeline
+
+    results = run_pipeline(config)
     print()
     print(_summary(results, time.perf_counter() - started))
     return 0

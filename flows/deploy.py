@@ -22,7 +22,8 @@ from prefect import flow
 from pydantic import BaseModel, ConfigDict, Field
 
 from llmflow.flows.pipeline import pipeline
-from llmflow.tasks.config import STEPS, PipelineConfig, load_config
+from llmflow.tasks.config import PHASES, PipelineConfig, load_config
+from llmflow.tasks.framework.errors import BadInputError
 from llmflow.tasks.framework.resources import data_dir
 
 PRESET_ROOT = data_dir("configs").parent  # the checkout, or the installed package's data
@@ -45,7 +46,7 @@ class PipelineRun(BaseModel):
         description="Dotted overrides of any field, as `llmflow run --set`: ingest.max_chars=20000.",
     )
     root: str | None = Field(None, description="Artifact root (a folder or s3://bucket/prefix).")
-    until: Literal[STEPS] | None = Field(None, description="Stop after this step.")  # type: ignore[valid-type]
+    until: Literal[PHASES] | None = Field(None, description="Stop after this step.")  # type: ignore[valid-type]
     data: list[str] = Field(
         default_factory=list, description="Raw data files, folders or globs instead of the sample."
     )
@@ -71,9 +72,9 @@ def deployment_specs(prefect_file: Path = PREFECT_FILE) -> list[dict[str, Any]]:
 
 
 def load_flow(entrypoint: str):
-    """Import ``path/to/file.py:flow_name`` (relative to the repository root)."""
+    """Import ``flows/file.py:flow_name`` (a prefect.yaml entrypoint) from the installed llmflow."""
     path, name = entrypoint.rsplit(":", 1)
-    module = importlib.import_module(path.removesuffix(".py").replace("/", "."))
+    module = importlib.import_module("llmflow." + path.removesuffix(".py").replace("/", "."))
     return getattr(module, name)
 
 
@@ -110,7 +111,7 @@ def local_deployments(
     unknown = set(names or ()) - {s["name"] for s in specs}
     if unknown:
         known = ", ".join(s["name"] for s in specs)
-        raise ValueError(f"unknown deployment(s) {sorted(unknown)}; known: {known}")
+        raise BadInputError(f"unknown deployment(s) {sorted(unknown)}; known: {known}")
     return [to_runner_deployment(s) for s in specs if not names or s["name"] in names]
 
 

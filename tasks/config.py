@@ -27,7 +27,7 @@ from llmflow.tasks.tokenizer.config import TokenizerConfig
 
 CONFIGS = data_dir("configs")
 DEFAULT_CONFIG = CONFIGS / "quickstart.yaml"
-STEPS = (
+PHASES = (
     "sample",
     "ingest",
     "curate",
@@ -39,7 +39,9 @@ STEPS = (
     "evaluate",
     "sft",
     "dpo",
+    "leaderboard",
 )
+"""The recipe's phases in run order: ``--until`` stops after one."""
 
 
 class RunnerConfig(BaseModel):
@@ -72,7 +74,7 @@ class PipelineConfig(BaseModel):
     )
     until: str | None = Field(
         None,
-        description=f"Stop after this step; one of {', '.join(STEPS)}.",
+        description=f"Stop after this step; one of {', '.join(PHASES)}.",
         json_schema_extra={"versioned": False},
     )
     runner: RunnerConfig = Field(
@@ -93,8 +95,8 @@ class PipelineConfig(BaseModel):
     @field_validator("until")
     @classmethod
     def _known_step(cls, value: str | None) -> str | None:
-        if value is not None and value not in STEPS:
-            raise ValueError(f"not a step; allowed: {', '.join(STEPS)}")
+        if value is not None and value not in PHASES:
+            raise ValueError(f"not a step; allowed: {', '.join(PHASES)}")
         return value
 
 

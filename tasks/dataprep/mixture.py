@@ -15,6 +15,7 @@ import numpy as np
 from llmflow.tasks.dataprep.config import StageMixture, ValidationConfig
 from llmflow.tasks.dataprep.pack import write_packed
 from llmflow.tasks.framework.errors import BadInputError
+from llmflow.tasks.framework.step import Metrics, step
 
 logger = logging.getLogger(__name__)
 
@@ -289,3 +290,19 @@ def chinchilla_report(num_params: int, num_tokens: int) -> dict:
         "ratio_to_optimal": round(ratio, 4),
         "verdict": verdict,
     }
+
+
+def _headline(metrics: dict) -> Metrics:
+    return {k: v for k, v in metrics.items() if not isinstance(v, (dict, list))}
+
+
+@step("mixture")
+def mixture(cfg: StageMixture, tokenized: Path, out: Path) -> Metrics:
+    """Pack one stage's mixture: domain weights, token budget, offline sequence shuffle."""
+    return _headline(build_mixture(cfg, tokenized, out))
+
+
+@step("validation")
+def validation(cfg: ValidationConfig, tokenized: Path, out: Path) -> Metrics:
+    """Pack the held-out documents for in-training validation loss."""
+    return _headline(build_validation(cfg, tokenized, out))

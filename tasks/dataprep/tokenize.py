@@ -28,6 +28,7 @@ from tqdm import tqdm
 from llmflow.tasks.dataprep.config import TokenizeConfig
 from llmflow.tasks.dataprep.pack import token_dtype
 from llmflow.tasks.framework.errors import BadInputError
+from llmflow.tasks.framework.step import Metrics, step
 from llmflow.tasks.tokenizer.config import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN
 from llmflow.tasks.tokenizer.corpus import (
     CORPUS_COLUMNS,
@@ -132,25 +133,23 @@ def _special_ids(tokenizer: Tokenizer) -> dict[str, int]:
     return ids
 
 
-def tokenize_corpus(
-    cfg: TokenizeConfig, corpus_dir: Path, tokenizer_dir: Path, out_dir: Path
-) -> dict:
-    """Tokenize every document of the curated corpus once, split into train and validation.
+@step("tokenize", execution=("encode_batch_size", "read_batch_rows"))
+def tokenize_corpus(cfg: TokenizeConfig, corpus: Path, tokenizer: Path, out: Path) -> Metrics:
+    """Tokenize every curated document once, split into train and held-out validation.
 
     Args:
         cfg: The step's config.
-        corpus_dir: Curated corpus (``shards/**/*.parquet`` with id, text, domain, source).
-        tokenizer_dir: Output of `train_tokenizer` (holds ``tokenizer.json``).
-        out_dir: Existing directory for the layout described in this module's docstring.
+        corpus: Curated corpus (``shards/**/*.parquet`` with id, text, domain, source).
+        tokenizer: Output of `train_tokenizer` (holds ``tokenizer.json``).
+        out: Existing directory for the layout described in this module's docstring.
 
     Returns:
         Headline metrics: documents and tokens per split, rejects, tokens per second.
     """
-    out_dir = Path(out_dir)
-    files = corpus_files(corpus_dir)
-    tokenizer = load_tokenizer(tokenizer_dir)
-    special = _special_ids(tokenizer)
-    vocab_size = tokenizer.get_vocab_size()
+    out_dir, files = Path(out), corpus_files(corpus)
+    bpe = load_tokenizer(tokenizer)
+    special = _special_ids(bpe)
+    vocab_size = bpe.get_vocab_size()
     dtype = token_dtype(vocab_size)
     rejects = RejectLog(out_dir / "rejects.jsonl")
     writer = _CorpusWriter(out_dir, dtype)
@@ -161,12 +160,12 @@ def tokenize_corpus(
         for batch in tqdm(iter_batches(files, cfg.read_batch_rows), desc="tokenize", unit="batch"):
             cols, rejected = valid_rows(batch)
             rejects.write(rejected)
-            _tokenize_batch(cfg, tokenizer, cols, writer, holdout, dtype)
+            _tokenize_batch(cfg, bpe, cols, writer, holdout, dtype)
     seconds = time.perf_counter() - start
     summary = writer.close()
     if not summary["train"]:
         raise BadInputError(
-            f"empty corpus: no usable documents in {corpus_dir} ({rejects.count} rejected, see "
+            f"empty corpus: no usable documents in {corpus} ({rejects.count} rejected, see "
             f"{rejects.path}); fix the corpus or lower validation_fraction"
         )
     meta = {

@@ -54,8 +54,7 @@ class Outcome:
     def rows(self) -> list[StepResult]:
         """One summary row per node, in run order (a mapped node folds its shards)."""
         return [
-            r.summary(n.label) if isinstance(r, Mapped) else replace(r, step=n.label)
-            for n, r in self.results.items()
+            r.summary(n.step.name) if isinstance(r, Mapped) else r for n, r in self.results.items()
         ]
 
 
@@ -177,3 +176,27 @@ def _unwrap(value: Any) -> StepResult:
     from prefect.states import State
 
     return value.result() if isinstance(value, State) else value
+
+
+def task_runner(cfg: Any):
+    """The Prefect task runner that fans mapped steps out: threads, processes, dask or ray."""
+    from prefect.task_runners import ProcessPoolTaskRunner, ThreadPoolTaskRunner
+
+    if cfg.kind == "threads":
+        return ThreadPoolTaskRunner(max_workers=cfg.max_workers)
+    if cfg.kind == "processes":
+        return ProcessPoolTaskRunner(max_workers=cfg.max_workers)
+    try:
+        if cfg.kind == "dask":
+            from prefect_dask import DaskTaskRunner
+
+            return DaskTaskRunner(
+                cluster_kwargs={"n_workers": cfg.max_workers} if cfg.max_workers else None
+            )
+        from prefect_ray import RayTaskRunner
+
+        return RayTaskRunner()
+    except ImportError as err:
+        raise BadInputError(
+            f"runner.kind={cfg.kind!r} needs the optional extra: pip install 'llmflow[{cfg.kind}]'"
+        ) from err

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from tqdm import tqdm
 
 from llmflow.tasks.framework.errors import BadInputError
+from llmflow.tasks.framework.step import Metrics, RawFiles, report_table, step
 
 SUFFIXES = {
     ".jsonl": "jsonl",
@@ -255,3 +256,18 @@ def _check(record: Any, cfg: IngestConfig) -> str | None:
     if len(text) > cfg.max_chars:
         return f"oversized document ({len(text)} chars > max_chars {cfg.max_chars})"
     return None
+
+
+@step("ingest", execution=("excerpt_chars",))
+def ingest_sources(
+    cfg: IngestConfig, out: Path, sample: Path | None = None, files: RawFiles | None = None
+) -> Metrics:
+    """Read the quickstart sample or the user's raw files into Parquet shards, rejects counted."""
+    if (sample is None) == (files is None):
+        raise BadInputError("ingest reads either the generated sample or raw files, not both")
+    uris = list_files([str(sample / "files")]) if sample is not None else list(files)
+    metrics = ingest(cfg, uris, out)
+    report = json.loads((out / "report.json").read_text())
+    rows = [{"source": uri, **counts} for uri, counts in report["sources"].items()]
+    report_table("ingest-sources", rows, "Records read, kept and rejected per source file")
+    return metrics

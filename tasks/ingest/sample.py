@@ -18,6 +18,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from llmflow.tasks.framework.step import Metrics, step
+
 _NAMES = ["Ada", "Ben", "Chen", "Dara", "Eli", "Fatima", "Gus", "Hana", "Ivan", "Jo"]
 _ITEMS = ["apples", "books", "coins", "marbles", "pencils", "stamps", "shells", "cards"]
 _BOILERPLATE = [
@@ -183,3 +185,11 @@ def make_sample(cfg: SampleConfig, out_dir: Path) -> dict[str, Any]:
         "num_planted": len(manifest),
         **{f"docs_{k}": v for k, v in by_domain.items()},
     }
+
+
+@step("sample")
+def sample(cfg: SampleConfig, out: Path) -> Metrics:
+    """Generate the quickstart corpus into ``files/`` and its ground truth into ``manifest.json``."""
+    metrics = make_sample(cfg, out / "files")
+    (out / "files" / "manifest.json").rename(out / "manifest.json")
+    return metrics

@@ -11,6 +11,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from llmflow.tasks.framework.errors import BadInputError
+from llmflow.tasks.framework.step import Metrics, report_table, step
 from llmflow.tasks.tokenizer.config import (
     BOS_TOKEN,
     EOS_TOKEN,
@@ -124,21 +125,22 @@ def _chat_template_into_config(out_dir: Path) -> None:
     config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False))
 
 
-def train_tokenizer(cfg: TokenizerConfig, corpus_dir: Path, out_dir: Path) -> dict:
-    """Train the tokenizer, save it loadable by `AutoTokenizer`, and write the fertility report.
+@step("tokenizer", execution=("read_batch_rows",))
+def train_tokenizer(cfg: TokenizerConfig, corpus: Path, out: Path) -> Metrics:
+    """Train the BPE tokenizer, save it loadable by `AutoTokenizer`, report its fertility.
 
     Args:
         cfg: The step's config.
-        corpus_dir: Curated corpus (``shards/**/*.parquet`` with id, text, domain, source).
-        out_dir: Existing directory; receives tokenizer files, ``tokenizer_eval.json``,
+        corpus: Curated corpus (``shards/**/*.parquet`` with id, text, domain, source).
+        out: Existing directory; receives tokenizer files, ``tokenizer_eval.json``,
             ``tokenizer_eval.png`` and ``rejects.jsonl``.
 
     Returns:
         Headline metrics: vocabulary size, sample size, training time and the overall
         fertility, continued-word rate and bytes per token on the evaluation documents.
     """
-    out_dir = Path(out_dir)
-    files = corpus_files(corpus_dir)
+    out_dir = Path(out)
+    files = corpus_files(corpus)
     rejects = RejectLog(out_dir / "rejects.jsonl")
     sample = _Sample(cfg, files, rejects)
     start = time.perf_counter()
@@ -146,7 +148,7 @@ def train_tokenizer(cfg: TokenizerConfig, corpus_dir: Path, out_dir: Path) -> di
     train_seconds = time.perf_counter() - start
     if sample.num_docs == 0:
         raise BadInputError(
-            f"empty corpus: no usable training text in {corpus_dir} ({rejects.count} rejected "
+            f"empty corpus: no usable training text in {corpus} ({rejects.count} rejected "
             f"records, see {rejects.path}); lower eval_fraction or fix the corpus"
         )
     save_for_transformers(tokenizer, out_dir)
@@ -157,6 +159,7 @@ def train_tokenizer(cfg: TokenizerConfig, corpus_dir: Path, out_dir: Path) -> di
             swept = fit_bpe(iter(_Sample(cfg, files, None)), size, cfg.min_frequency)
             rows += evaluate_tokenizer(swept, eval_docs)
     write_report(rows, out_dir, chosen_vocab_size=cfg.vocab_size)
+    report_table("tokenizer-eval", rows, "Fertility, continued-word rate, bytes/token per domain")
     size = tokenizer.get_vocab_size()  # below cfg.vocab_size when the sample runs out of pairs
     overall = next(r for r in rows if r["domain"] == "all" and r["vocab_size"] == size)
     return {

@@ -13,13 +13,16 @@ import sys
 import time
 from pathlib import Path
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
-from llmflow.tasks.framework.store import Store, run_step
+from llmflow.tasks.framework.step import Metrics, checkpoint_saved, step
+from llmflow.tasks.framework.store import Store
 
 
 class ToyConfig(BaseModel):
     value: int = 7
+    mode: str = Field("resume", json_schema_extra={"versioned": False})
+    path: str = Field("", json_schema_extra={"versioned": False})
 
 
 def write_checkpoint(out_dir: Path, name: str) -> None:
@@ -29,30 +32,31 @@ def write_checkpoint(out_dir: Path, name: str) -> None:
     (ckpt / "COMPLETE").write_text("ok")  # written last, as the trainer does
 
 
-def crash(ctx, ready_file: Path) -> None:
-    write_checkpoint(ctx.out_dir, "step-000001")
-    ctx.sync()
-    write_checkpoint(ctx.out_dir, "step-000002")
-    shutil.rmtree(ctx.out_dir / "checkpoints" / "step-000001")  # pruned, as the trainer does
-    ctx.sync()
+def crash(out: Path, ready_file: Path) -> None:
+    write_checkpoint(out, "step-000001")
+    checkpoint_saved()
+    write_checkpoint(out, "step-000002")
+    shutil.rmtree(out / "checkpoints" / "step-000001")  # pruned, as the trainer does
+    checkpoint_saved()
     ready_file.write_text("synced")
     time.sleep(600)  # killed here
 
 
-def resume(ctx, found_file: Path) -> dict:
-    found = sorted(
-        p.relative_to(ctx.out_dir).as_posix() for p in ctx.out_dir.rglob("*") if p.is_file()
-    )
+def resume(out: Path, found_file: Path) -> dict:
+    found = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
     found_file.write_text(json.dumps(found))
-    (ctx.out_dir / "final.txt").write_text("done")
+    (out / "final.txt").write_text("done")
     return {"resumed_files": len(found)}
 
 
+@step("toy", execution=("mode", "path"))
+def toy(cfg: ToyConfig, out: Path) -> Metrics:
+    """Crash after two synced checkpoints, or finish from whatever state is there."""
+    return (crash if cfg.mode == "crash" else resume)(out, Path(cfg.path))
+
+
 def main(root: str, mode: str, path: str) -> None:
-    fn = crash if mode == "crash" else resume
-    result = run_step(
-        Store(root), "toy", "resume", "1", ToyConfig(), lambda ctx: fn(ctx, Path(path))
-    )
+    result = toy.run(Store(root), ToyConfig(mode=mode, path=path), "resume")
     print(result.uri)
 
 

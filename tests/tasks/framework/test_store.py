@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -14,15 +15,35 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from llmflow.tasks.framework.hashing import step_hash
 from llmflow.tasks.framework.lineage import format_tree
-from llmflow.tasks.framework.store import COMMIT_MARKER, Store, run_step
+from llmflow.tasks.framework.step import step
+from llmflow.tasks.framework.store import COMMIT_MARKER, Store
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 class ToyConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     value: int = 1
     workers: int = Field(1, json_schema_extra={"versioned": False})
+
+
+@dataclass
+class Ctx:
+    """What the toy functions below see: config, output directory, inputs."""
+
+    config: BaseModel
+    out_dir: Path
+    inputs: dict[str, Path]
+
+
+def run_step(store, name, label, version, config, fn, inputs=None):
+    """Declare ``fn`` as the step ``name`` on the fly and run it through the store."""
+
+    @step(name, version=int(version))
+    def declared(cfg: ToyConfig, out: Path, up: Path | None = None) -> dict:
+        return fn(Ctx(cfg, out, {"up": up}))
+
+    return declared.run(store, config, label, inputs)
 
 
 def write_value(ctx):
@@ -119,19 +140,21 @@ import sys, time
 from pathlib import Path
 sys.path.insert(0, {repo!r})
 from pydantic import BaseModel
-from llmflow.tasks.framework.store import Store, run_step
+from llmflow.tasks.framework.step import step
+from llmflow.tasks.framework.store import Store
 
 class C(BaseModel):
     n: int = 3
 
-def slow(ctx):
-    for i in range(ctx.config.n):
-        (ctx.out_dir / f"part-{{i}}").write_text(str(i))
+@step("slow")
+def slow(cfg: C, out: Path) -> dict:
+    for i in range(cfg.n):
+        (out / f"part-{{i}}").write_text(str(i))
         print("wrote", i, flush=True)
         time.sleep(float(sys.argv[2]))
-    return {{"parts": ctx.config.n}}
+    return {{"parts": cfg.n}}
 
-print(run_step(Store(sys.argv[1]), "slow", "t", "1", C(), slow).uri, flush=True)
+print(slow.run(Store(sys.argv[1]), C(), "t").uri, flush=True)
 """
 
 

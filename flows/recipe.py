@@ -1,0 +1,206 @@
+"""The end-to-end recipe as data: which step runs on which config, fed by which outputs.
+
+``recipe(config)`` builds the graph; it computes nothing and needs no Prefect, so input checks
+(a missing ``--data`` path, a misnamed input) fail here, before the Prefect API starts. The flow in
+``pipeline.py`` runs the graph (or ``graph.until(phase)``); the annealing ablation and the
+scheduled evaluation build their own graphs from the same steps.
+
+    sample ─► ingest ─► curate ─► tokenizer ─► tokenize ─► mixtures ─► pretrain 1..n ─► extend
+       ─► longctx ─► export ─► evaluate ─► sft ─► evaluate ─► dpo ─► evaluate ─► leaderboard
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from llmflow.tasks.config import PHASES, PipelineConfig
+from llmflow.tasks.curation.recipe import add_curation
+from llmflow.tasks.dataprep.mixture import mixture, validation
+from llmflow.tasks.dataprep.tokenize import tokenize_corpus
+from llmflow.tasks.evaluation.export import ExportConfig, export
+from llmflow.tasks.evaluation.harness import evaluate
+from llmflow.tasks.evaluation.leaderboard import LeaderboardConfig, leaderboard
+from llmflow.tasks.extend.config import extension_mixture, extension_train_config
+from llmflow.tasks.extend.longctx import LongContextEval, longctx
+from llmflow.tasks.framework.errors import BadInputError
+from llmflow.tasks.framework.graph import Graph, Node, Raw
+from llmflow.tasks.ingest.ingest import ingest_sources, list_files
+from llmflow.tasks.ingest.sample import sample
+from llmflow.tasks.posttrain.dpo import dpo
+from llmflow.tasks.posttrain.sft import sft
+from llmflow.tasks.pretrain.curriculum import stage_train_config
+from llmflow.tasks.pretrain.step import StageRun, pretrain
+from llmflow.tasks.tokenizer.train import train_tokenizer
+
+
+@dataclass
+class Models:
+    """The recipe's model outputs so far, and their evaluations, by label."""
+
+    evaluated: list[tuple[str, Node, Node]] = field(default_factory=list)
+
+
+def recipe(config: PipelineConfig) -> Graph:
+    """The whole pipeline as a graph of steps, in run order."""
+    graph = Graph(PHASES)
+    curated = add_curation(graph, config.curate, ingested(graph, config), config.name)
+    tokenizer = graph.add(train_tokenizer, config.tokenizer, config.name, corpus=curated)
+    tokenized = graph.add(
+        tokenize_corpus, config.tokenize, config.name, corpus=curated, tokenizer=tokenizer
+    )
+    base = curriculum(graph, config, tokenized)
+    extended = extension(graph, config, tokenized, base)
+    graph.add(
+        longctx,
+        LongContextEval(extend=config.extend),
+        config.name,
+        phase="extend",
+        before=base,
+        after=extended,
+        tokenizer=tokenizer,
+        tokenized=tokenized,
+    )
+    models = Models()
+    base_export = export_and_evaluate(graph, config, models, "base", base, tokenizer, tokenized)
+    long_export = base_export
+    if config.extend.stages:
+        long_export = export_and_evaluate(
+            graph, config, models, "extended", extended, tokenizer, tokenized, **yarn_rope(config)
+        )
+    posttraining(graph, config, models, long_export, tokenized)
+    add_leaderboard(graph, config.name, models)
+    return graph
+
+
+def yarn_rope(config: PipelineConfig) -> dict:
+    """RoPE settings of the extended export: YaRN on top of the last trained length."""
+    longest = config.extend.stages[-1].seq_len
+    return {
+        "rope_scaling": config.extend.yarn_scaling(),
+        "max_seq_len": int(longest * config.extend.yarn_factor),
+    }
+
+
+def ingested(graph: Graph, config: PipelineConfig) -> Node:
+    """The ingest node: the user's raw files (listed now, so a bad path fails now), or the sample."""
+    if config.data:
+        files = Raw(tuple(list_files(config.data)))
+        return graph.add(ingest_sources, config.ingest, config.name, files=files)
+    generated = graph.add(sample, config.sample, config.name)
+    return graph.add(ingest_sources, config.ingest, config.name, sample=generated)
+
+
+def curriculum(graph: Graph, config: PipelineConfig, tokenized: Node) -> Node:
+    """The validation set, each stage's mixture, then the stages in order; the last checkpoint."""
+    held_out = graph.add(
+        validation, config.validation, config.name, phase="mixture", tokenized=tokenized
+    )
+    stages = config.pretrain.stages
+    mixtures = [
+        graph.add(mixture, s.mixture, f"{config.name}-{s.name}", tokenized=tokenized)
+        for s in stages
+    ]
+    checkpoint = None
+    for index, (stage, data) in enumerate(zip(stages, mixtures, strict=True)):
+        run = stage_run(config, stage_train_config(config.pretrain, index))
+        checkpoint = graph.add(
+            pretrain,
+            run,
+            f"{config.name}-{stage.name}",
+            data=data,
+            validation=held_out,
+            init=checkpoint,
+        )
+    return checkpoint
+
+
+def extension(graph: Graph, config: PipelineConfig, tokenized: Node, checkpoint: Node) -> Node:
+    """RoPE ABF stages, each at its own length with its own data and validation set."""
+    for index, stage in enumerate(config.extend.stages):
+        label = f"{config.name}-ctx{stage.seq_len}"
+        data = graph.add(
+            mixture,
+            extension_mixture(config.extend, stage, seed=100 + index),
+            label,
+            phase="extend",
+            tokenized=tokenized,
+        )
+        long_validation = config.validation.model_copy(update={"seq_len": stage.seq_len})
+        held_out = graph.add(
+            validation, long_validation, label, phase="extend", tokenized=tokenized
+        )
+        run = stage_run(config, extension_train_config(config.pretrain.train, stage))
+        checkpoint = graph.add(
+            pretrain, run, label, phase="extend", data=data, validation=held_out, init=checkpoint
+        )
+    return checkpoint
+
+
+def stage_run(config: PipelineConfig, train) -> StageRun:
+    """One trainer run: its config plus how to launch it (execution-only)."""
+    pretrain_cfg = config.pretrain
+    return StageRun(
+        train=train,
+        num_processes=pretrain_cfg.num_processes,
+        accelerate_config=pretrain_cfg.accelerate_config,
+        timeout_s=pretrain_cfg.timeout_s,
+    )
+
+
+def export_and_evaluate(
+    graph, config, models, label, checkpoint, tokenizer, tokenized, **rope
+) -> Node:
+    """Export a checkpoint to Hugging Face format, then evaluate the export."""
+    exported = graph.add(
+        export,
+        ExportConfig(label=label, **rope),
+        f"{config.name}-{label}",
+        phase="evaluate",
+        checkpoint=checkpoint,
+        tokenizer=tokenizer,
+    )
+    evaluate_model(graph, config, models, label, exported, tokenized, phase="evaluate")
+    return exported
+
+
+def evaluate_model(graph, config, models, label, model, tokenized, phase) -> None:
+    scores = graph.add(
+        evaluate,
+        config.evaluate,
+        f"{config.name}-{label}",
+        phase=phase,
+        model=model,
+        heldout=tokenized,
+    )
+    models.evaluated.append((label, model, scores))
+
+
+def posttraining(
+    graph: Graph, config: PipelineConfig, models: Models, base: Node, tokenized: Node
+) -> None:
+    """SFT of the (extended) base export, then DPO of the SFT model; each evaluated."""
+    tuned = graph.add(sft, config.sft, config.name, model=base, data=user_file(config.sft.data))
+    evaluate_model(graph, config, models, "sft", tuned, tokenized, phase="sft")
+    aligned = graph.add(dpo, config.dpo, config.name, model=tuned, data=user_file(config.dpo.data))
+    evaluate_model(graph, config, models, "dpo", aligned, tokenized, phase="dpo")
+
+
+def user_file(data: str) -> Raw | None:
+    """A user's post-training file as a raw input (hashed); None for the generated data."""
+    if data == "quickstart":
+        return None
+    if not Path(data).exists() and "://" not in data:
+        raise BadInputError(f"post-training data file does not exist: {data}")
+    return Raw((data,))
+
+
+def add_leaderboard(graph: Graph, name: str, models: Models) -> None:
+    """Every evaluated model x task in one table."""
+    graph.add(
+        leaderboard,
+        LeaderboardConfig(labels=[label for label, _, _ in models.evaluated]),
+        name,
+        evaluations=[scores for _, _, scores in models.evaluated],
+        models=[model for _, model, _ in models.evaluated],
+    )
