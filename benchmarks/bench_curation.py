@@ -10,8 +10,8 @@ planted near copies (1-3 words replaced) of real documents.
    docs/s, the ratio, the fraction of identical keep/remove decisions and each disagreement,
    re-run with spaCy's words to tell tokenization differences from rule differences.
 2. MinHash near dedup (5-grams, 14 bands x 8): datatrove's four stages in a one-task
-   LocalPipelineExecutor against `minhash_signatures_shard` + `near_dedup`; docs/s, ratio,
-   recall/precision on the planted copies, index bytes per document.
+   LocalPipelineExecutor against the steps `minhash_signatures` + `near_dedup` (called as plain
+   functions); docs/s, ratio, recall/precision on the planted copies, index bytes per document.
 
 Throughput is documents per CPU second of one process (per core), so a busy machine does not
 skew the ratio. Prints ONE JSON line. Without datatrove installed, only our half runs (with a message).
@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 import pyarrow.parquet as pq  # noqa: E402
 
-from llmflow.tasks.curation.config import CurateConfig, FiltersConfig  # noqa: E402
+from llmflow.tasks.curation.config import FiltersConfig, MinhashConfig  # noqa: E402
 from llmflow.tasks.curation.filters import (  # noqa: E402
     Doc,
     c4_filter,
@@ -45,7 +45,7 @@ from llmflow.tasks.curation.filters import (  # noqa: E402
     gopher_repetition_filter,
 )
 from llmflow.tasks.curation.heuristics import apply_filters  # noqa: E402
-from llmflow.tasks.curation.minhash import minhash_signatures_shard, near_dedup  # noqa: E402
+from llmflow.tasks.curation.minhash import minhash_signatures, near_dedup  # noqa: E402
 from tests.tasks.curation.helpers import near_copy, real_documents, write_shards  # noqa: E402
 
 try:
@@ -209,13 +209,13 @@ def _cpu() -> float:
 
 
 def run_ours_minhash(tmp: Path, records: list[dict]) -> tuple[set[str], dict]:
-    cfg = CurateConfig()
-    shards = write_shards(tmp / "ours_in", records, num_shards=1)
+    cfg = MinhashConfig()
+    write_shards(tmp / "ours_in", records, num_shards=1)
     sigs, out = tmp / "ours_sigs", tmp / "ours_near"
     sigs.mkdir()
     out.mkdir()
     start = _cpu()
-    minhash_signatures_shard(cfg, shards[0], sigs)
+    minhash_signatures(cfg.signature_config(), tmp / "ours_in", sigs)
     signed = _cpu()
     near_dedup(cfg, [sigs], out)
     done = _cpu()

@@ -57,6 +57,13 @@ class NormalizeConfig(_Strict):
         return _check_fraction(info.field_name, value)
 
 
+class ExactHashConfig(_Strict):
+    """What hashing one shard for exact dedup reads (the ``curate-exact-hashes`` step)."""
+
+    level: Literal["document", "paragraph"] = "document"
+    min_paragraph_chars: int = Field(50, ge=0)
+
+
 class ExactDedupConfig(_Strict):
     """Exact deduplication on a hash of the text-normal form (lowercase, no punctuation, digits 0)."""
 
@@ -74,6 +81,19 @@ class ExactDedupConfig(_Strict):
         50, ge=0, description="Paragraph level: shorter paragraphs are never dropped."
     )
 
+    def hash_config(self) -> ExactHashConfig:
+        """The fields the per-shard hashing reads: the Bloom filter's size never re-hashes."""
+        return ExactHashConfig(level=self.level, min_paragraph_chars=self.min_paragraph_chars)
+
+
+class SignatureConfig(_Strict):
+    """What MinHash signatures of one shard read (the ``curate-minhash`` step)."""
+
+    n_grams: int = Field(5, ge=1)
+    num_buckets: int = Field(14, ge=1)
+    hashes_per_bucket: int = Field(8, ge=1)
+    seed: int = 1
+
 
 class MinhashConfig(_Strict):
     """MinHash LSH near-deduplication (datatrove defaults: 5-grams, 14 bands x 8 hashes)."""
@@ -87,6 +107,15 @@ class MinhashConfig(_Strict):
         "first", description="Which member of a cluster survives (ties: first by shard, row)."
     )
     num_sample_clusters: int = Field(5, ge=0, description="Clusters sampled into the report.")
+
+    def signature_config(self) -> SignatureConfig:
+        """The fields signatures read: which cluster member is kept never re-signs a shard."""
+        return SignatureConfig(
+            n_grams=self.n_grams,
+            num_buckets=self.num_buckets,
+            hashes_per_bucket=self.hashes_per_bucket,
+            seed=self.seed,
+        )
 
 
 class GopherQualityConfig(_Strict):
@@ -217,8 +246,19 @@ class QualityModelConfig(_Strict):
         return self
 
 
+class FilterStepConfig(_Strict):
+    """What filtering one shard reads (the ``curate-filter`` step): heuristics, then PII."""
+
+    filters: FiltersConfig = Field(default_factory=FiltersConfig)
+    pii: PIIConfig = Field(default_factory=PIIConfig)
+
+
+class CorpusConfig(_Strict):
+    """The final ``curate`` step reads no setting: its corpus follows from its inputs alone."""
+
+
 class CurateConfig(_Strict):
-    """The whole curate step. `num_workers` is execution-only and not part of output hashes."""
+    """The whole curate step; each stage's step gets only the part it reads (see `recipe.py`)."""
 
     normalize: NormalizeConfig = Field(default_factory=NormalizeConfig)
     exact_dedup: ExactDedupConfig = Field(default_factory=ExactDedupConfig)
@@ -226,7 +266,10 @@ class CurateConfig(_Strict):
     filters: FiltersConfig = Field(default_factory=FiltersConfig)
     quality_model: QualityModelConfig = Field(default_factory=QualityModelConfig)
     pii: PIIConfig = Field(default_factory=PIIConfig)
-    num_workers: int = Field(1, ge=1, json_schema_extra={"versioned": False})
+
+    def filter_config(self) -> FilterStepConfig:
+        """The heuristic filters and PII settings, what the filter step reads."""
+        return FilterStepConfig(filters=self.filters, pii=self.pii)
 
     @model_validator(mode="after")
     def _paragraphs_need_layout(self) -> CurateConfig:

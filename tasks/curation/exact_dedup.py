@@ -1,7 +1,7 @@
 """Exact deduplication across all shards: a 128-bit hash of each document's text-normal form,
 a Bloom filter streamed over the hashes, and an exact check behind it.
 
-Per shard, `exact_hashes_shard` writes `<stem>.exact.parquet` (id, hash; and with level
+Per shard, `exact_hashes` writes `<stem>.exact.parquet` (id, hash; and with level
 "paragraph" `<stem>.paragraphs.parquet`: id, paragraph, hash). Globally, `exact_dedup` streams
 the hash files once through a Bloom filter sized from `expected_documents` and the target
 false-positive rate; a hit only marks the hash as a candidate. A second streaming pass keeps the
@@ -21,9 +21,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from llmflow.tasks.curation.config import CurateConfig
-from llmflow.tasks.curation.shards import iter_rows, read_column, shards_in, write_json
+from llmflow.tasks.curation.config import ExactDedupConfig, ExactHashConfig
+from llmflow.tasks.curation.shards import (
+    add_metrics,
+    iter_rows,
+    read_column,
+    shards_in,
+    write_json,
+)
 from llmflow.tasks.curation.text import simplify_text
+from llmflow.tasks.framework.step import Metrics, step
 
 PARAGRAPH_SEPARATOR = "\n\n"
 BLOOM_BATCH = 4096
@@ -80,23 +87,28 @@ def _paragraphs(text: str, min_chars: int) -> Iterator[tuple[int, str]]:
             yield index, paragraph
 
 
-def exact_hashes_shard(cfg: CurateConfig, in_shard: Path, out_dir: Path) -> dict:
-    """Hashes every document (and paragraph, at level "paragraph") of one normalized shard."""
-    in_shard, out_dir = Path(in_shard), Path(out_dir)
+def _hash_file(cfg: ExactHashConfig, in_shard: Path, out_dir: Path) -> dict[str, int]:
+    """Hashes every document (and paragraph, at level "paragraph") of one shard."""
     ids, hashes, para_rows = [], [], {"id": [], "paragraph": [], "hash": []}
     for row in tqdm(iter_rows(in_shard, ("id", "text")), desc=f"hash {in_shard.stem}", leave=False):
         ids.append(row["id"])
         hashes.append(text_hash(row["text"]))
-        if cfg.exact_dedup.level == "paragraph":
-            for index, paragraph in _paragraphs(row["text"], cfg.exact_dedup.min_paragraph_chars):
+        if cfg.level == "paragraph":
+            for index, paragraph in _paragraphs(row["text"], cfg.min_paragraph_chars):
                 para_rows["id"].append(row["id"])
                 para_rows["paragraph"].append(index)
                 para_rows["hash"].append(text_hash(paragraph))
     table = pa.table({"id": pa.array(ids, pa.string()), "hash": pa.array(hashes, pa.binary(16))})
     pq.write_table(table, out_dir / f"{in_shard.stem}.exact.parquet")
-    if cfg.exact_dedup.level == "paragraph":
+    if cfg.level == "paragraph":
         pq.write_table(pa.table(para_rows), out_dir / f"{in_shard.stem}.paragraphs.parquet")
     return {"documents": len(ids), "paragraphs": len(para_rows["id"])}
+
+
+@step("curate-exact-hashes", version=1)
+def exact_hashes(cfg: ExactHashConfig, normalized: Path, out: Path) -> Metrics:
+    """Hash each normalized document (and paragraph) for exact dedup: `<stem>.exact.parquet`."""
+    return add_metrics(_hash_file(cfg, shard, out) for shard in shards_in(normalized))
 
 
 def _hash_files(dirs: list[Path], suffix: str) -> list[Path]:
@@ -106,7 +118,7 @@ def _hash_files(dirs: list[Path], suffix: str) -> list[Path]:
 
 
 def _dedup_keys(
-    files: list[Path], columns: tuple[str, ...], keep: set | None, cfg
+    files: list[Path], columns: tuple[str, ...], keep: set | None, cfg: ExactDedupConfig
 ) -> tuple[list, dict]:
     """Two streaming passes (Bloom, then exact) over hash files; returns (dropped rows, stats)."""
     bloom = BloomFilter(cfg.expected_documents, cfg.false_positive_rate)
@@ -147,22 +159,37 @@ def surviving_ids(shard_dirs: list[Path] | None) -> set[str] | None:
     return {i for d in shard_dirs for shard in shards_in(d) for i in read_column(shard, "id")}
 
 
+def _paragraph_drops(cfg: ExactDedupConfig, hashes: list[Path], keep, out: Path) -> dict:
+    """Writes `paragraph_drops.parquet`; returns the report's paragraph fields."""
+    para, para_stats = _dedup_keys(
+        _hash_files(hashes, "paragraphs"), ("id", "paragraph"), keep, cfg
+    )
+    empty = {
+        "id": pa.array([], pa.string()),
+        "paragraph": pa.array([], pa.int64()),
+        "duplicate_of": pa.array([], pa.string()),
+    }
+    table = pa.Table.from_pylist(para) if para else pa.table(empty)
+    pq.write_table(table, out / "paragraph_drops.parquet")
+    return {"paragraphs_dropped": len(para), "paragraph_bloom": para_stats}
+
+
+@step("curate-exact-dedup", version=1)
 def exact_dedup(
-    cfg: CurateConfig, hash_dirs: list[Path], out_dir: Path, keep_dirs: list[Path] | None = None
-) -> dict:
-    """Finds exact duplicates across all shards; the first occurrence (by shard name, row) is kept.
+    cfg: ExactDedupConfig, hashes: list[Path], out: Path, filtered: list[Path] | None = None
+) -> Metrics:
+    """Drop exact duplicates across all shards, keeping the first (by shard name, row).
 
     Args:
-        cfg: the curate config (uses `cfg.exact_dedup`).
-        hash_dirs: outputs of `exact_hashes_shard`.
-        out_dir: receives `drops.parquet` (id, reason, duplicate_of), at level "paragraph" also
+        cfg: the exact dedup settings.
+        hashes: outputs of `exact_hashes`.
+        out: receives `drops.parquet` (id, reason, duplicate_of), at level "paragraph" also
             `paragraph_drops.parquet` (id, paragraph, duplicate_of), and `report.json`.
-        keep_dirs: shard dirs of the documents still alive (e.g. filtered shards); documents not
+        filtered: shard dirs of the documents still alive (the filtered shards); documents not
             in them are ignored, so a removed document is never chosen as the one to keep.
     """
-    out_dir = Path(out_dir)
-    keep = surviving_ids(keep_dirs) if cfg.exact_dedup.enabled else set()
-    dropped, stats = _dedup_keys(_hash_files(hash_dirs, "exact"), ("id",), keep, cfg.exact_dedup)
+    keep = surviving_ids(filtered) if cfg.enabled else set()
+    dropped, stats = _dedup_keys(_hash_files(hashes, "exact"), ("id",), keep, cfg)
     drops = pa.table(
         {
             "id": pa.array([d["id"] for d in dropped], pa.string()),
@@ -170,28 +197,12 @@ def exact_dedup(
             "duplicate_of": pa.array([d["duplicate_of"] for d in dropped], pa.string()),
         }
     )
-    pq.write_table(drops, out_dir / "drops.parquet")
+    pq.write_table(drops, out / "drops.parquet")
     report = {"stage": "exact_dedup", "documents_dropped": len(dropped), **stats}
-    if cfg.exact_dedup.level == "paragraph":
-        para, para_stats = _dedup_keys(
-            _hash_files(hash_dirs, "paragraphs"), ("id", "paragraph"), keep, cfg.exact_dedup
-        )
-        pq.write_table(
-            pa.Table.from_pylist(para)
-            if para
-            else pa.table(
-                {
-                    "id": pa.array([], pa.string()),
-                    "paragraph": pa.array([], pa.int64()),
-                    "duplicate_of": pa.array([], pa.string()),
-                }
-            ),
-            out_dir / "paragraph_drops.parquet",
-        )
-        report["paragraphs_dropped"] = len(para)
-        report["paragraph_bloom"] = para_stats
+    if cfg.level == "paragraph":
+        report.update(_paragraph_drops(cfg, hashes, keep, out))
     report["examples"] = dropped[:10]
-    write_json(out_dir / "report.json", report)
+    write_json(out / "report.json", report)
     return {
         "documents_dropped": len(dropped),
         "bloom_candidates": stats["bloom_candidates"],

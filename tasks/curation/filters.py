@@ -8,7 +8,6 @@ comes from a cached regex word splitter instead of spaCy and from hashing n-gram
 from __future__ import annotations
 
 import re
-from collections import Counter
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -274,8 +273,3 @@ def fineweb_quality_filter(cfg: FineWebQualityConfig, doc: Doc) -> str | None:
     if not words or doc.text.count("\n") / len(words) > cfg.new_line_ratio:
         return "list_ratio"
     return None
-
-
-def top_reasons(reasons: list[str | None], k: int = 10) -> list[tuple[str, int]]:
-    """The k most common removal reasons."""
-    return Counter(r for r in reasons if r).most_common(k)

@@ -2,7 +2,8 @@
 
 Filters run in datatrove's FineWeb order: Gopher repetition, Gopher quality, C4, FineWeb
 quality; the first that fails names the removal reason. Each filter skips the domains in its
-`skip_domains` (code by default: prose rules would remove every Python file).
+`skip_domains` (code by default: prose rules would remove every Python file). The step,
+`filter_shards`, runs on one normalized output.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from llmflow.tasks.curation.config import CurateConfig, FiltersConfig
+from llmflow.tasks.curation.config import FiltersConfig, FilterStepConfig
 from llmflow.tasks.curation.filters import (
     Doc,
     c4_filter,
@@ -23,12 +24,15 @@ from llmflow.tasks.curation.pii import scrub_pii
 from llmflow.tasks.curation.shards import (
     ShardWriter,
     add_count,
+    add_metrics,
     iter_rows,
     preview,
+    shards_in,
     write_json,
     write_jsonl,
 )
 from llmflow.tasks.curation.text import count_tokens
+from llmflow.tasks.framework.step import Metrics, step
 
 FILTER_ORDER = ("gopher_repetition", "gopher_quality", "c4", "fineweb")
 
@@ -58,12 +62,9 @@ def apply_filters(cfg: FiltersConfig, text: str, domain: str) -> tuple[str | Non
     return None, "", doc.text
 
 
-def filter_shard(cfg: CurateConfig, in_shard: Path, out_dir: Path) -> dict:
-    """Filters one normalized shard into `out_dir/<name>.parquet` (kept documents, PII
-    scrubbed), with `<stem>.removed.jsonl` (samples per reason) and `<stem>.stats.json`.
-    Uses `cfg.filters` and `cfg.pii`."""
-    pii = cfg.pii
-    in_shard, out_dir = Path(in_shard), Path(out_dir)
+def _filter_file(cfg: FilterStepConfig, in_shard: Path, out_dir: Path) -> dict[str, int]:
+    """Filters one shard into `out_dir/<name>.parquet` (kept documents, PII scrubbed), with
+    `<stem>.removed.jsonl` (samples per reason) and `<stem>.stats.json`."""
     table: dict = {}
     samples: dict[str, list[dict]] = {}
     pii_counts = {"email": 0, "ip_address": 0, "phone": 0}
@@ -80,18 +81,10 @@ def filter_shard(cfg: CurateConfig, in_shard: Path, out_dir: Path) -> dict:
                 add_count(table, domain, f"removed:{name}:{reason}", 1, tokens)
                 bucket = samples.setdefault(f"{name}:{reason}", [])
                 if len(bucket) < cfg.filters.num_removed_samples:
-                    bucket.append(
-                        {
-                            "id": row["id"],
-                            "domain": domain,
-                            "filter": name,
-                            "reason": reason,
-                            "preview": preview(text),
-                        }
-                    )
+                    bucket.append(_sample(row, domain, name, reason, text))
                 continue
-            if pii.enabled:
-                text, counts = scrub_pii(pii, text)
+            if cfg.pii.enabled:
+                text, counts = scrub_pii(cfg.pii, text)
                 for kind, num in counts.items():
                     pii_counts[kind] += num
             add_count(table, domain, "out", 1, count_tokens(text))
@@ -106,3 +99,19 @@ def filter_shard(cfg: CurateConfig, in_shard: Path, out_dir: Path) -> dict:
         "documents_out": writer.num_rows,
         "pii_replaced": sum(pii_counts.values()),
     }
+
+
+def _sample(row: dict, domain: str, name: str, reason: str, text: str) -> dict:
+    return {
+        "id": row["id"],
+        "domain": domain,
+        "filter": name,
+        "reason": reason,
+        "preview": preview(text),
+    }
+
+
+@step("curate-filter", version=1)
+def filter_shards(cfg: FilterStepConfig, normalized: Path, out: Path) -> Metrics:
+    """Filter normalized documents with the FineWeb heuristics, then scrub PII."""
+    return add_metrics(_filter_file(cfg, shard, out) for shard in shards_in(normalized))

@@ -1,6 +1,6 @@
 """Near deduplication with MinHash LSH across all shards (datatrove's scheme, vectorized).
 
-Per shard, `minhash_signatures_shard` computes word 5-gram shingles of the text-normal form,
+Per shard, `minhash_signatures` computes word 5-gram shingles of the text-normal form,
 a MinHash signature of `num_buckets * hashes_per_bucket` permutations with numpy over a whole
 batch of documents at once, and stores one 64-bit key per LSH band: `<stem>.minhash.parquet`
 (id, length, band_00..band_NN), 8 bytes per band per document. Documents with fewer words than
@@ -21,10 +21,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from llmflow.tasks.curation.config import CurateConfig, MinhashConfig
+from llmflow.tasks.curation.config import MinhashConfig, SignatureConfig
 from llmflow.tasks.curation.exact_dedup import surviving_ids
-from llmflow.tasks.curation.shards import iter_rows, preview, shards_in, write_json
+from llmflow.tasks.curation.shards import add_metrics, iter_rows, preview, shards_in, write_json
 from llmflow.tasks.curation.text import simplify_text
+from llmflow.tasks.framework.step import Metrics, step
 
 MERSENNE_PRIME = np.uint64((1 << 61) - 1)
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -49,7 +50,7 @@ def _mix(x: np.ndarray) -> np.ndarray:
         return x ^ (x >> np.uint64(31))
 
 
-def permutation_parameters(cfg: MinhashConfig) -> tuple[np.ndarray, np.ndarray]:
+def permutation_parameters(cfg: SignatureConfig) -> tuple[np.ndarray, np.ndarray]:
     """(a, b) of the universal hashes (a*x + b) mod (2^61 - 1), seeded like datatrove."""
     gen = np.random.RandomState(cfg.seed)
     num = cfg.num_buckets * cfg.hashes_per_bucket
@@ -80,7 +81,7 @@ def shingle_batch(texts: list[str], n: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def signatures(
-    shingles: np.ndarray, owner: np.ndarray, cfg: MinhashConfig, chunk: int = 4096
+    shingles: np.ndarray, owner: np.ndarray, cfg: SignatureConfig, chunk: int = 4096
 ) -> tuple[np.ndarray, np.ndarray]:
     """MinHash signatures (D, H) of the documents that have shingles, and their indices (D,).
 
@@ -109,7 +110,7 @@ def signatures(
     return sig, docs
 
 
-def band_keys(sig: np.ndarray, cfg: MinhashConfig) -> np.ndarray:
+def band_keys(sig: np.ndarray, cfg: SignatureConfig) -> np.ndarray:
     """One 64-bit key per band (D, num_buckets) from the signature (D, H)."""
     bands = sig.reshape(len(sig), cfg.num_buckets, cfg.hashes_per_bucket)
     key = np.zeros(bands.shape[:2], np.uint64)
@@ -119,11 +120,8 @@ def band_keys(sig: np.ndarray, cfg: MinhashConfig) -> np.ndarray:
     return key
 
 
-def minhash_signatures_shard(
-    cfg: CurateConfig, in_shard: Path, out_dir: Path, batch_docs: int = 512
-) -> dict:
-    """Writes `<stem>.minhash.parquet` (id, length, band keys) for one normalized shard."""
-    in_shard, out_dir, mcfg = Path(in_shard), Path(out_dir), cfg.minhash
+def _sign_file(cfg: SignatureConfig, in_shard: Path, out_dir: Path, batch_docs: int = 512) -> dict:
+    """Writes `<stem>.minhash.parquet` (id, length, band keys) for one shard."""
     ids, lengths, keys, num_docs = [], [], [], 0
     rows = iter_rows(in_shard, ("id", "text"), batch_size=batch_docs)
     batch: list[dict] = []
@@ -135,25 +133,28 @@ def minhash_signatures_shard(
                 continue
         if batch:
             texts = [r["text"] for r in batch]
-            shingles, owner = shingle_batch(texts, mcfg.n_grams)
-            sig, docs = signatures(shingles, owner, mcfg)
-            keys.append(band_keys(sig, mcfg))
+            shingles, owner = shingle_batch(texts, cfg.n_grams)
+            sig, docs = signatures(shingles, owner, cfg)
+            keys.append(band_keys(sig, cfg))
             ids += [batch[i]["id"] for i in docs]
             lengths += [len(texts[i]) for i in docs]
             num_docs += len(batch)
             progress.update(len(batch))
             batch = []
     progress.close()
-    keys_arr = np.concatenate(keys) if keys else np.zeros((0, mcfg.num_buckets), np.uint64)
+    keys_arr = np.concatenate(keys) if keys else np.zeros((0, cfg.num_buckets), np.uint64)
     columns = {"id": pa.array(ids, pa.string()), "length": pa.array(lengths, pa.int64())}
-    for band in range(mcfg.num_buckets):
+    for band in range(cfg.num_buckets):
         columns[f"band_{band:02d}"] = pa.array(keys_arr[:, band], pa.uint64())
     pq.write_table(pa.table(columns), out_dir / f"{in_shard.stem}.minhash.parquet")
-    return {
-        "documents": num_docs,
-        "signatures": len(ids),
-        "index_bytes_per_document": 8 * mcfg.num_buckets,
-    }
+    return {"documents": num_docs, "signatures": len(ids)}
+
+
+@step("curate-minhash", version=1)
+def minhash_signatures(cfg: SignatureConfig, normalized: Path, out: Path) -> Metrics:
+    """MinHash LSH band keys of each normalized document: `<stem>.minhash.parquet`."""
+    metrics = add_metrics(_sign_file(cfg, shard, out) for shard in shards_in(normalized))
+    return {**metrics, "index_bytes_per_document": 8 * cfg.num_buckets}
 
 
 class UnionFind:
@@ -219,66 +220,74 @@ def _previews(shard_dirs: list[Path] | None, wanted: set[str]) -> dict[str, str]
     return found
 
 
-def near_dedup(
-    cfg: CurateConfig,
-    signature_dirs: list[Path],
-    out_dir: Path,
-    keep_dirs: list[Path] | None = None,
-    exclude_dirs: list[Path] | None = None,
-) -> dict:
-    """Clusters near-duplicates across all shards and drops all but one per cluster.
-
-    Args:
-        cfg: the curate config (uses `cfg.minhash`).
-        signature_dirs: outputs of `minhash_signatures_shard`.
-        out_dir: receives `drops.parquet` (id, reason, duplicate_of) and `report.json`
-            (cluster count, size histogram, sampled clusters).
-        keep_dirs: shard dirs of the documents still alive; others are left out of clustering.
-        exclude_dirs: stage dirs with a `drops.parquet` (e.g. exact dedup) to leave out.
-    """
-    mcfg, out_dir = cfg.minhash, Path(out_dir)
-    alive = surviving_ids(keep_dirs) if mcfg.enabled else set()
-    table = _load_index(signature_dirs, alive, _excluded_ids(exclude_dirs))
-    ids, lengths = table.column("id").to_pylist(), table.column("length").to_pylist()
-    union_find = _components(table, mcfg.num_buckets)
+def _clusters(cfg: MinhashConfig, ids: list[str], lengths: list[int], union_find: UnionFind):
+    """(drops as (id, kept id), size histogram, one sample record per cluster)."""
     groups: dict[int, list[int]] = {}
     for index in range(len(ids)):
         groups.setdefault(union_find.find(index), []).append(index)
-    clusters = {root: members for root, members in groups.items() if len(members) > 1}
     drops, histogram, sample = [], {}, []
-    for members in clusters.values():
-        keeper = (
-            members[0] if mcfg.keep == "first" else max(members, key=lambda m: (lengths[m], -m))
-        )
+    for members in (m for m in groups.values() if len(m) > 1):
+        keeper = members[0] if cfg.keep == "first" else max(members, key=lambda m: (lengths[m], -m))
         histogram[len(members)] = histogram.get(len(members), 0) + 1
         drops += [(ids[m], ids[keeper]) for m in members if m != keeper]
         sample.append({"keep": ids[keeper], "members": [ids[m] for m in members]})
-    sample = random.Random(mcfg.seed).sample(sample, min(mcfg.num_sample_clusters, len(sample)))
-    texts = _previews(keep_dirs, {i for c in sample for i in c["members"]}) if sample else {}
+    return drops, histogram, sample
+
+
+def _sample_clusters(cfg: MinhashConfig, clusters: list[dict], filtered: list[Path] | None):
+    """A seeded sample of clusters for the report, with previews of their members."""
+    sample = random.Random(cfg.seed).sample(clusters, min(cfg.num_sample_clusters, len(clusters)))
+    texts = _previews(filtered, {i for c in sample for i in c["members"]}) if sample else {}
     for cluster in sample:
         cluster["previews"] = {i: texts[i] for i in cluster["members"] if i in texts}
-    pq.write_table(
-        pa.table(
-            {
-                "id": pa.array([d[0] for d in drops], pa.string()),
-                "reason": pa.array(["near_duplicate"] * len(drops), pa.string()),
-                "duplicate_of": pa.array([d[1] for d in drops], pa.string()),
-            }
-        ),
-        out_dir / "drops.parquet",
+    return sample
+
+
+def _write_drops(drops: list[tuple[str, str]], out: Path) -> None:
+    table = pa.table(
+        {
+            "id": pa.array([d[0] for d in drops], pa.string()),
+            "reason": pa.array(["near_duplicate"] * len(drops), pa.string()),
+            "duplicate_of": pa.array([d[1] for d in drops], pa.string()),
+        }
     )
-    report = {
-        "stage": "near_dedup",
-        "documents_indexed": len(ids),
-        "clusters": len(clusters),
-        "documents_dropped": len(drops),
-        "cluster_size_histogram": {str(k): v for k, v in sorted(histogram.items())},
-        "sample_clusters": sample,
-        "index_bytes": int(table.nbytes),
-    }
-    write_json(out_dir / "report.json", report)
-    return {
-        "clusters": len(clusters),
-        "documents_dropped": len(drops),
-        "documents_indexed": len(ids),
-    }
+    pq.write_table(table, out / "drops.parquet")
+
+
+@step("curate-near-dedup", version=1)
+def near_dedup(
+    cfg: MinhashConfig,
+    signatures: list[Path],
+    out: Path,
+    filtered: list[Path] | None = None,
+    exact: Path | None = None,
+) -> Metrics:
+    """Cluster near-duplicates across all shards (MinHash LSH); keep one per cluster.
+
+    Args:
+        cfg: the MinHash settings (cluster keeper, report samples, band count).
+        signatures: outputs of `minhash_signatures`.
+        out: receives `drops.parquet` (id, reason, duplicate_of) and `report.json`
+            (cluster count, size histogram, sampled clusters).
+        filtered: shard dirs of the documents still alive; others are left out of clustering.
+        exact: the exact dedup output, whose dropped documents are left out.
+    """
+    alive = surviving_ids(filtered) if cfg.enabled else set()
+    table = _load_index(signatures, alive, _excluded_ids([exact] if exact else []))
+    ids, lengths = table.column("id").to_pylist(), table.column("length").to_pylist()
+    drops, histogram, found = _clusters(cfg, ids, lengths, _components(table, cfg.num_buckets))
+    clusters = sum(histogram.values())
+    _write_drops(drops, out)
+    write_json(
+        out / "report.json",
+        {
+            "stage": "near_dedup",
+            "documents_indexed": len(ids),
+            "clusters": clusters,
+            "documents_dropped": len(drops),
+            "cluster_size_histogram": {str(k): v for k, v in sorted(histogram.items())},
+            "sample_clusters": _sample_clusters(cfg, found, filtered),
+            "index_bytes": int(table.nbytes),
+        },
+    )
+    return {"clusters": clusters, "documents_dropped": len(drops), "documents_indexed": len(ids)}

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from llmflow.tasks.curation.config import CurateConfig, NormalizeConfig
+from llmflow.tasks.curation.config import NormalizeConfig
 from llmflow.tasks.curation.shards import (
     ShardWriter,
     add_count,
@@ -22,6 +22,7 @@ from llmflow.tasks.curation.shards import (
     write_jsonl,
 )
 from llmflow.tasks.curation.text import clean_whitespace, count_tokens, normalize_unicode
+from llmflow.tasks.framework.step import Metrics, step
 
 _BINARY_CONTROL = re.compile(r"[\x00-\x08\x0e-\x1f\x7f]")
 
@@ -65,42 +66,45 @@ def normalize_text(cfg: NormalizeConfig, raw: object, domain: str) -> tuple[str 
     return tidy, ",".join(cleaned)
 
 
-def normalize_shard(cfg: CurateConfig, in_shard: Path, out_dir: Path) -> dict:
-    """Normalizes one shard into `out_dir/<name>.parquet`, with `<stem>.rejects.jsonl` and
-    `<stem>.stats.json` beside it. Uses `cfg.normalize`. Returns headline metrics."""
-    ncfg = cfg.normalize
-    in_shard, out_dir = Path(in_shard), Path(out_dir)
+def _reject(row: dict, raw: object, reason: str) -> dict:
+    return {
+        **{k: row.get(k) for k in ("id", "domain", "source")},
+        "reason": reason,
+        "preview": preview(raw),
+    }
+
+
+@step("curate-normalize", version=1)
+def normalize_shard(cfg: NormalizeConfig, shard: Path, out: Path) -> Metrics:
+    """Normalize one ingested shard: Unicode, whitespace, and rejection of unusable documents.
+
+    Writes `out/<name>.parquet`, with `<stem>.rejects.jsonl` and `<stem>.stats.json` beside it.
+    """
     table: dict = {}
     rejects, cleaned, seen_ids = [], {}, set()
-    with ShardWriter(out_dir / in_shard.name) as writer:
-        for row in tqdm(iter_rows(in_shard), desc=f"normalize {in_shard.stem}", leave=False):
+    with ShardWriter(out / shard.name) as writer:
+        for row in tqdm(iter_rows(shard), desc=f"normalize {shard.stem}", leave=False):
             domain = row.get("domain") or "unknown"
             raw = row.get("text")
             tokens = count_tokens(raw) if isinstance(raw, str) else 0
             add_count(table, domain, "in", 1, tokens)
             try:
-                text, note = normalize_text(ncfg, raw, domain)
+                text, note = normalize_text(cfg, raw, domain)
             except Exception as error:  # noqa: BLE001 - one bad document must not fail the shard
                 text, note = None, f"error:{type(error).__name__}"
             if text is not None and row.get("id") in seen_ids:
                 text, note = None, "duplicate_id"
             if text is None:
                 add_count(table, domain, f"rejected:{note}", 1, tokens)
-                rejects.append(
-                    {
-                        **{k: row.get(k) for k in ("id", "domain", "source")},
-                        "reason": note,
-                        "preview": preview(raw),
-                    }
-                )
+                rejects.append(_reject(row, raw, note))
                 continue
             seen_ids.add(row.get("id"))
             for kind in filter(None, note.split(",")):
                 cleaned[kind] = cleaned.get(kind, 0) + 1
             add_count(table, domain, "out", 1, count_tokens(text))
             writer.write({**row, "text": text, "domain": domain})
-    write_jsonl(out_dir / f"{in_shard.stem}.rejects.jsonl", rejects)
-    stats = {"stage": "normalize", "shard": in_shard.stem, "domains": table, "cleaned": cleaned}
-    write_json(out_dir / f"{in_shard.stem}.stats.json", stats)
+    write_jsonl(out / f"{shard.stem}.rejects.jsonl", rejects)
+    stats = {"stage": "normalize", "shard": shard.stem, "domains": table, "cleaned": cleaned}
+    write_json(out / f"{shard.stem}.stats.json", stats)
     num_in = sum(d["in"]["docs"] for d in table.values())
     return {"documents_in": num_in, "documents_out": writer.num_rows, "rejected": len(rejects)}

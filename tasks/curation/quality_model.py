@@ -17,10 +17,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from llmflow.tasks.curation.config import CurateConfig, QualityModelConfig
+from llmflow.tasks.curation.config import QualityModelConfig
 from llmflow.tasks.curation.minhash import _excluded_ids, _word_hash
 from llmflow.tasks.curation.shards import iter_rows, shards_in, write_json
 from llmflow.tasks.curation.text import simplify_text
+from llmflow.tasks.framework.step import Metrics, step
 
 _STOP = frozenset("the of and to a in is that it for as was with be by on are this from".split())
 
@@ -164,47 +165,68 @@ def _train(cfg: QualityModelConfig, sample: list[dict]) -> tuple[HashedLinearMod
     return model, report
 
 
-def quality_model(
-    cfg: CurateConfig, shard_dirs: list[Path], out_dir: Path, exclude_dirs: list[Path] | None = None
-) -> dict:
-    """Trains the classifier on teacher labels and drops documents it scores below threshold.
-
-    Args:
-        cfg: the curate config (uses `cfg.quality_model`).
-        shard_dirs: filtered shard dirs (documents still alive).
-        out_dir: receives `drops.parquet` (id, reason, score), `classifier.npz` and `report.json`.
-        exclude_dirs: stage dirs with a `drops.parquet` (dedup) whose documents are ignored.
-    """
-    qcfg, out_dir = cfg.quality_model, Path(out_dir)
-    excluded = _excluded_ids(exclude_dirs)
-    ids = [r["id"] for r in _eligible_rows(qcfg, shard_dirs, excluded)] if qcfg.enabled else []
-    chosen = set(random.Random(qcfg.seed).sample(ids, min(qcfg.num_teacher_docs, len(ids))))
-    sample = sorted(
-        (r for r in _eligible_rows(qcfg, shard_dirs, excluded) if r["id"] in chosen),
-        key=lambda r: random.Random(f"{qcfg.seed}:{r['id']}").random(),
+def _sample(cfg: QualityModelConfig, filtered: list[Path], excluded: set[str]) -> list[dict]:
+    """The documents the teacher labels: a seeded sample, in a seeded order."""
+    ids = [r["id"] for r in _eligible_rows(cfg, filtered, excluded)] if cfg.enabled else []
+    chosen = set(random.Random(cfg.seed).sample(ids, min(cfg.num_teacher_docs, len(ids))))
+    return sorted(
+        (r for r in _eligible_rows(cfg, filtered, excluded) if r["id"] in chosen),
+        key=lambda r: random.Random(f"{cfg.seed}:{r['id']}").random(),
     )
-    model, report = _train(qcfg, sample) if sample else (None, {"skipped": "disabled or empty"})
+
+
+def _score_all(
+    cfg: QualityModelConfig, model: HashedLinearModel, filtered: list[Path], excluded: set[str]
+) -> tuple[dict[str, list], np.ndarray]:
+    """Drops (id, reason, score columns) of documents scored below threshold, and a histogram."""
     drops = {"id": [], "reason": [], "score": []}
     histogram = np.zeros(10, np.int64)
-    if model is not None:
-        np.savez(out_dir / "classifier.npz", weights=model.weights, bias=model.bias)
-        for row in tqdm(_eligible_rows(qcfg, shard_dirs, excluded), desc="quality", leave=False):
-            score = model.predict(features(row["text"], qcfg))
-            histogram[min(9, int(score * 10))] += 1
-            if score < qcfg.threshold:
-                drops["id"].append(row["id"])
-                drops["reason"].append("low_quality_score")
-                drops["score"].append(score)
-    pq.write_table(
-        pa.table(
-            {
-                "id": pa.array(drops["id"], pa.string()),
-                "reason": pa.array(drops["reason"], pa.string()),
-                "score": pa.array(drops["score"], pa.float64()),
-            }
-        ),
-        out_dir / "drops.parquet",
+    for row in tqdm(_eligible_rows(cfg, filtered, excluded), desc="quality", leave=False):
+        score = model.predict(features(row["text"], cfg))
+        histogram[min(9, int(score * 10))] += 1
+        if score < cfg.threshold:
+            drops["id"].append(row["id"])
+            drops["reason"].append("low_quality_score")
+            drops["score"].append(score)
+    return drops, histogram
+
+
+def _write_drops(drops: dict[str, list], out: Path) -> None:
+    table = pa.table(
+        {
+            "id": pa.array(drops["id"], pa.string()),
+            "reason": pa.array(drops["reason"], pa.string()),
+            "score": pa.array(drops["score"], pa.float64()),
+        }
     )
+    pq.write_table(table, out / "drops.parquet")
+
+
+@step("curate-quality-model", version=1)
+def quality_model(
+    cfg: QualityModelConfig,
+    filtered: list[Path],
+    out: Path,
+    exact: Path | None = None,
+    near: Path | None = None,
+) -> Metrics:
+    """Train a classifier on teacher labels; drop documents it scores below threshold.
+
+    Args:
+        cfg: the quality model settings.
+        filtered: filtered shard dirs (documents still alive).
+        out: receives `drops.parquet` (id, reason, score), `classifier.npz` and `report.json`.
+        exact: the exact dedup output, whose dropped documents are ignored.
+        near: the near dedup output, likewise.
+    """
+    excluded = _excluded_ids([d for d in (exact, near) if d])
+    sample = _sample(cfg, filtered, excluded)
+    model, report = _train(cfg, sample) if sample else (None, {"skipped": "disabled or empty"})
+    drops, histogram = {"id": [], "reason": [], "score": []}, np.zeros(10, np.int64)
+    if model is not None:
+        np.savez(out / "classifier.npz", weights=model.weights, bias=model.bias)
+        drops, histogram = _score_all(cfg, model, filtered, excluded)
+    _write_drops(drops, out)
     report.update(
         {
             "stage": "quality_model",
@@ -213,11 +235,11 @@ def quality_model(
             "score_histogram": histogram.tolist(),
         }
     )
-    write_json(out_dir / "report.json", report)
+    write_json(out / "report.json", report)
     holdout = report.get("holdout", {})
     return {
         "documents_dropped": len(drops["id"]),
         "holdout_precision": holdout.get("precision"),
         "holdout_recall": holdout.get("recall"),
-        "threshold": qcfg.threshold,
+        "threshold": cfg.threshold,
     }

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pyarrow as pa
@@ -100,3 +100,12 @@ def add_count(table: dict, domain: str, key: str, docs: int = 1, tokens: int = 0
     entry = table.setdefault(domain, {}).setdefault(key, {"docs": 0, "tokens": 0})
     entry["docs"] += docs
     entry["tokens"] += tokens
+
+
+def add_metrics(per_shard: Iterable[dict[str, int]]) -> dict[str, int]:
+    """Per-shard metrics summed key by key (a step over a directory of shards reports once)."""
+    total: dict[str, int] = {}
+    for metrics in per_shard:
+        for key, value in metrics.items():
+            total[key] = total.get(key, 0) + value
+    return total

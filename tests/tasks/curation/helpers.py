@@ -8,6 +8,12 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+from pydantic import BaseModel
+
+from llmflow.tasks.curation.config import CurateConfig
+from llmflow.tasks.curation.recipe import add_curation
+from llmflow.tasks.framework.graph import Graph, Node
+from llmflow.tasks.framework.step import Metrics, step
 
 SHARED_TEXT = Path(__file__).resolve().parents[3].parent / "shared" / "data" / "text"
 
@@ -70,3 +76,26 @@ def ids_in(directory: Path) -> set[str]:
         if "." not in p.stem
         for i in pq.read_table(p, columns=["id"]).column("id").to_pylist()
     }
+
+
+class RowsConfig(BaseModel):
+    """Test records and how many shards to deal them into."""
+
+    records: list[dict]
+    num_shards: int = 2
+
+
+@step("test-rows")
+def write_rows(cfg: RowsConfig, out: Path) -> Metrics:
+    """Write test records as `shards/*.parquet` (a stand-in for the ingest step)."""
+    write_shards(out, cfg.records, cfg.num_shards)
+    return {"documents": len(cfg.records)}
+
+
+def curation_graph(
+    records: list[dict], cfg: CurateConfig | None = None, num_shards: int = 2
+) -> tuple[Graph, Node]:
+    """A graph: the records as an ingested corpus, then every curation stage; and its last node."""
+    graph = Graph()
+    ingested = graph.add(write_rows, RowsConfig(records=records, num_shards=num_shards), "test")
+    return graph, add_curation(graph, cfg or CurateConfig(), ingested, "test")

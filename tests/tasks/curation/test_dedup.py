@@ -8,16 +8,21 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from llmflow.tasks.curation.config import CurateConfig, MinhashConfig
+from llmflow.tasks.curation.config import (
+    ExactDedupConfig,
+    ExactHashConfig,
+    MinhashConfig,
+    SignatureConfig,
+)
 from llmflow.tasks.curation.exact_dedup import (
     BloomFilter,
     exact_dedup,
-    exact_hashes_shard,
+    exact_hashes,
     text_hash,
 )
 from llmflow.tasks.curation.minhash import (
     UnionFind,
-    minhash_signatures_shard,
+    minhash_signatures,
     near_dedup,
     shingle_batch,
     signatures,
@@ -50,14 +55,13 @@ def test_exact_dedup_removes_planted_copies_across_shards(tmp_path):
         {"id": f"copy-{i}", "text": originals[i]["text"].upper().replace(".", "!"), "domain": "web"}
         for i in range(0, 40, 4)
     ]
-    shards = write_shards(tmp_path / "in", originals + copies, num_shards=3)
+    write_shards(tmp_path / "in", originals + copies, num_shards=3)
     hashes = tmp_path / "hashes"
     hashes.mkdir()
-    for shard in shards:
-        exact_hashes_shard(CurateConfig(), shard, hashes)
+    assert exact_hashes(ExactHashConfig(), tmp_path / "in", hashes)["documents"] == 50
     out = tmp_path / "exact"
     out.mkdir()
-    metrics = exact_dedup(CurateConfig(), [hashes], out)
+    metrics = exact_dedup(ExactDedupConfig(), [hashes], out)
     dropped = _dropped(out)
     assert metrics["documents_dropped"] == 10
     # the first occurrence in (shard name, row) order is kept, the other member dropped
@@ -72,14 +76,12 @@ def test_bloom_false_positives_never_drop_unique_documents(tmp_path, monkeypatch
     rng = random.Random(2)
     docs = [{"id": f"d{i}", "text": prose(rng, 2), "domain": "web"} for i in range(300)]
     docs.append({"id": "dup", "text": docs[7]["text"], "domain": "web"})
-    shards = write_shards(tmp_path / "in", docs, num_shards=1)
+    write_shards(tmp_path / "in", docs, num_shards=1)
     hashes = tmp_path / "hashes"
     hashes.mkdir()
-    exact_hashes_shard(CurateConfig(), shards[0], hashes)
+    exact_hashes(ExactHashConfig(), tmp_path / "in", hashes)
     # a Bloom filter far too small: most unique documents become candidates
-    cfg = CurateConfig.model_validate(
-        {"exact_dedup": {"expected_documents": 10, "false_positive_rate": 0.5}}
-    )
+    cfg = ExactDedupConfig(expected_documents=10, false_positive_rate=0.5)
     out = tmp_path / "exact"
     out.mkdir()
     metrics = exact_dedup(cfg, [hashes], out)
@@ -94,12 +96,12 @@ def test_paragraph_level_drops_repeated_paragraphs(tmp_path):
         {"id": "a", "text": prose(rng, 3) + "\n\n" + shared, "domain": "web"},
         {"id": "b", "text": shared + "\n\n" + prose(rng, 3), "domain": "web"},
     ]
-    shards = write_shards(tmp_path / "in", docs, num_shards=1)
-    cfg = CurateConfig.model_validate({"exact_dedup": {"level": "paragraph"}})
+    write_shards(tmp_path / "in", docs, num_shards=1)
+    cfg = ExactDedupConfig(level="paragraph")
     hashes, out = tmp_path / "hashes", tmp_path / "exact"
     hashes.mkdir()
     out.mkdir()
-    exact_hashes_shard(cfg, shards[0], hashes)
+    exact_hashes(cfg.hash_config(), tmp_path / "in", hashes)
     assert exact_dedup(cfg, [hashes], out)["paragraphs_dropped"] == 1
     assert pq.read_table(out / "paragraph_drops.parquet").to_pylist() == [
         {"id": "b", "paragraph": 0, "duplicate_of": "a"}
@@ -107,7 +109,7 @@ def test_paragraph_level_drops_repeated_paragraphs(tmp_path):
 
 
 def test_signature_matches_brute_force_minhash():
-    cfg = MinhashConfig()
+    cfg = SignatureConfig()
     texts = ["one two three four five six seven", "a b c", "alpha beta gamma delta epsilon zeta"]
     shingles, owner = shingle_batch(texts, cfg.n_grams)
     assert owner.tolist() == [0, 0, 0, 2, 2]  # 3 + 0 (too short) + 2 five-grams
@@ -123,7 +125,7 @@ def test_signature_matches_brute_force_minhash():
 
 def test_signature_agreement_estimates_jaccard():
     rng = random.Random(4)
-    cfg = MinhashConfig(num_buckets=32, hashes_per_bucket=8)
+    cfg = SignatureConfig(num_buckets=32, hashes_per_bucket=8)
     base = prose(rng, 40)
     other = near_copy(rng, base, 12)
     shingles, owner = shingle_batch([base, other], cfg.n_grams)
@@ -142,14 +144,13 @@ def test_union_find_keeps_smallest_root():
 
 
 def _near_dedup_run(tmp_path, records, cfg=None, num_shards=3):
-    cfg = cfg or CurateConfig()
-    shards = write_shards(tmp_path / "in", records, num_shards=num_shards)
+    cfg = cfg or MinhashConfig()
+    write_shards(tmp_path / "in", records, num_shards=num_shards)
     sigs, out = tmp_path / "sigs", tmp_path / "near"
     sigs.mkdir()
     out.mkdir()
-    for shard in shards:
-        minhash_signatures_shard(cfg, shard, sigs)
-    metrics = near_dedup(cfg, [sigs], out, keep_dirs=[tmp_path / "in"])
+    minhash_signatures(cfg.signature_config(), tmp_path / "in", sigs)
+    metrics = near_dedup(cfg, [sigs], out, filtered=[tmp_path / "in"])
     return metrics, _dropped(out)
 
 
@@ -208,7 +209,7 @@ def test_near_dedup_keep_longest(tmp_path):
         {"id": "short", "text": base, "domain": "web"},
         {"id": "long", "text": base + " And one more sentence at the end.", "domain": "web"},
     ]
-    cfg = CurateConfig.model_validate({"minhash": {"keep": "longest"}})
+    cfg = MinhashConfig(keep="longest")
     _, dropped = _near_dedup_run(tmp_path, records, cfg, num_shards=1)
     assert dropped == {"short": "long"}
 

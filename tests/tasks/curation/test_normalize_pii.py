@@ -7,7 +7,7 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from llmflow.tasks.curation.config import CurateConfig, PIIConfig
+from llmflow.tasks.curation.config import NormalizeConfig, PIIConfig
 from llmflow.tasks.curation.normalize import normalize_shard
 from llmflow.tasks.curation.pii import scrub_pii
 from llmflow.tasks.curation.shards import read_column, read_json, read_jsonl
@@ -43,7 +43,7 @@ def test_bad_documents_are_counted_and_rejected_with_reasons(tmp_path):
     _write(shard, ids, texts)
     out = tmp_path / "out"
     out.mkdir()
-    metrics = normalize_shard(CurateConfig(), shard, out)
+    metrics = normalize_shard(NormalizeConfig(), shard, out)
     rejects = {r["id"] + ":" + r["reason"] for r in read_jsonl(out / "shard-00000.rejects.jsonl")}
     assert rejects == {
         "empty:empty",
@@ -69,7 +69,7 @@ def test_non_utf8_bytes_are_cleaned_or_rejected(tmp_path):
     _write(shard, ["a", "b"], [mostly_ok, garbage], pa.binary())
     out = tmp_path / "out"
     out.mkdir()
-    normalize_shard(CurateConfig(), shard, out)
+    normalize_shard(NormalizeConfig(), shard, out)
     assert [r["reason"] for r in read_jsonl(out / "shard-00000.rejects.jsonl")] == ["non_utf8"]
     kept = read_column(out / "shard-00000.parquet", "text")
     assert len(kept) == 1 and kept[0].endswith("\ufffd")

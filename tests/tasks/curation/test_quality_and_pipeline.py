@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 
 from llmflow.tasks.curation.config import CurateConfig, QualityModelConfig
-from llmflow.tasks.curation.pipeline import curate, stage_config
 from llmflow.tasks.curation.quality_model import (
     HashedLinearModel,
     features,
@@ -17,7 +17,9 @@ from llmflow.tasks.curation.quality_model import (
     quality_model,
     rule_teacher,
 )
-from tests.tasks.curation.helpers import ids_in, near_copy, prose, write_shards
+from llmflow.tasks.framework.executor import Executor, Mapped, run_graph
+from llmflow.tasks.framework.store import Store
+from tests.tasks.curation.helpers import curation_graph, ids_in, near_copy, prose, write_shards
 
 _SPAM = (
     "buy cheap pills now best price click here free shipping winner casino bonus "
@@ -62,7 +64,7 @@ def test_quality_model_stage_drops_low_scores(tmp_path):
     write_shards(tmp_path / "in", records)
     out = tmp_path / "q"
     out.mkdir()
-    metrics = quality_model(CurateConfig(), [tmp_path / "in"], out)
+    metrics = quality_model(QualityModelConfig(), [tmp_path / "in"], out)
     dropped = set(pq.read_table(out / "drops.parquet").column("id").to_pylist())
     assert dropped == {f"s{i}" for i in range(40)}
     assert metrics["holdout_precision"] == 1.0 and metrics["holdout_recall"] == 1.0
@@ -75,16 +77,64 @@ def test_hf_teacher_needs_a_path():
         QualityModelConfig(teacher="hf")
 
 
-def test_stage_config_isolates_signatures_from_filters():
-    base = CurateConfig()
+def _cached(outcome, graph) -> dict[str, bool]:
+    """Per step name: whether every output of its node (every shard, if mapped) was cached."""
+    rows = {}
+    for node in graph.nodes:
+        result = outcome[node]
+        results = result.results if isinstance(result, Mapped) else [result]
+        rows[node.step.name] = all(r.cached for r in results)
+    return rows
+
+
+def test_filter_threshold_change_reruns_only_filter_and_global_stages(tmp_path):
+    records, _ = _corpus(random.Random(5))
+    graph, _ = curation_graph(records, num_shards=3)
+    first = run_graph(graph, str(tmp_path))
+    assert not any(_cached(first, graph).values())
     changed = CurateConfig.model_validate(
         {"filters": {"gopher_quality": {"min_doc_words": 10}}, "minhash": {"keep": "longest"}}
     )
-    assert stage_config(base, "minhash_signatures") == stage_config(changed, "minhash_signatures")
-    assert stage_config(base, "exact_hashes") == stage_config(changed, "exact_hashes")
-    assert stage_config(base, "filter") != stage_config(changed, "filter")
-    assert stage_config(base, "near_dedup") != stage_config(changed, "near_dedup")
-    assert "num_workers" not in json.dumps(stage_config(base, "filter"))
+    graph, _ = curation_graph(records, changed, num_shards=3)
+    again = _cached(run_graph(graph, str(tmp_path)), graph)
+    assert again == {
+        "test-rows": True,
+        "curate-normalize": True,
+        "curate-exact-hashes": True,
+        "curate-minhash": True,
+        "curate-filter": False,
+        "curate-exact-dedup": False,
+        "curate-near-dedup": False,
+        "curate-quality-model": False,
+        "curate": False,
+    }
+
+
+def test_stage_configs_hold_only_what_each_stage_reads():
+    cfg = CurateConfig.model_validate({"minhash": {"keep": "longest", "seed": 3}})
+    assert cfg.minhash.signature_config().model_dump() == {
+        "n_grams": 5,
+        "num_buckets": 14,
+        "hashes_per_bucket": 8,
+        "seed": 3,
+    }
+    assert cfg.exact_dedup.hash_config().model_dump() == {
+        "level": "document",
+        "min_paragraph_chars": 50,
+    }
+    assert set(cfg.filter_config().model_dump()) == {"filters", "pii"}
+
+
+def test_curation_graph_reads_no_unhashed_field(tmp_path):
+    records, _ = _corpus(random.Random(6))
+    cfg = CurateConfig.model_validate({"exact_dedup": {"level": "paragraph"}})
+    graph, _ = curation_graph(records, cfg, num_shards=2)
+    executor = Executor(str(tmp_path), audit=True)
+    executor.run(graph)
+    assert executor.unhashed_reads(graph) == {}
+    assert "min_doc_words" not in str(executor.reads["curate-minhash"])
+    assert executor.reads["curate-minhash"] >= {"n_grams", "num_buckets", "seed"}
+    assert "filters.gopher_quality.min_doc_words" in executor.reads["curate-filter"]
 
 
 def test_paragraph_level_conflicts_with_c4_rewriting():
@@ -129,17 +179,23 @@ def _corpus(rng: random.Random) -> tuple[list[dict], dict[str, str]]:
     return records, planted
 
 
+def _curated(outcome, final, root: Path) -> Path:
+    return Store(str(root)).local_path(outcome[final].uri)
+
+
 def test_curate_end_to_end(tmp_path):
     records, planted = _corpus(random.Random(3))
-    write_shards(tmp_path / "in", records, num_shards=3)
-    metrics = curate(CurateConfig(), tmp_path / "in", tmp_path / "out")
-    kept = ids_in(tmp_path / "out" / "shards")
+    graph, final = curation_graph(records, num_shards=3)
+    outcome = run_graph(graph, str(tmp_path / "store"))
+    out, result = _curated(outcome, final, tmp_path / "store"), outcome[final]
+    metrics = result.metrics
+    kept = ids_in(out / "shards")
     for copy, original in planted.items():
         assert (copy in kept) != (original in kept), copy
     assert not {"junk-empty", "junk-lorem", "junk-repeat", "junk-soup"} & kept
     assert {f"code-{i}" for i in range(5)} <= kept
-    assert sorted(p.name for p in (tmp_path / "out" / "shards").iterdir()) == ["code", "web"]
-    report = json.loads((tmp_path / "out" / "curation_report.json").read_text())
+    assert sorted(p.name for p in (out / "shards").iterdir()) == ["code", "web"]
+    report = json.loads((out / "curation_report.json").read_text())
     stages = {s["stage"]: s for s in report["stages"]}
     assert list(stages) == ["normalize", "filters", "exact_dedup", "near_dedup", "quality_model"]
     assert stages["exact_dedup"]["removed"]["exact_duplicate"]["docs"] == 10
@@ -151,20 +207,34 @@ def test_curate_end_to_end(tmp_path):
     removed = sum(c["docs"] for s in report["stages"] for c in s["removed"].values())
     assert removed + metrics["documents_out"] == len(records)
     assert {r["reason"] for r in report["removed_samples"]} >= {"lorem_ipsum"}
-    shards = (tmp_path / "out" / "shards").rglob("*.parquet")
+    shards = (out / "shards").rglob("*.parquet")
     text = "".join(t for p in shards for t in pq.read_table(p).column("text").to_pylist())
     assert "<EMAIL>" in text
     assert "bob@example.com" not in text
-    assert "| near_dedup |" in (tmp_path / "out" / "summary.md").read_text()
+    assert "| near_dedup |" in (out / "summary.md").read_text()
+    keys = [a["key"] for a in result.artifacts]
+    assert keys == ["curation-report", "curation-stages"]
+    assert result.artifacts[1]["rows"] == report["stages"]
 
 
 @pytest.mark.slow
-def test_curate_with_workers_matches_sequential(tmp_path):
+def test_prefect_fan_out_matches_in_process(tmp_path, prefect_harness):
+    from prefect import flow
+    from prefect.task_runners import ThreadPoolTaskRunner
+
+    from llmflow.tasks.framework.executor import PrefectExecutor
+
     records, _ = _corpus(random.Random(4))
-    write_shards(tmp_path / "in", records, num_shards=3)
-    curate(CurateConfig(), tmp_path / "in", tmp_path / "one")
-    curate(CurateConfig(), tmp_path / "in", tmp_path / "two", num_workers=2)
-    assert ids_in(tmp_path / "one" / "shards") == ids_in(tmp_path / "two" / "shards")
+    graph, final = curation_graph(records, num_shards=3)
+
+    @flow(task_runner=ThreadPoolTaskRunner(max_workers=2))
+    def curate_in_parallel():
+        return PrefectExecutor(str(tmp_path / "two")).run(graph)
+
+    parallel = _curated(curate_in_parallel(), final, tmp_path / "two")
+    sequential = _curated(run_graph(graph, str(tmp_path / "one")), final, tmp_path / "one")
+    assert ids_in(parallel / "shards") == ids_in(sequential / "shards")
+    assert len(ids_in(parallel / "shards")) > 40
 
 
 def _tiny_hf_classifier(path) -> None:
