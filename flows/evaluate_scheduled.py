@@ -1,103 +1,178 @@
-"""Scheduled evaluation: score every new checkpoint under a root exactly once, keep a leaderboard.
+"""Scheduled evaluation: score every model output in the store once per suite, keep a leaderboard.
 
-A checkpoint is an HF export holding ``_COMMITTED`` (the store writes it last, so one still being
-written is never touched). Results are keyed by checkpoint and suite hash, so each checkpoint is
-evaluated once per suite; a failing checkpoint (say, a truncated safetensors) fails alone and
-the run ends Failed naming it, after the others were scored and the leaderboard updated.
-Deploy it with a cron schedule (``deployments/prefect.yaml``) and a concurrency limit of 1.
+The recipe is a graph: one ``evaluate`` node per committed model output (``export``, ``sft``,
+``dpo``; each an ``Existing`` leaf), then one ``leaderboard`` over the models that were scored.
+The store's content addressing makes it run-once: an evaluation of the same model on the same
+suite has the same address, so a later run finds it (Cached) instead of scoring again. A model
+that fails to evaluate (a truncated safetensors, say) fails alone: the others are scored, the
+leaderboard is built over them, then the run ends Failed naming it. Deploy it with a cron
+schedule (``deployments/prefect.yaml``).
 """
 
 from __future__ import annotations  # noqa: I001  (flows must be imported before prefect)
 
-import tempfile
-from pathlib import Path
+import re
+from typing import Any
 
 import llmflow.flows  # noqa: F401  (sets Prefect env defaults before prefect is imported)
-import fsspec
-from prefect import flow, task
-from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect import flow
+from prefect.artifacts import create_table_artifact
 from pydantic import BaseModel, ConfigDict, Field
 
-from llmflow.tasks.framework.concurrency import gpu_slot
-from llmflow.tasks.evaluation.checkpoints import evaluate_checkpoints, raise_for_failures
 from llmflow.tasks.evaluation.config import EvalConfig
-from llmflow.tasks.evaluation.leaderboard import update_leaderboard
+from llmflow.tasks.evaluation.harness import ModelLoadError, evaluate
+from llmflow.tasks.evaluation.leaderboard import LeaderboardConfig, leaderboard
+from llmflow.tasks.framework.executor import Outcome, PrefectExecutor
+from llmflow.tasks.framework.graph import Existing, Graph, Node
+from llmflow.tasks.framework.step import StepResult
+from llmflow.tasks.framework.store import Store
+
+MODEL_STEPS = ("export", "sft", "dpo")  # the steps whose outputs hold a model in hf/
+HASH_SUFFIX = re.compile(r"-[0-9a-f]{16}$")
+LEADERBOARD_NAME = "scheduled"
 
 
 class ScheduledEvaluationConfig(BaseModel):
-    """Where checkpoints are, where results go, and the suite to run."""
+    """The store to scan, the suite to run, and the held-out documents for perplexity."""
 
     model_config = ConfigDict(extra="forbid")
 
     root: str = Field("./runs", description="Artifact root: a folder or s3://bucket/prefix.")
-    checkpoint_root: str | None = Field(
-        None, description="Folder of HF exports to scan (default: {root}/export)."
-    )
-    results_root: str | None = Field(
-        None, description="Where results and the leaderboard go (default: {root}/evaluations)."
-    )
-    heldout_dir: str | None = Field(
-        None, description="Local held-out documents (parquet) for the perplexity tasks."
-    )
     evaluate: EvalConfig = Field(
         default_factory=lambda: EvalConfig(
             tasks=["cf_arith", "mcf_arith", "gen_arith", "cf_facts"]
         ),
-        description="The suite (tasks needing held-out docs need heldout_dir).",
+        description="The suite (the perplexity tasks need heldout).",
+    )
+    heldout: str | None = Field(
+        None,
+        description="A committed tokenize output (store URI) whose validation_docs feed the "
+        "held-out perplexity tasks.",
     )
 
-    def roots(self) -> tuple[str, str]:
-        base = self.root.rstrip("/")
-        return self.checkpoint_root or f"{base}/export", self.results_root or f"{base}/evaluations"
+
+class CheckpointEvalError(RuntimeError):
+    """One or more model outputs failed to evaluate; the message names each."""
 
 
-@task(name="evaluate-new-checkpoints", retries=0)
-def evaluate_new(config: ScheduledEvaluationConfig) -> list[dict]:
-    """Evaluate each checkpoint not yet scored on this suite (failures isolated)."""
-    checkpoints, results = config.roots()
-    heldout = Path(config.heldout_dir) if config.heldout_dir else None
-    fs, path = fsspec.core.url_to_fs(checkpoints)
-    if not fs.exists(path):  # a fresh root: nothing exported yet is zero checkpoints, not an error
-        print(f"no checkpoints yet under {checkpoints}")
+class _CheckpointFailed(RuntimeError):
+    """A model that does not load: bad input of its own node only."""
+
+
+class _Executor(PrefectExecutor):
+    """Keeps going past a model that does not load.
+
+    NOTE: the executor re-raises every ``BadInputError`` even with ``keep_going`` (a bad config
+    fails every node alike). A model that does not load is bad input of one node only: its
+    task fails without retries, and here it becomes that node's failure.
+    """
+
+    def call(self, step, config, name, inputs) -> StepResult:
+        try:
+            return super().call(step, config, name, inputs)
+        except ModelLoadError as err:
+            raise _CheckpointFailed(str(err)) from err
+
+
+def model_outputs(store: Store) -> list[str]:
+    """Every committed model output in the store (none in a fresh root)."""
+    return [uri for step_name in MODEL_STEPS for uri in store.list_outputs(step_name)]
+
+
+def label_of(uri: str) -> str:
+    """The evaluation label of a model output, the one the pipeline gives it (so an evaluation
+    the pipeline made is found, not repeated): the output's label less its hash, with the step
+    appended for post-trained models (``export/quickstart-base-<hash>`` -> ``quickstart-base``,
+    ``sft/quickstart-<hash>`` -> ``quickstart-sft``)."""
+    step_name, folder = uri.rstrip("/").rsplit("/", 2)[-2:]
+    label = HASH_SUFFIX.sub("", folder)
+    if step_name == "export" or label.endswith(f"-{step_name}"):
+        return label
+    return f"{label}-{step_name}"
+
+
+def evaluation_graph(config: ScheduledEvaluationConfig, models: list[str]) -> Graph:
+    """One evaluate node per model output, each on the same suite."""
+    graph = Graph()
+    heldout = Existing(config.heldout) if config.heldout else None
+    for uri in models:
+        graph.add(evaluate, config.evaluate, label_of(uri), model=Existing(uri), heldout=heldout)
+    return graph
+
+
+def leaderboard_graph(scored: list[tuple[str, str]]) -> Graph:
+    """One leaderboard over ``(model uri, evaluation uri)`` pairs, labelled uniquely."""
+    labels = [label_of(model) for model, _ in scored]
+    if len(set(labels)) < len(labels):  # same label, other hashes: keep the folder names
+        labels = [model.rstrip("/").rsplit("/", 1)[-1] for model, _ in scored]
+    graph = Graph()
+    graph.add(
+        leaderboard,
+        LeaderboardConfig(labels=labels),
+        LEADERBOARD_NAME,
+        evaluations=[Existing(evaluation) for _, evaluation in scored],
+        models=[Existing(model) for model, _ in scored],
+    )
+    return graph
+
+
+def statuses(graph: Graph, outcome: Outcome) -> list[dict[str, Any]]:
+    """One row per model output: ok (ran or cached) or failed, with its evaluation or error."""
+    rows = []
+    for node in graph.nodes:
+        row: dict[str, Any] = {"checkpoint": _model_uri(node)}
+        if node in outcome.results:
+            result = outcome.results[node]
+            row.update(status="ok", cached=result.cached, evaluation=result.uri, error="")
+        else:
+            error = outcome.failed[node]
+            row.update(status="failed", cached=False, evaluation="", error=f"{error}")
+        rows.append(row)
+    return rows
+
+
+def _model_uri(node: Node) -> str:
+    return node.inputs["model"].uri
+
+
+def raise_for_failures(rows: list[dict[str, Any]]) -> None:
+    """Raise ``CheckpointEvalError`` naming every model output that failed, if any did."""
+    failed = [f"{r['checkpoint']}: {r['error']}" for r in rows if r["status"] != "ok"]
+    if failed:
+        raise CheckpointEvalError(
+            f"{len(failed)} checkpoint(s) failed to evaluate:\n" + "\n".join(failed)
+        )
+
+
+def build_leaderboard(executor: PrefectExecutor, rows: list[dict[str, Any]]) -> list[dict]:
+    """The leaderboard over the models scored so far; a row for it if it failed."""
+    scored = [(r["checkpoint"], r["evaluation"]) for r in rows if r["status"] == "ok"]
+    if not scored:
         return []
-    with gpu_slot():
-        return evaluate_checkpoints(config.evaluate, checkpoints, results, heldout)
-
-
-@task(name="update-leaderboard", retries=2, retry_delay_seconds=5)
-def leaderboard(config: ScheduledEvaluationConfig) -> dict:
-    """Rebuild the leaderboard (table, plots, signal quality) from every result so far."""
-    _, results = config.roots()
-    with tempfile.TemporaryDirectory(prefix="llmflow-leaderboard-") as tmp:
-        summary = update_leaderboard(results, Path(tmp))
-        markdown = (Path(tmp) / "leaderboard.md").read_text()
-        quality = (Path(tmp) / "signal_quality.md").read_text()
-        fs, path = fsspec.core.url_to_fs(f"{results.rstrip('/')}/_leaderboard")
-        fs.makedirs(path, exist_ok=True)
-        fs.put(f"{tmp}/", f"{path}/", recursive=True)
-    create_markdown_artifact(
-        f"## Leaderboard\n\n{markdown}\n\n## Signal quality\n\n{quality}",
-        key="llmflow-leaderboard",
-        description="Every checkpoint x task, and which tasks are worth watching",
-    )
-    return summary
+    failed = executor.run(leaderboard_graph(scored)).failed.values()
+    return [
+        {"checkpoint": "(leaderboard)", "status": "failed", "cached": False, "evaluation": "",
+         "error": str(err)}
+        for err in failed
+    ]  # fmt: skip
 
 
 @flow(name="llmflow-scheduled-evaluation", log_prints=True)
 def scheduled_evaluation(
     config: ScheduledEvaluationConfig = ScheduledEvaluationConfig(),  # noqa: B008
-) -> list[dict]:
-    """Score new checkpoints, update the leaderboard, fail naming any checkpoint that failed."""
-    statuses = evaluate_new(config)
-    rows = [
-        {"checkpoint": s["checkpoint"], "status": s["status"], "error": s.get("error", "")}
-        for s in statuses
-    ]
+) -> list[dict[str, Any]]:
+    """Evaluate model outputs not yet scored, rebuild the leaderboard, fail naming failures."""
+    executor = _Executor(config.root, keep_going=True)
+    graph = evaluation_graph(config, model_outputs(executor.store))
+    rows = statuses(graph, executor.run(graph))
+    rows += build_leaderboard(executor, rows)
     create_table_artifact(
-        rows or [{"checkpoint": "(none new)", "status": "", "error": ""}],
+        rows or [{"checkpoint": "(no model outputs yet)", "status": "", "error": ""}],
         key="llmflow-scheduled-evaluation",
+        description="Each model output in the store: evaluated now, cached, or failed",
     )
-    print(f"evaluated {len(statuses)} new checkpoint(s)")
-    leaderboard(config)
-    raise_for_failures(statuses)
-    return statuses
+    new = sum(1 for r in rows if r["status"] == "ok" and not r["cached"])
+    failed = sum(1 for r in rows if r["status"] != "ok")
+    print(f"{len(graph.nodes)} model output(s): {new} evaluated now, {failed} failure(s)")
+    raise_for_failures(rows)
+    return rows

@@ -1,14 +1,16 @@
-"""Checkpoint evaluation with lm-eval, the leaderboard and task signal quality (issue 6).
+"""Export, checkpoint evaluation with lm-eval, the leaderboard and task signal quality.
 
-Plain, Prefect-free modules:
-
-- ``config``: ``EvalConfig``, the step's one config.
+- ``export``: the ``export`` step (``ExportConfig``): a trainer checkpoint as ``<output>/hf/``.
+- ``harness``: the ``evaluate`` step; ``evaluate_hf`` runs ``lm_eval.simple_evaluate`` (``hf``
+  backend) on one Hugging Face folder and writes ``results.json``.
+- ``leaderboard``: the ``leaderboard`` step (``LeaderboardConfig``); ``build_leaderboard`` writes
+  the model x task table, plots against tokens seen, and per-task monotonicity and seed spread.
+- ``models``: where a model output keeps its Hugging Face folder (``hf/``) and progress, and the
+  one model loader and one tokenizer loader.
+- ``config``: ``EvalConfig``.
 - ``suite``: ``build_suite`` writes the bundled lm-eval task YAMLs and their data (held-out
   perplexity per domain, synthetic CF/MCF/generation items, local copies of real sets).
-- ``harness``: ``evaluate`` runs ``lm_eval.simple_evaluate`` (``hf`` backend) on one exported
-  model and writes ``results.json``; ``table_rows`` turns it into rows for a table artifact.
-- ``checkpoints``: ``find_unevaluated`` / ``evaluate_checkpoints`` for scheduled evaluation of
-  committed checkpoints under a local or fsspec root, each evaluated once per suite.
-- ``leaderboard``: ``update_leaderboard`` writes the checkpoint x task table, plots against
-  tokens seen, and per-task monotonicity and seed spread.
+
+Scheduled evaluation (``flows/evaluate_scheduled.py``) is a graph of these steps over the
+model outputs already in the store.
 """

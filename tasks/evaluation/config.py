@@ -1,4 +1,4 @@
-"""The evaluation step's config: which lm-eval tasks, how much of each, and how to run them."""
+"""The evaluate step's config: which lm-eval tasks, how much of each, and how to run them."""
 
 from __future__ import annotations
 
@@ -53,8 +53,10 @@ class EvalConfig(BaseModel):
     )
     data_root: str | None = Field(
         default=None,
-        description="Folder with the real eval files (piqa_valid.jsonl, wikitext2_test.txt, ...).",
-        json_schema_extra={"versioned": False},
+        description=(
+            "Folder with the real eval files (piqa_valid.jsonl, wikitext2_test.txt, ...). "
+            "Part of the hash: another folder may hold other data."
+        ),
     )
     batch_size: Literal["auto"] | int = Field(
         default="auto",

@@ -1,4 +1,4 @@
-"""Run lm-eval's ``simple_evaluate`` with the ``hf`` backend on one exported checkpoint."""
+"""The ``evaluate`` step: lm-eval's ``simple_evaluate`` (``hf`` backend) on one model output."""
 
 from __future__ import annotations
 
@@ -12,10 +12,13 @@ from pathlib import Path
 from typing import Any
 
 from llmflow.tasks.evaluation.config import EvalConfig
+from llmflow.tasks.evaluation.models import hf_dir, load_hf_model, load_tokenizer
 from llmflow.tasks.evaluation.suite import build_suite, missing_data_reason, read_manifest
 from llmflow.tasks.framework.errors import BadInputError
+from llmflow.tasks.framework.step import Metrics, report_table, step
 
 RESULTS_FILE = "results.json"
+HELDOUT_DOCS = "validation_docs"  # where a tokenize output keeps its held-out documents
 CPU_BATCH_SIZE = 16  # what batch_size="auto" means on CPU (see load_model)
 log = logging.getLogger("llmflow.evaluation")
 
@@ -28,48 +31,46 @@ class ModelLoadError(BadInputError):
     """The exported model directory cannot be loaded (missing or truncated files)."""
 
 
-def evaluate(
+@step("evaluate", gpu=True, execution=("batch_size", "max_batch_size", "device", "log_samples"))
+def evaluate(cfg: EvalConfig, model: Path, out: Path, heldout: Path | None = None) -> Metrics:
+    """Run the lm-eval suite on one model output's Hugging Face folder; report the scores."""
+    docs = heldout / HELDOUT_DOCS if heldout is not None else None
+    metrics = evaluate_hf(cfg, hf_dir(model), out, heldout_dir=docs)
+    rows = table_rows(json.loads((out / RESULTS_FILE).read_text()))
+    report_table("evaluation", rows, f"lm-eval scores of {model.name}")
+    return metrics
+
+
+def evaluate_hf(
     cfg: EvalConfig,
-    hf_model_dir: Path,
+    folder: Path,
     out_dir: Path,
     heldout_dir: Path | None = None,
     suite_dir: Path | None = None,
 ) -> dict[str, Any]:
-    """Evaluate one Hugging Face model directory on ``cfg.tasks``; write ``results.json``.
+    """Evaluate one Hugging Face folder on ``cfg.tasks``; write ``results.json``.
 
     Args:
         cfg: Tasks, limits and execution settings.
-        hf_model_dir: A local directory ``AutoModelForCausalLM.from_pretrained`` loads, tokenizer
-            included (or a checkpoint directory holding it in ``hf/``).
+        folder: A local Hugging Face folder, tokenizer included (``hf_dir(output)``).
         out_dir: An existing local directory; receives ``results.json`` (and
             ``samples_<task>.jsonl`` when ``cfg.log_samples``).
         heldout_dir: Held-out parquet documents for the ``ppl_<domain>`` tasks, or None.
         suite_dir: A suite ``build_suite`` already wrote from this ``cfg`` (reused across
-            checkpoints); None builds one in a temporary directory.
+            models); None builds one in a temporary directory.
 
     Returns:
         Headline metrics: ``"<task>/<metric>"`` values, ``requests_per_second`` and counts.
 
     Raises:
         EvalTaskError: a task is unknown or its data is unavailable (the message names it).
-        ModelLoadError: the model directory does not load (the message names it).
+        ModelLoadError: the folder does not load (the message names it).
     """
-    model_dir = resolve_hf_dir(Path(hf_model_dir))
     if suite_dir is not None:
-        return _evaluate_with_suite(cfg, model_dir, Path(out_dir), Path(suite_dir), heldout_dir)
+        return _evaluate_with_suite(cfg, Path(folder), Path(out_dir), Path(suite_dir), heldout_dir)
     with tempfile.TemporaryDirectory(prefix="llmflow-suite-") as tmp:
         suite = build_suite(cfg, heldout_dir, Path(tmp))
-        return _evaluate_with_suite(cfg, model_dir, Path(out_dir), suite, heldout_dir)
-
-
-def resolve_hf_dir(path: Path) -> Path:
-    """``path`` itself, or its ``hf/`` or ``model/`` subdirectory when the export lives there
-    (a checkpoint's export, or an SFT/DPO step output)."""
-    if not (path / "config.json").exists():
-        for sub in ("hf", "model"):
-            if (path / sub / "config.json").exists():
-                return path / sub
-    return path
+        return _evaluate_with_suite(cfg, Path(folder), Path(out_dir), suite, heldout_dir)
 
 
 def _evaluate_with_suite(
@@ -150,7 +151,7 @@ def load_tasks(cfg: EvalConfig, manager, heldout_dir: Path | None) -> tuple[list
 
 
 def load_model(cfg: EvalConfig, model_dir: Path):
-    """lm-eval's HFLM on a local export; a load failure names the directory."""
+    """lm-eval's HFLM over the project's loaders; a load failure names the directory."""
     import torch
     from lm_eval.models.huggingface import HFLM
 
@@ -162,15 +163,16 @@ def load_model(cfg: EvalConfig, model_dir: Path):
         # large model may exhaust host memory). Use a fixed size on CPU instead.
         batch_size = CPU_BATCH_SIZE
     try:
-        return HFLM(
-            pretrained=str(model_dir),
-            device=device,
-            dtype=cfg.dtype,
-            batch_size=batch_size,
-            max_batch_size=cfg.max_batch_size,
-        )
+        model = load_hf_model(model_dir, dtype=cfg.dtype, device=device)
+        tokenizer = load_tokenizer(model_dir)
     except Exception as exc:
         raise ModelLoadError(f"cannot load the HF model in {model_dir}: {exc}") from exc
+    return HFLM(
+        pretrained=model,
+        tokenizer=tokenizer,
+        batch_size=batch_size,
+        max_batch_size=cfg.max_batch_size,
+    )
 
 
 def summarize(

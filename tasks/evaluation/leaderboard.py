@@ -1,4 +1,4 @@
-"""The leaderboard over every evaluated checkpoint, its plots, and each task's signal quality.
+"""The ``leaderboard`` step: every evaluated model x task, plots, each task's signal quality.
 
 Signal quality answers "is this task worth watching at this scale?":
 
@@ -20,29 +20,56 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-import fsspec
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
 
-from llmflow.tasks.evaluation.checkpoints import COMMIT_MARKER
 from llmflow.tasks.evaluation.harness import RESULTS_FILE
+from llmflow.tasks.evaluation.models import read_progress
+from llmflow.tasks.framework.errors import BadInputError
+from llmflow.tasks.framework.step import Metrics, report_markdown, step
 
 MIN_MONOTONICITY = 0.5  # Spearman below this: the task does not track training (yet)
 MIN_SNR = 2.0  # a training trend under twice the seed noise cannot rank runs
 
 
-def load_results(results_root: str) -> list[dict[str, Any]]:
-    """Every committed ``results.json`` under ``{results_root}/{checkpoint}/{suite}/``."""
-    fs, root = fsspec.core.url_to_fs(results_root)
-    root = root.rstrip("/")
-    if not fs.exists(root):
-        return []
-    records = []
-    for path in sorted(fs.glob(f"{root}/*/*/{RESULTS_FILE}")):
-        folder = path.rsplit("/", 1)[0]
-        if fs.exists(f"{folder}/{COMMIT_MARKER}"):
-            with fs.open(path, "r") as f:
-                records.append(json.load(f))
-    return records
+class LeaderboardConfig(BaseModel):
+    """Which evaluations make one leaderboard, with their labels in order."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    labels: list[str] = Field(description="One label per evaluated model, in input order.")
+
+
+@step("leaderboard")
+def leaderboard(
+    cfg: LeaderboardConfig, evaluations: list[Path], models: list[Path], out: Path
+) -> Metrics:
+    """Every evaluated model x task in one table, plots against tokens seen, signal quality."""
+    if not len(cfg.labels) == len(evaluations) == len(models):
+        raise BadInputError(
+            f"leaderboard: {len(cfg.labels)} labels, {len(evaluations)} evaluations and "
+            f"{len(models)} models; give one label and one model per evaluation"
+        )
+    records = [
+        _record(label, evaluation, model)
+        for label, evaluation, model in zip(cfg.labels, evaluations, models, strict=True)
+    ]
+    summary = build_leaderboard(records, out)
+    wide = json.loads((out / "leaderboard.json").read_text())
+    quality = (out / "signal_quality.md").read_text()
+    report_markdown(
+        "leaderboard",
+        f"## Leaderboard\n\n{markdown_table(wide)}\n\n## Signal quality\n\n{quality}",
+        "Every model x task, and which tasks are worth watching",
+    )
+    return summary
+
+
+def _record(label: str, evaluation: Path, model: Path) -> dict[str, Any]:
+    """One evaluation's results with the model's label and progress (its progress.json)."""
+    record = json.loads((evaluation / RESULTS_FILE).read_text())
+    record["checkpoint"] = {"key": label, "seed": None, **read_progress(model)}
+    return record
 
 
 def leaderboard_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -71,30 +98,34 @@ def leaderboard_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def update_leaderboard(results_root: str, out_dir: Path) -> dict[str, Any]:
-    """Write the leaderboard (CSV + markdown), plots and signal quality into ``out_dir``.
+def build_leaderboard(records: list[dict[str, Any]], out_dir: Path) -> dict[str, Any]:
+    """Write the leaderboard (JSON, CSV, markdown), plots and signal quality into ``out_dir``.
 
-    Files: ``leaderboard.csv`` / ``.md`` (checkpoint x task:metric), ``leaderboard_long.csv``,
-    ``signal_quality.csv`` / ``.md``, ``plots/<task>__<metric>.png``.
+    Args:
+        records: ``results.json`` records, each with a ``checkpoint`` entry (``key``,
+            ``tokens_seen``, ``step``, ``seed``).
+        out_dir: An existing directory. Files: ``leaderboard.json`` / ``.csv`` / ``.md``
+            (checkpoint x task:metric), ``leaderboard_long.csv``, ``signal_quality.csv`` /
+            ``.md``, ``plots/<task>__<metric>.png``.
 
     Returns:
         Counts and the number of metrics worth watching (JSON scalars).
     """
     out_dir = Path(out_dir)
-    rows = leaderboard_rows(load_results(results_root))
+    rows = leaderboard_rows(records)
     _write_csv(out_dir / "leaderboard_long.csv", rows)
     wide = wide_table(rows)
+    (out_dir / "leaderboard.json").write_text(json.dumps(wide, indent=1))
     _write_csv(out_dir / "leaderboard.csv", wide)
     (out_dir / "leaderboard.md").write_text(markdown_table(wide))
     quality = signal_quality(rows)
     _write_csv(out_dir / "signal_quality.csv", quality)
     (out_dir / "signal_quality.md").write_text(markdown_table(quality))
-    num_plots = plot_metrics(rows, out_dir / "plots")
     return {
-        "num_checkpoints": len({(r["suite_key"], r["checkpoint"]) for r in rows}),
+        "num_models": len({(r["suite_key"], r["checkpoint"]) for r in rows}),
         "num_metrics": len(quality),
         "num_worth_watching": sum(1 for q in quality if q["worth_watching"]),
-        "num_plots": num_plots,
+        "num_plots": plot_metrics(rows, out_dir / "plots"),
     }
 
 

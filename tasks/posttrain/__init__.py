@@ -1,7 +1,7 @@
 """Post-training: SFT and DPO through TRL, on chat and preference data in common formats.
 
-Plain, Prefect-free entry points (``sft``, ``dpo``) take a config, local input folders and a
-local output folder, and return headline metrics.
+The steps ``sft`` (``sft.py``) and ``dpo`` (``dpo.py``) take a model output whose ``hf/`` holds
+the model, write the trained model into their own ``hf/``, and return headline metrics.
 """
 
 from __future__ import annotations

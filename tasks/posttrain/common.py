@@ -10,16 +10,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import fsspec
 import torch
-from transformers import (
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-    Trainer,
-)
+from fsspec.implementations.local import LocalFileSystem
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer
 
+from llmflow.tasks.evaluation.models import hf_dir, load_hf_model, load_tokenizer, write_progress
 from llmflow.tasks.framework.errors import BadInputError
+from llmflow.tasks.framework.step import RawFiles
 from llmflow.tasks.posttrain.formats import (
     Message,
     Record,
@@ -28,7 +26,8 @@ from llmflow.tasks.posttrain.formats import (
     write_jsonl,
 )
 
-MODEL_SUBDIR = "model"
+# Execution-only fields the trainers read (common_training_args): they leave the hash out.
+TRAIN_EXECUTION = ("gradient_checkpointing", "logging_steps", "dataloader_num_workers")
 REJECTS_FILE = "rejects.jsonl"
 METRICS_FILE = "metrics.json"
 END_OF_TURN = "<|im_end|>"
@@ -47,13 +46,13 @@ def load_normalized(
     return kept, rejects + too_long
 
 
-def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
+def chat_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
     """The tokenizer saved beside a model, which must carry a chat template.
 
     Raises:
         BadInputError: the tokenizer has no chat template.
     """
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    tokenizer = load_tokenizer(model_dir)
     if not tokenizer.chat_template:
         raise BadInputError(
             f"the tokenizer in {model_dir} has no chat_template; post-training needs one"
@@ -65,11 +64,28 @@ def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def load_model(model_dir: Path, attn_implementation: str) -> PreTrainedModel:
+def train_model(model_dir: Path, attn_implementation: str) -> PreTrainedModel:
     """Any causal LM saved in HF format, in float32 (mixed precision is the trainer's job)."""
-    return AutoModelForCausalLM.from_pretrained(
-        str(model_dir), dtype=torch.float32, attn_implementation=attn_implementation
-    )
+    return load_hf_model(model_dir, dtype="float32", attn_implementation=attn_implementation)
+
+
+def local_data(data: RawFiles | None, out_dir: Path) -> Path | None:
+    """The user's one data file as a local path (a remote file is copied into ``out_dir``).
+
+    Raises:
+        BadInputError: more than one file was given.
+    """
+    if data is None:
+        return None
+    if len(data) != 1:
+        raise BadInputError(f"post-training reads one data file, got {len(data)}: {list(data)}")
+    fs, path = fsspec.core.url_to_fs(data[0])
+    if isinstance(fs, LocalFileSystem):
+        return Path(path)
+    target = Path(out_dir) / "data" / Path(path).name
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fs.get_file(path, str(target))
+    return target
 
 
 def prompt_length(tokenizer: PreTrainedTokenizerBase, prompt: list[Message]) -> int:
@@ -179,11 +195,13 @@ def write_metrics(out_dir: Path, metrics: dict[str, Any]) -> None:
 
 
 def finish_step(trainer: Trainer, out_dir: Path, metrics: dict[str, Any]) -> None:
-    """Export the model and write metrics.json from the main process; drop the empty trainer dir."""
+    """From the main process: the model into ``hf/``, metrics.json, progress.json (no
+    pretraining progress of its own); drop the empty trainer dir."""
     if trainer.is_world_process_zero():
-        export_model(trainer.model, trainer.processing_class, Path(out_dir) / MODEL_SUBDIR)
+        export_model(trainer.model, trainer.processing_class, hf_dir(out_dir))
         remove_if_empty(Path(trainer.args.output_dir))
         write_metrics(out_dir, metrics)
+        write_progress(out_dir, tokens_seen=None, step=None)
 
 
 def offline_environment() -> None:

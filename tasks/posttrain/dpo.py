@@ -1,4 +1,4 @@
-"""Direct preference optimization through TRL's DPOTrainer (plain, Prefect-free).
+"""The ``dpo`` step: direct preference optimization through TRL's DPOTrainer.
 
 The reference model is the SFT model (a second, frozen copy loaded from the same folder).
 Held-out pairs are scored before and after training two ways:
@@ -23,15 +23,19 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from trl import DPOConfig, DPOTrainer
 from trl.trainer.dpo_trainer import DataCollatorForPreference
 
+from llmflow.tasks.evaluation.models import hf_dir
+from llmflow.tasks.framework.step import Metrics, RawFiles, report_table, step
 from llmflow.tasks.posttrain.common import (
+    TRAIN_EXECUTION,
+    chat_tokenizer,
     common_training_args,
     finish_step,
-    load_model,
     load_normalized,
-    load_tokenizer,
+    local_data,
     offline_environment,
     require_examples,
     split_heldout,
+    train_model,
     write_rejects,
 )
 from llmflow.tasks.posttrain.config import DPOStepConfig
@@ -136,8 +140,8 @@ def preference_accuracy(
         ``preference_accuracy`` (summed log-probs), ``preference_accuracy_length_normalized``
         (per-token means), ``logp_margin`` (mean summed chosen minus rejected).
     """
-    model = load_model(model_dir, "sdpa")
-    logps = response_logps(model, load_tokenizer(model_dir), pairs, max_length, batch_size)
+    model = train_model(model_dir, "sdpa")
+    logps = response_logps(model, chat_tokenizer(model_dir), pairs, max_length, batch_size)
     return preference_metrics(logps)
 
 
@@ -170,12 +174,12 @@ def build_dpo_trainer(
 ) -> DPOTrainer:
     """A DPOTrainer whose policy and frozen reference both start from the SFT model."""
     return DPOTrainer(
-        model=load_model(sft_model_dir, cfg.attn_implementation),
-        ref_model=load_model(sft_model_dir, cfg.attn_implementation),
+        model=train_model(sft_model_dir, cfg.attn_implementation),
+        ref_model=train_model(sft_model_dir, cfg.attn_implementation),
         args=dpo_training_args(cfg, out_dir),
         train_dataset=Dataset.from_list(train),
         eval_dataset=Dataset.from_list(heldout) if heldout else None,
-        processing_class=load_tokenizer(sft_model_dir),
+        processing_class=chat_tokenizer(sft_model_dir),
     )
 
 
@@ -213,20 +217,20 @@ def heldout_rows(metrics: dict[str, Any]) -> list[dict[str, Any]]:
 
 def prepare_pairs(cfg: DPOStepConfig, model_dir: Path, data_file: Path) -> tuple[list, list]:
     """Load, normalize and length-check pairs; rejects carry the record index and reason."""
-    tokenizer = load_tokenizer(model_dir)
+    tokenizer = chat_tokenizer(model_dir)
     return load_normalized(data_file, normalize_preference, tokenizer, cfg.max_length, "prompt")
 
 
-def dpo(
-    cfg: DPOStepConfig, sft_model_dir: Path, out_dir: Path, data_path: Path | None = None
-) -> dict[str, Any]:
-    """Align an SFT model on preference pairs with DPO and export it in HF format.
+@step("dpo", gpu=True, execution=TRAIN_EXECUTION)
+def dpo(cfg: DPOStepConfig, model: Path, out: Path, data: RawFiles | None = None) -> Metrics:
+    """DPO of an SFT model output (also the frozen reference) with TRL; the model lands in hf/.
 
     Args:
         cfg: The step config.
-        sft_model_dir: Local HF folder of the SFT model; also the frozen reference.
-        out_dir: Existing local folder; receives ``model/``, ``rejects.jsonl``, ``metrics.json``.
-        data_path: Local data file; overrides ``cfg.data``.
+        model: The SFT model output; its ``hf/`` is the policy's start and the reference.
+        out: Existing local folder; receives ``hf/``, ``rejects.jsonl``, ``metrics.json``,
+            ``progress.json``.
+        data: The user's preference file (overrides ``cfg.data``); None: ``cfg.data``.
 
     Returns:
         Headline metrics: pair and reject counts, train loss, and on held-out pairs before and
@@ -236,13 +240,13 @@ def dpo(
         BadInputError: no usable pair survives loading and length checks.
     """
     offline_environment()
-    out_dir = Path(out_dir)
-    data_file = resolve_dpo_data(cfg, out_dir, data_path)
+    sft_model_dir = hf_dir(model)
+    data_file = resolve_dpo_data(cfg, out, local_data(data, out))
     pairs, rejects = prepare_pairs(cfg, sft_model_dir, data_file)
-    metrics: dict[str, Any] = write_rejects(out_dir, rejects)
+    metrics: dict[str, Any] = write_rejects(out, rejects)
     require_examples(pairs, "preference pairs", str(data_file), rejects)
     train, heldout = split_heldout(pairs, cfg.num_heldout, cfg.seed)
-    trainer = build_dpo_trainer(cfg, sft_model_dir, out_dir, train, heldout)
+    trainer = build_dpo_trainer(cfg, sft_model_dir, out, train, heldout)
     metrics.update(evaluate_heldout(trainer, heldout, cfg, "before"))
     result = trainer.train()
     metrics.update(evaluate_heldout(trainer, heldout, cfg, "after"))
@@ -254,6 +258,9 @@ def dpo(
         train_loss=result.training_loss,
         beta=cfg.beta,
     )
-    finish_step(trainer, out_dir, metrics)
+    finish_step(trainer, out, metrics)
+    report_table(
+        "dpo-heldout", heldout_rows(metrics), "Held-out preference metrics before and after DPO"
+    )
     logger.info("dpo done: %s", metrics)
     return metrics

@@ -1,4 +1,4 @@
-"""Supervised fine-tuning on chat data through TRL's SFTTrainer (plain, Prefect-free).
+"""The ``sft`` step: supervised fine-tuning on chat data through TRL's SFTTrainer.
 
 Loss is on assistant tokens only: the chat template wraps assistant content in
 ``{% generation %}...{% endgeneration %}``, TRL asks for the assistant mask and sets every other
@@ -27,15 +27,19 @@ from typing import Any
 from datasets import Dataset
 from trl import SFTConfig, SFTTrainer
 
+from llmflow.tasks.evaluation.models import hf_dir
+from llmflow.tasks.framework.step import Metrics, RawFiles, step
 from llmflow.tasks.posttrain.common import (
+    TRAIN_EXECUTION,
+    chat_tokenizer,
     common_training_args,
     finish_step,
-    load_model,
     load_normalized,
-    load_tokenizer,
+    local_data,
     offline_environment,
     require_examples,
     split_heldout,
+    train_model,
     write_rejects,
 )
 from llmflow.tasks.posttrain.config import SFTStepConfig
@@ -70,9 +74,9 @@ def build_sft_trainer(
     cfg: SFTStepConfig, model_dir: Path, out_dir: Path, train: list[Record], heldout: list[Record]
 ) -> SFTTrainer:
     """An SFTTrainer over normalized conversations (``{"messages": [...]}``)."""
-    tokenizer = load_tokenizer(model_dir)
+    tokenizer = chat_tokenizer(model_dir)
     return SFTTrainer(
-        model=load_model(model_dir, cfg.attn_implementation),
+        model=train_model(model_dir, cfg.attn_implementation),
         args=sft_training_args(cfg, out_dir),
         train_dataset=Dataset.from_list(train),
         eval_dataset=Dataset.from_list(heldout) if heldout else None,
@@ -84,20 +88,21 @@ def prepare_sft_examples(
     cfg: SFTStepConfig, model_dir: Path, data_file: Path
 ) -> tuple[list[Record], list[Record]]:
     """Load, normalize and length-check examples; rejects carry the record index and reason."""
-    tokenizer = load_tokenizer(model_dir)
+    tokenizer = chat_tokenizer(model_dir)
     return load_normalized(data_file, normalize_sft, tokenizer, cfg.max_length, "messages")
 
 
-def sft(
-    cfg: SFTStepConfig, model_dir: Path, out_dir: Path, data_path: Path | None = None
-) -> dict[str, Any]:
-    """Fine-tune a causal LM on chat data and export it in HF format.
+@step("sft", gpu=True, execution=TRAIN_EXECUTION)
+def sft(cfg: SFTStepConfig, model: Path, out: Path, data: RawFiles | None = None) -> Metrics:
+    """Supervised fine-tuning of a model output with TRL; the chat model lands in hf/.
 
     Args:
         cfg: The step config.
-        model_dir: Local HF model folder (model + tokenizer with a chat template).
-        out_dir: Existing local folder; receives ``model/``, ``rejects.jsonl``, ``metrics.json``.
-        data_path: Local data file; overrides ``cfg.data`` (the flow passes the fetched file).
+        model: A model output (export, sft, dpo) whose ``hf/`` holds the model and a tokenizer
+            with a chat template.
+        out: Existing local folder; receives ``hf/``, ``rejects.jsonl``, ``metrics.json``,
+            ``progress.json``.
+        data: The user's data file (overrides ``cfg.data``); None: ``cfg.data``.
 
     Returns:
         Headline metrics: example and reject counts, held-out loss before and after, train loss.
@@ -106,13 +111,13 @@ def sft(
         BadInputError: no usable example survives loading and length checks.
     """
     offline_environment()
-    out_dir = Path(out_dir)
-    data_file = resolve_sft_data(cfg, out_dir, data_path)
+    model_dir = hf_dir(model)
+    data_file = resolve_sft_data(cfg, out, local_data(data, out))
     examples, rejects = prepare_sft_examples(cfg, model_dir, data_file)
-    metrics: dict[str, Any] = write_rejects(out_dir, rejects)
+    metrics: dict[str, Any] = write_rejects(out, rejects)
     require_examples(examples, "SFT examples", str(data_file), rejects)
     train, heldout = split_heldout(examples, cfg.num_heldout, cfg.seed)
-    trainer = build_sft_trainer(cfg, model_dir, out_dir, train, heldout)
+    trainer = build_sft_trainer(cfg, model_dir, out, train, heldout)
     if heldout:
         metrics["heldout_loss_before"] = trainer.evaluate()["eval_loss"]
     result = trainer.train()
@@ -125,6 +130,6 @@ def sft(
         num_steps=result.global_step,
         train_loss=result.training_loss,
     )
-    finish_step(trainer, out_dir, metrics)
+    finish_step(trainer, out, metrics)
     logger.info("sft done: %s", metrics)
     return metrics

@@ -21,7 +21,14 @@ def test_unknown_field_rejected():
 
 
 def test_execution_fields_not_versioned():
-    a = EvalConfig(batch_size="auto", device=None, log_samples=False, data_root=None)
-    b = EvalConfig(batch_size=8, device="cpu", log_samples=True, data_root="/elsewhere")
+    a = EvalConfig(batch_size="auto", device=None, log_samples=False, max_batch_size=64)
+    b = EvalConfig(batch_size=8, device="cpu", log_samples=True, max_batch_size=8)
     assert versioned_fields(a) == versioned_fields(b)
     assert versioned_fields(a) != versioned_fields(EvalConfig(limit=3))
+
+
+def test_data_root_is_hashed():
+    """Another folder of real eval sets may hold other data: its scores are another output."""
+    assert versioned_fields(EvalConfig(data_root="/a")) != versioned_fields(
+        EvalConfig(data_root="/b")
+    )

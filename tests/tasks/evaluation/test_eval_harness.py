@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from llmflow.tasks.evaluation.config import EvalConfig
-from llmflow.tasks.evaluation.harness import EvalTaskError, ModelLoadError, evaluate, table_rows
+from llmflow.tasks.evaluation.harness import EvalTaskError, ModelLoadError, evaluate_hf, table_rows
 from llmflow.tasks.evaluation.suite import build_suite
 
 DOC = "The quick brown fox jumps over the lazy dog.\nWhat is 3 + 4? The answer is 7.\n"
@@ -31,7 +31,7 @@ def test_perplexity_matches_hand_computation(tmp_path, tiny_model):
     out = tmp_path / "out"
     out.mkdir()
     cfg = EvalConfig(tasks=["ppl_prose"], batch_size=1, device="cpu", log_samples=True)
-    metrics = evaluate(cfg, tiny_model, out, heldout_dir=heldout)
+    metrics = evaluate_hf(cfg, tiny_model, out, heldout_dir=heldout)
 
     tok, model = _loaded(tiny_model)
     ids = tok.encode(DOC, add_special_tokens=False)
@@ -83,7 +83,7 @@ def test_exact_match_on_crafted_items(tmp_path, tiny_model):
     (suite / "data" / "arith.jsonl").write_text("".join(json.dumps(i) + "\n" for i in items))
     out = tmp_path / "out"
     out.mkdir()
-    metrics = evaluate(cfg, tiny_model, out, suite_dir=suite)
+    metrics = evaluate_hf(cfg, tiny_model, out, suite_dir=suite)
     assert metrics["gen_arith/exact_match"] == pytest.approx(0.5)
 
 
@@ -95,7 +95,7 @@ def test_bundled_suite_runs_fast_on_tiny_model(tmp_path, tiny_model, heldout_dir
     )
     out = tmp_path / "out"
     out.mkdir()
-    metrics = evaluate(cfg, tiny_model, out, heldout_dir=heldout_dir)
+    metrics = evaluate_hf(cfg, tiny_model, out, heldout_dir=heldout_dir)
     for key in ["ppl_code/bits_per_byte", "ppl_prose/word_perplexity", "cf_arith/acc",
                 "cf_arith/acc_norm", "mcf_arith/acc", "gen_arith/exact_match", "mcf_facts/acc"]:  # fmt: skip
         assert key in metrics
@@ -108,18 +108,18 @@ def test_unknown_task_or_absent_data_named(tmp_path, tiny_model):
     cfg = EvalConfig(tasks=["cf_arith", "no_such_task_xyz"], limit=2, device="cpu")
     suite = build_suite(cfg, None, tmp_path / "suite")
     with pytest.raises(EvalTaskError, match="no_such_task_xyz"):
-        evaluate(cfg, tiny_model, tmp_path, suite_dir=suite)
+        evaluate_hf(cfg, tiny_model, tmp_path, suite_dir=suite)
     # lm-eval's own piqa needs the Hub, which is offline here
     cfg = EvalConfig(tasks=["cf_arith", "piqa"], limit=2, device="cpu")
     with pytest.raises(EvalTaskError, match="'piqa': cannot load its data"):
-        evaluate(cfg, tiny_model, tmp_path, suite_dir=suite)
+        evaluate_hf(cfg, tiny_model, tmp_path, suite_dir=suite)
 
 
 def test_bundled_task_without_its_data_named(tmp_path, tiny_model):
     with pytest.raises(EvalTaskError, match="ppl_prose.*heldout_dir is None"):
-        evaluate(EvalConfig(tasks=["ppl_prose"]), tiny_model, tmp_path)
+        evaluate_hf(EvalConfig(tasks=["ppl_prose"]), tiny_model, tmp_path)
     with pytest.raises(EvalTaskError, match="piqa_local.*data_root"):
-        evaluate(EvalConfig(tasks=["piqa_local"]), tiny_model, tmp_path)
+        evaluate_hf(EvalConfig(tasks=["piqa_local"]), tiny_model, tmp_path)
 
 
 def test_truncated_weights_named(tmp_path, tiny_model):
@@ -128,7 +128,7 @@ def test_truncated_weights_named(tmp_path, tiny_model):
     weights = broken / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     with pytest.raises(ModelLoadError, match=str(broken)):
-        evaluate(EvalConfig(tasks=["cf_arith"], limit=2, device="cpu"), broken, tmp_path)
+        evaluate_hf(EvalConfig(tasks=["cf_arith"], limit=2, device="cpu"), broken, tmp_path)
 
 
 @pytest.mark.slow
@@ -141,17 +141,7 @@ def test_real_sets_evaluate(tmp_path, tiny_model, shared_eval_dir):
     )
     out = tmp_path / "out"
     out.mkdir()
-    metrics = evaluate(cfg, tiny_model, out)
+    metrics = evaluate_hf(cfg, tiny_model, out)
     assert 0.0 <= metrics["piqa_local/acc"] <= 1.0
     assert metrics["wikitext2_local/word_perplexity"] > 1.0
     assert metrics["gsm8k_local/exact_match:strict-match"] == 0.0
-
-
-def test_resolve_hf_dir(tmp_path):
-    from llmflow.tasks.evaluation.harness import resolve_hf_dir
-
-    (tmp_path / "hf").mkdir()
-    (tmp_path / "hf" / "config.json").write_text("{}")
-    assert resolve_hf_dir(tmp_path) == tmp_path / "hf"
-    (tmp_path / "config.json").write_text("{}")
-    assert resolve_hf_dir(tmp_path) == tmp_path

@@ -6,11 +6,10 @@ import json
 import pytest
 
 from llmflow.tasks.evaluation.leaderboard import (
-    load_results,
+    build_leaderboard,
     seed_spread,
     signal_quality,
     spearman,
-    update_leaderboard,
 )
 
 
@@ -63,49 +62,51 @@ def test_signal_quality_signs_and_snr():
     assert mcf["monotonicity"] == pytest.approx(-0.5) and mcf["worth_watching"] is False
 
 
-def _write_record(root, key, suite, tokens, acc, committed=True, seed=None):
-    folder = root / key / suite
-    folder.mkdir(parents=True)
-    record = {
+def _record(key, suite, tokens, acc, seed=None):
+    return {
         "suite_key": suite,
         "metrics": {"cf_arith": {"acc": acc, "acc_stderr": 0.1}},
         "higher_is_better": {"cf_arith": {"acc": True}},
         "checkpoint": {"key": key, "step": tokens // 10, "tokens_seen": tokens, "seed": seed},
     }
-    (folder / "results.json").write_text(json.dumps(record))
-    if committed:
-        (folder / "_COMMITTED").write_text("ok")
 
 
-def test_update_leaderboard_files(tmp_path):
-    results = tmp_path / "results"
-    _write_record(results, "b", "s1", 2000, 0.5)
-    _write_record(results, "a", "s1", 1000, 0.25)
-    _write_record(results, "c", "s1", 3000, 0.75, committed=False)  # still being written
-    assert len(load_results(str(results))) == 2
-    out = tmp_path / "board"
-    out.mkdir()
-    summary = update_leaderboard(str(results), out)
+def test_build_leaderboard_files(tmp_path):
+    records = [_record("b", "s1", 2000, 0.5), _record("a", "s1", 1000, 0.25)]
+    summary = build_leaderboard(records, tmp_path)
     assert summary == {
-        "num_checkpoints": 2,
+        "num_models": 2,
         "num_metrics": 1,
         "num_worth_watching": 1,
         "num_plots": 1,
     }
-    with open(out / "leaderboard.csv") as f:
+    with open(tmp_path / "leaderboard.csv") as f:
         table = list(csv.DictReader(f))
     assert [(r["checkpoint"], r["tokens_seen"], r["cf_arith/acc"]) for r in table] == [
         ("a", "1000", "0.25"),
         ("b", "2000", "0.5"),
     ]
-    assert "| a | s1 | 100 | 1000 |  | 0.25 |" in (out / "leaderboard.md").read_text()
-    with open(out / "signal_quality.csv") as f:
+    wide = json.loads((tmp_path / "leaderboard.json").read_text())
+    assert [r["checkpoint"] for r in wide] == ["a", "b"] and wide[1]["cf_arith/acc"] == 0.5
+    assert "| a | s1 | 100 | 1000 |  | 0.25 |" in (tmp_path / "leaderboard.md").read_text()
+    with open(tmp_path / "leaderboard_long.csv") as f:
+        assert len(list(csv.DictReader(f))) == 2  # stderrs left out
+    with open(tmp_path / "signal_quality.csv") as f:
         (quality,) = list(csv.DictReader(f))
     assert float(quality["monotonicity"]) == pytest.approx(1.0) and quality["x"] == "tokens_seen"
-    assert (out / "plots" / "cf_arith__acc.png").exists()
+    assert (tmp_path / "plots" / "cf_arith__acc.png").exists()
 
 
-def test_empty_results_root(tmp_path):
-    summary = update_leaderboard(str(tmp_path / "nothing"), tmp_path)
-    assert summary["num_checkpoints"] == 0
+def test_models_without_tokens_seen_plot_against_step(tmp_path):
+    records = [_record("a", "s", 1000, 0.2), _record("b", "s", 2000, 0.4)]
+    records.append({**_record("sft", "s", 0, 0.9), "checkpoint": {"key": "sft"}})
+    build_leaderboard(records, tmp_path)
+    with open(tmp_path / "signal_quality.csv") as f:
+        (quality,) = list(csv.DictReader(f))
+    assert quality["x"] == "step" and quality["num_checkpoints"] == "2"
+
+
+def test_empty_leaderboard(tmp_path):
+    summary = build_leaderboard([], tmp_path)
+    assert summary["num_models"] == 0
     assert (tmp_path / "leaderboard.md").read_text() == "_no results yet_\n"

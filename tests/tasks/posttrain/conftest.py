@@ -106,12 +106,18 @@ def tokenizer():
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory, tokenizer) -> Path:
-    """A randomly initialized tiny Llama + tokenizer, saved with save_pretrained (safetensors)."""
+def tiny_model_output(tmp_path_factory, tokenizer) -> Path:
+    """A model output: a randomly initialized tiny Llama + tokenizer in its ``hf/``."""
     path = tmp_path_factory.mktemp("tiny_llama")
-    build_tiny_llama(tokenizer).save_pretrained(path, safe_serialization=True)
-    tokenizer.save_pretrained(path)
+    build_tiny_llama(tokenizer).save_pretrained(path / "hf", safe_serialization=True)
+    tokenizer.save_pretrained(path / "hf")
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tiny_model_output) -> Path:
+    """The tiny Llama's Hugging Face folder."""
+    return tiny_model_output / "hf"
 
 
 def _assert_chats(model_dir: Path) -> None:

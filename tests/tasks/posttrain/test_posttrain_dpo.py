@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from llmflow.tasks.framework.errors import BadInputError
+from llmflow.tasks.framework.step import RawFiles
 from llmflow.tasks.posttrain.config import DPOStepConfig, SFTStepConfig
 from llmflow.tasks.posttrain.dpo import (
     build_dpo_trainer,
@@ -85,10 +86,10 @@ def test_response_logps_by_hand(tiny_model_dir, tokenizer):
     assert metrics["preference_accuracy"] == float(ours["chosen"] > ours["rejected"])
 
 
-def test_dpo_quickstart_fast(tiny_model_dir, tmp_path, assert_chats):
+def test_dpo_quickstart_fast(tiny_model_output, tmp_path, assert_chats):
     """A few steps from the tiny model: metrics before/after, rejects, HF export that chats."""
     cfg = DPOStepConfig(**{**FAST, "max_steps": 6, "learning_rate": 3e-3, "num_heldout": 24})
-    metrics = dpo(cfg, tiny_model_dir, tmp_path)
+    metrics = dpo(cfg, tiny_model_output, tmp_path)
     # policy == reference before training: every implicit reward margin is exactly zero
     assert metrics["heldout_rewards_margins_before"] == 0.0
     assert metrics["heldout_rewards_accuracies_before"] == 0.0
@@ -96,8 +97,9 @@ def test_dpo_quickstart_fast(tiny_model_dir, tmp_path, assert_chats):
     assert metrics["num_steps"] == 6 and metrics["num_rejected"] == 0
     assert metrics["heldout_rewards_margins_after"] > 0
     assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "hf",
         "metrics.json",
-        "model",
+        "progress.json",
         "quickstart_preferences.jsonl",
         "rejects.jsonl",
     ]
@@ -109,16 +111,16 @@ def test_dpo_quickstart_fast(tiny_model_dir, tmp_path, assert_chats):
     assert before["when"] == "before" and after["when"] == "after"
     assert before["rewards_margins"] == 0.0 and set(before) == set(after)
     assert after["preference_accuracy"] == metrics["heldout_preference_accuracy_after"]
-    assert_chats(tmp_path / "model")
+    assert_chats(tmp_path / "hf")
 
 
 @pytest.mark.slow
-def test_sft_then_dpo_raises_heldout_preference_accuracy(tiny_model_dir, tmp_path):
+def test_sft_then_dpo_raises_heldout_preference_accuracy(tiny_model_output, tmp_path):
     """The quickstart recipe: SFT on noisy arithmetic chat, then DPO on preference pairs."""
     sft_out, dpo_out = tmp_path / "sft", tmp_path / "dpo"
     sft_out.mkdir(), dpo_out.mkdir()
-    sft(SFTStepConfig(), tiny_model_dir, sft_out)  # the defaults are the quickstart recipe
-    metrics = dpo(DPOStepConfig(), sft_out / "model", dpo_out)
+    sft(SFTStepConfig(), tiny_model_output, sft_out)  # the defaults are the quickstart recipe
+    metrics = dpo(DPOStepConfig(), sft_out, dpo_out)
     before = metrics["heldout_preference_accuracy_before"]
     after = metrics["heldout_preference_accuracy_after"]
     assert after >= before + 0.2, (before, after)
@@ -126,7 +128,7 @@ def test_sft_then_dpo_raises_heldout_preference_accuracy(tiny_model_dir, tmp_pat
     assert metrics["heldout_rewards_margins_after"] > 0
 
 
-def test_dpo_rejects_and_zero_usable_pairs(tiny_model_dir, tmp_path):
+def test_dpo_rejects_and_zero_usable_pairs(tiny_model_output, tmp_path):
     bad = [
         {"prompt": "Q", "chosen": "same", "rejected": "same"},
         {"prompt": "Q", "chosen": "", "rejected": "no"},
@@ -137,8 +139,8 @@ def test_dpo_rejects_and_zero_usable_pairs(tiny_model_dir, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     with pytest.raises(BadInputError, match=r"no usable preference pairs .*chosen_equals_rejected"):
-        dpo(DPOStepConfig(**FAST), tiny_model_dir, out, data)
-    assert not (out / "model").exists()
+        dpo(DPOStepConfig(**FAST), tiny_model_output, out, RawFiles((str(data),)))
+    assert not (out / "hf").exists()
     rejects = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
     assert [(r["index"], r["reason"]) for r in rejects] == [
         (0, "chosen_equals_rejected"),
@@ -147,7 +149,7 @@ def test_dpo_rejects_and_zero_usable_pairs(tiny_model_dir, tmp_path):
     ]
 
 
-def test_dpo_on_real_hh_rlhf_transcripts(tiny_model_dir, tmp_path, shared_data):
+def test_dpo_on_real_hh_rlhf_transcripts(tiny_model_output, tmp_path, shared_data):
     records = read_records(shared_data / "dpo" / "hh_rlhf_harmless_base_test.jsonl.gz")[:40]
     data = tmp_path / "hh.jsonl.gz"
     with gzip.open(data, "wt", encoding="utf-8") as f:
@@ -155,8 +157,8 @@ def test_dpo_on_real_hh_rlhf_transcripts(tiny_model_dir, tmp_path, shared_data):
     out = tmp_path / "out"
     out.mkdir()
     cfg = DPOStepConfig(max_length=256, per_device_batch_size=2, max_steps=2, num_heldout=4)
-    metrics = dpo(cfg, tiny_model_dir, out, data)
+    metrics = dpo(cfg, tiny_model_output, out, RawFiles((str(data),)))
     assert metrics["num_steps"] == 2
     assert metrics["num_pairs"] + metrics["num_rejected"] == 40
     assert metrics["num_pairs"] >= 8
-    assert (out / "model" / "config.json").exists()
+    assert (out / "hf" / "config.json").exists()

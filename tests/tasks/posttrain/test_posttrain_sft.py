@@ -8,13 +8,21 @@ import re
 import pytest
 import torch
 
+from llmflow.tasks.evaluation.models import read_progress
 from llmflow.tasks.framework.errors import BadInputError
+from llmflow.tasks.framework.step import RawFiles
 from llmflow.tasks.posttrain.config import SFTStepConfig
 from llmflow.tasks.posttrain.formats import write_jsonl
 from llmflow.tasks.posttrain.quickstart import quickstart_sft_examples
 from llmflow.tasks.posttrain.sft import build_sft_trainer, sft
 
 FAST = dict(max_length=64, per_device_batch_size=4, max_steps=3, num_heldout=4, logging_steps=1)
+
+
+def _raw(path) -> RawFiles:
+    return RawFiles((str(path),))
+
+
 ASSISTANT_SPAN = re.compile(r"<\|im_start\|>assistant\n(.*?<\|im_end\|>)", re.DOTALL)
 
 
@@ -85,18 +93,19 @@ def test_packed_row_has_no_cross_example_attention(
     assert not torch.allclose(leaky[: len(alone)], alone, atol=1e-3)
 
 
-def test_sft_quickstart_trains_and_exports_a_chat_model(tiny_model_dir, tmp_path, assert_chats):
+def test_sft_quickstart_trains_and_exports_a_chat_model(tiny_model_output, tmp_path, assert_chats):
     cfg = SFTStepConfig(**{**FAST, "max_steps": 6, "learning_rate": 3e-3})
-    metrics = sft(cfg, tiny_model_dir, tmp_path)
+    metrics = sft(cfg, tiny_model_output, tmp_path)
     assert metrics["num_steps"] == 6
     assert metrics["num_rejected"] == 0
     assert metrics["heldout_loss_after"] < metrics["heldout_loss_before"]
     assert json.loads((tmp_path / "metrics.json").read_text()) == metrics
     assert (tmp_path / "rejects.jsonl").read_text() == ""
-    assert_chats(tmp_path / "model")
+    assert read_progress(tmp_path) == {"tokens_seen": None, "step": None}
+    assert_chats(tmp_path / "hf")
 
 
-def test_sft_rejects_long_prompts_and_bad_records(tiny_model_dir, tmp_path):
+def test_sft_rejects_long_prompts_and_bad_records(tiny_model_output, tmp_path):
     records = quickstart_sft_examples(8, seed=3) + [
         {"messages": [{"role": "user", "content": "Q"}]},
         {
@@ -110,7 +119,7 @@ def test_sft_rejects_long_prompts_and_bad_records(tiny_model_dir, tmp_path):
     write_jsonl(data, records)
     out = tmp_path / "out"
     out.mkdir()
-    metrics = sft(SFTStepConfig(**{**FAST, "max_steps": 1}), tiny_model_dir, out, data)
+    metrics = sft(SFTStepConfig(**{**FAST, "max_steps": 1}), tiny_model_output, out, _raw(data))
     assert metrics["num_examples"] == 8
     assert metrics["rejected_no_assistant_turn"] == 1
     assert metrics["rejected_prompt_too_long"] == 1
@@ -121,24 +130,24 @@ def test_sft_rejects_long_prompts_and_bad_records(tiny_model_dir, tmp_path):
     ]
 
 
-def test_zero_usable_examples_fails_before_training(tiny_model_dir, tmp_path):
+def test_zero_usable_examples_fails_before_training(tiny_model_output, tmp_path):
     data = tmp_path / "bad.jsonl"
     write_jsonl(data, [{"messages": [{"role": "user", "content": "Q"}]}, {"text": "x"}])
     out = tmp_path / "out"
     out.mkdir()
     with pytest.raises(BadInputError, match=r"no usable SFT examples .*no_assistant_turn"):
-        sft(SFTStepConfig(**FAST), tiny_model_dir, out, data)
-    assert not (out / "model").exists()
+        sft(SFTStepConfig(**FAST), tiny_model_output, out, _raw(data))
+    assert not (out / "hf").exists()
     assert len((out / "rejects.jsonl").read_text().splitlines()) == 2
 
 
-def test_sft_on_real_sharegpt_file(tiny_model_dir, tmp_path, shared_data):
+def test_sft_on_real_sharegpt_file(tiny_model_output, tmp_path, shared_data):
     data = shared_data / "sft" / "fastchat_dummy_conversation.json"
     cfg = SFTStepConfig(max_length=128, per_device_batch_size=2, max_steps=2, num_heldout=2)
-    metrics = sft(cfg, tiny_model_dir, tmp_path, data)
+    metrics = sft(cfg, tiny_model_output, tmp_path, _raw(data))
     assert metrics["num_steps"] == 2
     assert metrics["num_examples"] + metrics["num_rejected"] == 500
-    assert (tmp_path / "model" / "config.json").exists()
+    assert (tmp_path / "hf" / "config.json").exists()
 
 
 def test_fixture_template_matches_the_project_tokenizer(tokenizer):
