@@ -1,8 +1,15 @@
-"""Context extension (RoPE ABF, then YaRN at inference) and its long-context evaluation."""
+"""Context extension (RoPE ABF, then YaRN at inference) and its long-context evaluation.
+
+Each extension stage is a pretrain step: ``extension_mixture`` gives its data and
+``extension_train_config`` its trainer config, both derived from the recipe's config here.
+"""
 
 from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from llmflow.tasks.dataprep.config import StageMixture
+from llmflow.tasks.pretrain.config import TrainConfig
 
 
 class ExtensionStage(BaseModel):
@@ -75,3 +82,32 @@ class ExtendConfig(BaseModel):
             "beta_fast": self.beta_fast,
             "beta_slow": self.beta_slow,
         }
+
+
+def extension_mixture(cfg: ExtendConfig, stage: ExtensionStage, seed: int) -> StageMixture:
+    """The packed data of one extension stage, at its sequence length."""
+    return StageMixture(
+        weights=cfg.weights,
+        num_tokens=stage.num_tokens,
+        seq_len=stage.seq_len,
+        max_epochs=cfg.max_epochs,
+        on_overflow="reweight",
+        seed=seed,
+    )
+
+
+def extension_train_config(base: TrainConfig, stage: ExtensionStage) -> TrainConfig:
+    """The trainer config of one extension stage: longer context, raised RoPE base, own schedule."""
+    return base.replaced(
+        model={"overrides": {"max_seq_len": stage.seq_len, "rope_theta": stage.rope_theta}},
+        optimizer={"lr": stage.lr},
+        schedule={
+            "name": "cosine",
+            "warmup_steps": stage.warmup_steps,
+            "total_steps": None,
+            "per_stage": True,
+        },
+        batch={"micro_batch_size": stage.micro_batch_size, "warmup_start_micro_batch": None},
+        max_steps=None,
+        num_tokens=stage.num_tokens,
+    )

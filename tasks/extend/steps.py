@@ -1,4 +1,4 @@
-"""Store adapters for context extension and the long-context evaluation (no Prefect)."""
+"""The long-context evaluation step (the extension stages themselves are pretrain steps)."""
 
 from __future__ import annotations
 
@@ -9,42 +9,9 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
-from llmflow.tasks.dataprep.config import StageMixture
-from llmflow.tasks.extend.config import ExtendConfig, ExtensionStage
-from llmflow.tasks.framework.store import StepContext
-from llmflow.tasks.pretrain.config import TrainConfig
-
-LONGCTX_VERSION = "1"
-
-
-def extension_mixture(cfg: ExtendConfig, stage: ExtensionStage, seed: int) -> StageMixture:
-    """The packed data of one extension stage, at its sequence length."""
-    return StageMixture(
-        weights=cfg.weights,
-        num_tokens=stage.num_tokens,
-        seq_len=stage.seq_len,
-        max_epochs=cfg.max_epochs,
-        on_overflow="reweight",
-        seed=seed,
-    )
-
-
-def extension_train_config(base: TrainConfig, stage: ExtensionStage) -> TrainConfig:
-    """The trainer config of one extension stage: longer context, raised RoPE base, own schedule."""
-    overrides = {
-        **base.model.overrides,
-        "max_seq_len": stage.seq_len,
-        "rope_theta": stage.rope_theta,
-    }
-    data = base.model_dump()
-    data["model"]["overrides"] = overrides
-    data["optimizer"]["lr"] = stage.lr
-    data["schedule"].update(
-        name="cosine", warmup_steps=stage.warmup_steps, total_steps=None, per_stage=True
-    )
-    data["batch"].update(micro_batch_size=stage.micro_batch_size, warmup_start_micro_batch=None)
-    data.update(max_steps=None, num_tokens=stage.num_tokens)
-    return TrainConfig.model_validate(data)
+from llmflow.tasks.extend.config import ExtendConfig, LongContextEvalConfig
+from llmflow.tasks.framework.errors import BadInputError
+from llmflow.tasks.framework.step import Metrics, report_table, step
 
 
 class LongContextEval(BaseModel):
@@ -88,65 +55,77 @@ def long_documents(tokenized: Path, min_tokens: int) -> tuple[list[np.ndarray], 
             ]
         if docs:
             return docs, split
-    raise ValueError(f"no document in {tokenized} has more than {min_tokens} tokens")
+    raise BadInputError(f"no document in {tokenized} has more than {min_tokens} tokens")
 
 
-def longctx_step(ctx: StepContext) -> dict[str, Any]:
+@step("longctx", version=1)
+def longctx(
+    cfg: LongContextEval, before: Path, after: Path, tokenizer: Path, tokenized: Path, out: Path
+) -> Metrics:
     """Loss by position and passkey retrieval: before extension, after, and after + YaRN."""
     from llmflow.model.hf import load_model
-    from llmflow.tasks.extend.longctx import (
-        passkey_grid,
-        plot_passkey,
-        plot_position_loss,
-        position_loss,
-        with_rope,
-    )
+    from llmflow.tasks.extend.longctx import with_rope
 
-    cfg = ctx.config.extend
-    ev = cfg.eval
-    before = load_model(ctx.inputs["before"] / "final").eval()
-    after = load_model(ctx.inputs["after"] / "final").eval()
-    yarn = with_rope(after, rope_scaling=cfg.yarn_scaling())
-    models = {"before": before, "after": after, "after+yarn": yarn}
-    docs, split = long_documents(ctx.inputs["tokenized"], ev.position_loss_len)
-    curves = {
-        k: position_loss(m, docs, ev.position_loss_len, ev.num_buckets) for k, m in models.items()
+    extend = cfg.extend
+    after_model = load_model(after / "final").eval()
+    models = {
+        "before": load_model(before / "final").eval(),
+        "after": after_model,
+        "after+yarn": with_rope(after_model, rope_scaling=extend.yarn_scaling()),
     }
-    tokenizer = _TextTokenizer(ctx.inputs["tokenizer"])
-    grids = {
-        k: passkey_grid(m, tokenizer, ev.lengths, ev.depths, ev.trials, ev.seed)
-        for k, m in models.items()
-    }
-    original = json.loads((ctx.inputs["before"] / "final" / "model_config.json").read_text())[
-        "max_seq_len"
-    ]
-    plot_position_loss(curves, original, ctx.out_dir / "position_loss.png")
-    plot_passkey(grids, ctx.out_dir / "passkey.png")
-    report = {
-        "documents_split": split,
-        "original_len": original,
-        "position_loss": curves,
-        "passkey": grids,
-    }
-    (ctx.out_dir / "longctx.json").write_text(json.dumps(report, indent=1))
+    original = json.loads((before / "final" / "model_config.json").read_text())["max_seq_len"]
+    report = _evaluate(models, extend.eval, tokenizer, tokenized)
+    report["original_len"] = original
+    _plot(report, original, out)
+    (out / "longctx.json").write_text(json.dumps(report, indent=1))
+    curves, grids = report["position_loss"], report["passkey"]
     beyond = {k: _mean_beyond(c, original) for k, c in curves.items()}
+    accuracy = {k: float(np.mean(g["accuracy"])) for k, g in grids.items()}
     rows = [
         {
             "model": k,
             "loss_beyond_original": round(beyond[k], 4),
-            "passkey_accuracy": round(float(np.mean(grids[k]["accuracy"])), 3),
+            "passkey_accuracy": round(accuracy[k], 3),
         }
         for k in models
     ]
-    ctx.report_table("long-context", rows, f"Loss past position {original} and passkey accuracy")
+    report_table("long-context", rows, f"Loss past position {original} and passkey accuracy")
     return {
         "loss_beyond_original_before": beyond["before"],
         "loss_beyond_original_after": beyond["after"],
-        "passkey_accuracy_before": float(np.mean(grids["before"]["accuracy"])),
-        "passkey_accuracy_after": float(np.mean(grids["after"]["accuracy"])),
+        "passkey_accuracy_before": accuracy["before"],
+        "passkey_accuracy_after": accuracy["after"],
         "num_long_docs": curves["after"]["num_docs"],
-        "documents_split": split,
+        "documents_split": report["documents_split"],
     }
+
+
+def _evaluate(
+    models: dict[str, Any], ev: LongContextEvalConfig, tokenizer: Path, tokenized: Path
+) -> dict[str, Any]:
+    """Loss-by-position curves and passkey grids of each model."""
+    from llmflow.tasks.extend.longctx import passkey_grid, position_loss
+
+    docs, split = long_documents(tokenized, ev.position_loss_len)
+    text = _TextTokenizer(tokenizer)
+    return {
+        "documents_split": split,
+        "position_loss": {
+            k: position_loss(m, docs, ev.position_loss_len, ev.num_buckets)
+            for k, m in models.items()
+        },
+        "passkey": {
+            k: passkey_grid(m, text, ev.lengths, ev.depths, ev.trials, ev.seed)
+            for k, m in models.items()
+        },
+    }
+
+
+def _plot(report: dict[str, Any], original: int, out: Path) -> None:
+    from llmflow.tasks.extend.longctx import plot_passkey, plot_position_loss
+
+    plot_position_loss(report["position_loss"], original, out / "position_loss.png")
+    plot_passkey(report["passkey"], out / "passkey.png")
 
 
 def _mean_beyond(curve: dict[str, Any], original: int) -> float:

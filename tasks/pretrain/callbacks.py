@@ -1,14 +1,50 @@
-"""Trainer callbacks that only observe: metric logging (jsonl, TensorBoard, trackers, progress)."""
+"""Trainer components that own their cadence, in the torchtitan / OLMo-core manner.
+
+The loop (``Trainer.fit``) only calls hooks; each component decides when it acts:
+
+- :class:`MetricsLogger`: metrics.jsonl, TensorBoard, trackers and the console, every
+  ``log_interval`` steps (rank 0 only);
+- :class:`Validator`: held-out loss every ``eval_interval`` steps and at the stage's end;
+- :class:`RankInfo`: this rank's init fingerprint, first batch and sharding (checked by tests);
+- the checkpointer (``checkpointer.py``), the stability guard (``guard.py``) and the test-only
+  fault injector (``faults.py``) are components too.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import torch
+
+from llmflow.model.loss import IGNORE_INDEX, causal_lm_loss
+from llmflow.tasks.dataprep.loader import PackedLoader
 from llmflow.tasks.pretrain.config import TrainConfig
+from llmflow.tasks.pretrain.distributed import all_reduce_sum, sharding_report
+from llmflow.tasks.pretrain.state import StepOutput
+
+if TYPE_CHECKING:
+    from llmflow.tasks.pretrain.train import Trainer
+
+
+class Callback:
+    """A trainer component. Hooks run on every rank, in the order of ``Trainer.callbacks``."""
+
+    def on_train_start(self, trainer: Trainer) -> None:
+        """Before the first step of this process (after any resume)."""
+
+    def on_step_start(self, trainer: Trainer, step: int) -> None:
+        """Before a step draws its batches (again after a skipped or rewound step)."""
+
+    def on_step_end(self, trainer: Trainer, out: StepOutput) -> None:
+        """After an accepted optimizer step; ``trainer.state`` already counts it."""
+
+    def on_train_end(self, trainer: Trainer) -> None:
+        """After the stage's last step, before ``summary.json`` is written."""
 
 
 def append_jsonl(path: Path, row: dict[str, Any]) -> None:
@@ -25,27 +61,62 @@ def truncate_jsonl(path: Path, after_step: int) -> None:
     path.write_text("".join(r + "\n" for r in kept))
 
 
-class MetricsLogger:
-    """Writes metric rows to metrics.jsonl, TensorBoard, accelerate trackers and the console.
+class MetricsLogger(Callback):
+    """Writes a metric row every ``log_interval`` steps (and at each validation and the end).
 
-    Only rank 0 constructs one; the trainer passes ``None`` elsewhere.
+    Rows go to metrics.jsonl, TensorBoard, accelerate trackers and the console (a tqdm bar when
+    stderr is a TTY). Only rank 0 has one.
     """
 
-    def __init__(self, cfg: TrainConfig, out_dir: Path, start_step: int, total_steps: int):
-        self.path = Path(out_dir) / "metrics.jsonl"
-        truncate_jsonl(self.path, start_step)
-        truncate_jsonl(Path(out_dir) / "events.jsonl", start_step)
-        self.writer = None
+    def __init__(self, cfg: TrainConfig, out_dir: Path):
+        self.cfg, self.out_dir = cfg, Path(out_dir)
+        self.path = self.out_dir / "metrics.jsonl"
+        self.writer = self.bar = None
+        self.trackers: list[Any] = []
+        self.tokens, self.seconds = 0, 0.0
+
+    def on_train_start(self, trainer: Trainer) -> None:
+        start, cfg = trainer.state.step, self.cfg
+        truncate_jsonl(self.path, start)
         if cfg.tracker.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(str(Path(out_dir) / "tb"), purge_step=start_step + 1)
-        self.trackers = _accelerate_trackers(cfg, out_dir)
-        self.bar = None
+            self.writer = SummaryWriter(str(self.out_dir / "tb"), purge_step=start + 1)
+        self.trackers = _accelerate_trackers(cfg, self.out_dir)
         if cfg.progress_bar and sys.stderr.isatty():
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total_steps, initial=start_step, unit="step", file=sys.stderr)
+            end = trainer.state.end_step
+            self.bar = tqdm(total=end, initial=start, unit="step", file=sys.stderr)
+
+    def on_step_end(self, trainer: Trainer, out: StepOutput) -> None:
+        self.tokens += out.num_tokens
+        self.seconds += out.seconds
+        if self.bar is not None:
+            self.bar.update(1)
+        cfg, step = self.cfg, out.step
+        due = step % cfg.log_interval == 0 or step % cfg.eval_interval == 0
+        if due or step == trainer.state.end_step:
+            self.log(self.row(trainer, out))
+            self.tokens, self.seconds = 0, 0.0
+
+    def row(self, trainer: Trainer, out: StepOutput) -> dict[str, Any]:
+        """The metric row of ``out``: throughput over the steps since the last row."""
+        tokens_per_s = self.tokens / max(self.seconds, 1e-9)
+        row = {
+            "step": out.step,
+            "loss": out.loss,
+            "grad_norm": out.grad_norm,
+            "lr": out.lr,
+            "tokens_seen": trainer.state.tokens_seen,
+            "tokens_per_s": tokens_per_s,
+            "skipped_batches": trainer.guard.num_skipped,
+            "memory_gib": _memory_gib(),
+        }
+        mfu = trainer.mfu(tokens_per_s)
+        if mfu is not None:
+            row["mfu"] = mfu
+        return {**row, **out.metrics}
 
     def log(self, row: dict[str, Any]) -> None:
         """Record one row (must hold ``step``)."""
@@ -67,11 +138,7 @@ class MetricsLogger:
         else:
             print(text, flush=True)
 
-    def advance(self, steps: int = 1) -> None:
-        if self.bar is not None:
-            self.bar.update(steps)
-
-    def close(self) -> None:
+    def on_train_end(self, trainer: Trainer) -> None:
         if self.writer is not None:
             self.writer.close()
         for tracker in self.trackers:
@@ -101,7 +168,66 @@ def _accelerate_trackers(cfg: TrainConfig, out_dir: Path) -> list[Any]:
     return trackers
 
 
-def log_event(out_dir: Path, event: dict[str, Any]) -> None:
-    """Append a guard event to events.jsonl and echo it."""
-    append_jsonl(Path(out_dir) / "events.jsonl", {**event, "time": time.time()})
-    print(f"guard event: {json.dumps(event)}", flush=True)
+def _memory_gib() -> float:
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+class Validator(Callback):
+    """Held-out loss every ``eval_interval`` steps and at the stage's last step (all ranks)."""
+
+    def __init__(self, val_dir: Path, eval_interval: int):
+        self.val_dir, self.eval_interval = Path(val_dir), eval_interval
+
+    def on_step_end(self, trainer: Trainer, out: StepOutput) -> None:
+        if out.step % self.eval_interval == 0 or out.step == trainer.state.end_step:
+            out.metrics["val_loss"] = trainer.state.val_loss = self.evaluate(trainer)
+
+    @torch.no_grad()
+    def evaluate(self, trainer: Trainer) -> float:
+        """Token-mean loss on the first ``eval_batches`` batches of the held-out set."""
+        rt, cfg, model = trainer.runtime, trainer.cfg, trainer.model
+        loader = PackedLoader(
+            self.val_dir, cfg.batch.micro_batch_size, rt.rank, rt.world_size, seed=cfg.seed
+        )
+        model.eval()
+        totals = torch.zeros(2, dtype=torch.float64, device=rt.device)
+        for _ in range(cfg.eval_batches):
+            batch = {k: v.to(rt.device) for k, v in loader.next_batch().items()}
+            with trainer.autocast:
+                logits = model(batch["input_ids"], batch["position_ids"], batch["cu_seqlens"])
+            loss, _ = causal_lm_loss(logits, batch["labels"], 0.0)
+            count = (batch["labels"] != IGNORE_INDEX).sum()
+            totals += torch.stack([loss.double() * count, count.double()])
+        loader.close()
+        model.train()
+        total, count = all_reduce_sum(totals, rt).tolist()
+        return total / max(count, 1)
+
+
+class RankInfo(Callback):
+    """Writes ``ranks/rank-NNNNN.json`` after this process's first step (checked by tests)."""
+
+    def __init__(self, out_dir: Path):
+        self.folder = Path(out_dir) / "ranks"
+        self.written = False
+
+    def on_step_end(self, trainer: Trainer, out: StepOutput) -> None:
+        if self.written:
+            return
+        self.written = True
+        digest = hashlib.sha256(out.first_batch["input_ids"].numpy().tobytes()).hexdigest()
+        rt = trainer.runtime
+        info = {
+            "rank": rt.rank,
+            "world_size": rt.world_size,
+            "init_checksum": trainer.init_checksum,
+            "first_batch_sha256": digest,
+            "step": out.step - 1,
+            **sharding_report(trainer.model),
+        }
+        self.folder.mkdir(parents=True, exist_ok=True)
+        (self.folder / f"rank-{rt.rank:05d}.json").write_text(json.dumps(info, indent=1))

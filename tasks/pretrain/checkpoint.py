@@ -36,6 +36,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from llmflow.tasks.framework.errors import BadInputError
+
 STEP_DIR = re.compile(r"^step-(\d{6,})$")
 MARKER = "COMPLETE"
 
@@ -94,7 +96,7 @@ def resolve_init_from(path: Path) -> Path:
         return path
     found = latest_checkpoint(path)
     if found is None:
-        raise FileNotFoundError(f"init_from={path}: no complete checkpoint there")
+        raise BadInputError(f"init_from={path}: no complete checkpoint there")
     return found
 
 
@@ -174,7 +176,7 @@ CONTEXT_FIELDS = ("max_seq_len", "rope_theta", "rope_scaling")
 
 
 def check_same_architecture(path: Path, model_config: Any) -> None:
-    """Raise ValueError naming the differing fields if ``path`` holds another architecture."""
+    """Raise BadInputError naming the differing fields if ``path`` holds another architecture."""
     saved = json.loads((Path(path) / "model_config.json").read_text())
     current = json.loads(json.dumps(dataclasses.asdict(model_config)))
     diff = {k: (saved.get(k), current.get(k)) for k in saved.keys() | current.keys()}
@@ -183,7 +185,7 @@ def check_same_architecture(path: Path, model_config: Any) -> None:
     diff = {k: v for k, v in diff.items() if v[0] != v[1] and k not in CONTEXT_FIELDS}
     if diff:
         detail = ", ".join(f"{k}: checkpoint={a!r} vs config={b!r}" for k, (a, b) in diff.items())
-        raise ValueError(f"checkpoint {path} has another architecture ({detail})")
+        raise BadInputError(f"checkpoint {path} has another architecture ({detail})")
 
 
 def load_checkpoint(

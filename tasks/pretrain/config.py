@@ -10,11 +10,23 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    create_model,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
 
+from llmflow.model.config import ModelConfig, preset
+from llmflow.tasks.framework.errors import ConfigError
 from llmflow.tasks.framework.hashing import versioned_fields  # noqa: F401  (re-exported: the store's hash view)
 
 UNVERSIONED = {"versioned": False}
@@ -24,53 +36,42 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+def _model_overrides() -> type[BaseModel]:
+    """A pydantic model with every ``ModelConfig`` field, optional (None: the preset's value)."""
+    hints = typing.get_type_hints(ModelConfig)
+    fields = {f.name: (hints[f.name] | None, None) for f in dataclasses.fields(ModelConfig)}
+    return create_model(
+        "ModelOverrides",
+        __base__=_Section,
+        __doc__="ModelConfig fields to replace in the preset (unset ones keep the preset's).",
+        **fields,
+    )
+
+
+ModelOverrides = _model_overrides()
+
+
 class ModelSpec(_Section):
     """Which architecture to train: a preset from ``model.config`` plus field overrides."""
 
     preset: str = Field("debug", description="Preset name from model.config.preset.")
-    overrides: dict[str, Any] = Field(
-        default_factory=dict, description="ModelConfig fields to replace, e.g. {'num_layers': 4}."
+    overrides: ModelOverrides = Field(
+        default_factory=ModelOverrides,
+        description="ModelConfig fields to replace, e.g. {'num_layers': 4}.",
     )
 
-    def build(self) -> Any:
-        """Return the resolved ``model.config.ModelConfig``."""
-        from llmflow.model.config import preset
+    @field_serializer("overrides")
+    def _only_set(self, overrides: BaseModel) -> dict[str, Any]:
+        return overrides.model_dump(exclude_none=True)
 
-        base = preset(self.preset)
-        names = {f.name for f in dataclasses.fields(base)}
-        unknown = sorted(set(self.overrides) - names)
-        if unknown:
-            raise ValueError(f"model.overrides: unknown ModelConfig field(s) {unknown}")
-        return dataclasses.replace(base, **self.overrides)
+    def build(self) -> ModelConfig:
+        """Return the resolved ``model.config.ModelConfig``."""
+        return preset(self.preset, **self.overrides.model_dump(exclude_none=True))
 
     @model_validator(mode="after")
     def _check_buildable(self) -> ModelSpec:
-        try:
-            import llmflow.model.config  # noqa: F401
-        except ImportError:  # NOTE: lets configs be parsed where model/ is absent (docs, UI).
-            return self
-        cfg = self.build()
-        check_architecture(cfg)
+        self.build()  # ModelConfig checks the shape (heads divide the width, ...)
         return self
-
-
-def _get(cfg: Any, *names: str) -> Any:
-    for name in names:
-        if hasattr(cfg, name):
-            return getattr(cfg, name)
-    return None
-
-
-def check_architecture(cfg: Any) -> None:
-    """Fail with a message naming the field if heads do not divide the hidden size."""
-    hidden = _get(cfg, "hidden_size", "dim", "d_model")
-    heads = _get(cfg, "num_heads", "num_attention_heads", "n_heads")
-    kv_heads = _get(cfg, "num_kv_heads", "num_key_value_heads", "n_kv_heads") or heads
-    head_dim = _get(cfg, "head_dim")
-    if hidden and heads and head_dim is None and hidden % heads:
-        raise ValueError(f"model: hidden_size={hidden} is not divisible by num_heads={heads}")
-    if heads and kv_heads and heads % kv_heads:
-        raise ValueError(f"model: num_heads={heads} is not divisible by num_kv_heads={kv_heads}")
 
 
 class OptimizerConfig(_Section):
@@ -203,18 +204,6 @@ class TrackerConfig(_Section):
     project: str = Field("llmflow", description="Project / experiment name for trackers.")
 
 
-class DebugConfig(_Section):
-    """Fault injection for tests. Never set in real runs."""
-
-    scale_loss_at_steps: list[int] = Field(
-        default_factory=list, description="Optimizer steps whose loss is multiplied by loss_scale."
-    )
-    loss_scale: float = Field(100.0, description="Factor for scale_loss_at_steps (nan allowed).")
-    crash_after_step: int | None = Field(
-        None, description="Exit the process abruptly (os._exit(3)) after this step."
-    )
-
-
 class TrainConfig(_Section):
     """Everything the pretraining step needs besides its data and output folders."""
 
@@ -249,7 +238,6 @@ class TrainConfig(_Section):
     tracker: TrackerConfig = Field(
         default_factory=TrackerConfig, description="Trackers.", json_schema_extra=UNVERSIONED
     )
-    debug: DebugConfig = Field(default_factory=DebugConfig, description="Fault injection.")
 
     @model_validator(mode="after")
     def _length_given(self) -> TrainConfig:
@@ -263,9 +251,28 @@ class TrainConfig(_Section):
             )
         return self
 
-    def model_config_obj(self) -> Any:
+    def model_config_obj(self) -> ModelConfig:
         """Return the resolved ModelConfig."""
         return self.model.build()
+
+    def replaced(self, **updates: Any) -> TrainConfig:
+        """A copy with ``updates`` applied and validated once: the one way to derive a config.
+
+        Keys are field names or dotted paths; a dict merges into the section it names::
+
+            train.replaced(max_steps=None, num_tokens=8192, **{"optimizer.lr": 1e-3})
+            train.replaced(schedule={"name": "cosine"}, model={"overrides": {"max_seq_len": 512}})
+
+        Raises:
+            ConfigError: the result is not a valid config (names the field and value).
+        """
+        data = self.model_dump()
+        for key, value in updates.items():
+            _merge(data, key.split("."), value)
+        try:
+            return TrainConfig.model_validate(data)
+        except ValidationError as err:
+            raise ConfigError(f"invalid trainer config: {err}") from None
 
     def save(self, path: Path) -> None:
         """Write the config as JSON."""
@@ -280,3 +287,18 @@ class TrainConfig(_Section):
 
             return cls.model_validate(yaml.safe_load(text))
         return cls.model_validate_json(text)
+
+
+def _merge(data: dict[str, Any], path: list[str], value: Any) -> None:
+    """Set ``path`` in nested ``data``; a dict value merges into an existing section."""
+    if isinstance(value, BaseModel):
+        value = value.model_dump()
+    node = data
+    for key in path[:-1]:
+        node = node.setdefault(key, {})
+    current = node.get(path[-1])
+    if isinstance(value, dict) and isinstance(current, dict):
+        for key, sub in value.items():
+            _merge(current, [key], sub)
+    else:
+        node[path[-1]] = value

@@ -8,15 +8,12 @@ depends only on stages 1..k, so changing the last stage re-runs the last stage o
 
 from __future__ import annotations
 
-from typing import Any
-
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from llmflow.tasks.dataprep.config import StageMixture
+from llmflow.tasks.pretrain.config import UNVERSIONED as EXEC
 from llmflow.tasks.pretrain.config import TrainConfig
 from llmflow.tasks.pretrain.schedule import steps_for_tokens
-
-EXEC = {"versioned": False}
 
 
 class CurriculumStage(BaseModel):
@@ -86,20 +83,15 @@ def stage_steps(cfg: PretrainConfig, world_size: int = 1) -> list[int]:
 def stage_train_config(cfg: PretrainConfig, index: int) -> TrainConfig:
     """The trainer config of stage ``index``: its step budget and its part of the schedule."""
     steps = stage_steps(cfg, cfg.num_processes)
-    update: dict[str, Any] = {"max_steps": steps[index], "num_tokens": None}
-    last = index == len(cfg.stages) - 1
-    if last and len(cfg.stages) > 1:
+    if index < len(cfg.stages) - 1:  # stable LR until the last stage
+        schedule = {"name": "constant", "total_steps": None}
+    elif len(cfg.stages) > 1:  # the last stage anneals: the decay covers exactly its steps
         total = sum(steps)
-        update["schedule"] = cfg.train.schedule.model_copy(
-            update={
-                "name": cfg.anneal_schedule,
-                "total_steps": total,
-                "decay_fraction": steps[index] / total,
-            }
-        )
-    elif not last:
-        update["schedule"] = cfg.train.schedule.model_copy(
-            update={"name": "constant", "total_steps": None}
-        )
-    train = cfg.train.model_copy(update=update)
-    return TrainConfig.model_validate(train.model_dump())
+        schedule = {
+            "name": cfg.anneal_schedule,
+            "total_steps": total,
+            "decay_fraction": steps[index] / total,
+        }
+    else:
+        schedule = {}
+    return cfg.train.replaced(max_steps=steps[index], num_tokens=None, schedule=schedule)

@@ -1,21 +1,33 @@
-"""Stability guard: detect NaN/Inf losses or gradients and loss spikes.
+"""Stability guard: detect NaN/Inf losses or gradients and loss spikes, and act on them.
 
 A spike is a loss more than ``zscore`` standard deviations above the mean of the last ``window``
-accepted losses. The guard only classifies; the trainer applies the configured policy and logs
-every event to ``events.jsonl``.
+accepted losses. The guard is a trainer component: the train step asks it to ``admit`` each
+step's gradients; on an event it applies the configured policy (skip the batch, rewind to the
+last checkpoint with a lower LR, or stop) and logs the event to ``events.jsonl``.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import time
 from collections import deque
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
+from llmflow.tasks.pretrain.callbacks import Callback, append_jsonl, truncate_jsonl
 from llmflow.tasks.pretrain.config import GuardConfig
 
+if TYPE_CHECKING:
+    from llmflow.tasks.pretrain.train import Trainer
 
-class StabilityGuard:
-    """Classifies each step's loss and grad norm as ok, non-finite or spike."""
+EVENTS = "events.jsonl"
+
+
+class StabilityGuard(Callback):
+    """Classifies each step's loss and grad norm as ok, non-finite or spike; applies the policy."""
 
     def __init__(self, cfg: GuardConfig) -> None:
         self.cfg = cfg
@@ -65,3 +77,70 @@ class StabilityGuard:
         self.num_skipped = state["num_skipped"]
         self.num_rewinds = state["num_rewinds"]
         self.lr_scale = state["lr_scale"]
+
+    # ------------------------------------------------------------------------- the policy
+    def on_train_start(self, trainer: Trainer) -> None:
+        if trainer.runtime.is_main:
+            truncate_jsonl(trainer.out_dir / EVENTS, trainer.state.step)
+        if self.cfg.policy == "rewind" and trainer.checkpointer.latest() is None:
+            trainer.checkpointer.save_step(trainer)  # something to rewind to
+
+    def admit(self, trainer: Trainer, loss: float, grad_norm: float, batch_ids: list[int]) -> bool:
+        """Whether this step's gradients may be applied; if not, the policy has been applied."""
+        kind, zscore = self.check(loss, grad_norm)
+        if kind == "ok":
+            self.accept(loss)
+            return True
+        trainer.zero_grad()
+        self.num_events += 1
+        event = {
+            "step": trainer.state.step,
+            "kind": kind,
+            "policy": self.cfg.policy,
+            "loss": _finite(loss),
+            "grad_norm": _finite(grad_norm),
+            "zscore": _finite(zscore),
+            "batch_ids": batch_ids,
+            "loader_state": trainer.loader.state_dict(),
+        }
+        event.update(self._apply_policy(trainer))
+        if trainer.runtime.is_main:
+            _log_event(trainer.out_dir, event)
+        if self.cfg.policy == "stop" or self.num_events > self.cfg.max_events:
+            raise RuntimeError(
+                f"stability guard: {kind} at step {event['step']} (loss {loss}); "
+                f"{self.num_events} events; policy={self.cfg.policy}"
+            )
+        return False
+
+    def _apply_policy(self, trainer: Trainer) -> dict[str, Any]:
+        """Skip (also a rewind with nothing to rewind to) or rewind; what the event adds."""
+        target = trainer.checkpointer.latest() if self.cfg.policy == "rewind" else None
+        if self.cfg.policy == "skip" or (self.cfg.policy == "rewind" and target is None):
+            self.num_skipped += 1
+        elif self.cfg.policy == "rewind":
+            self._rewind(trainer, target)
+            return {"rewound_to": trainer.state.step, "lr_scale": self.lr_scale}
+        return {}
+
+    def _rewind(self, trainer: Trainer, target: Path) -> None:
+        """Reload weights, optimizer and step from ``target``; keep the data moving forward."""
+        counters = {"num_events": self.num_events, "num_skipped": self.num_skipped}
+        state = trainer.state
+        kept = {k: getattr(state, k) for k in ("batches_drawn", "train_time_s", "end_step")}
+        lr_scale = self.lr_scale * self.cfg.rewind_lr_factor
+        num_rewinds = self.num_rewinds + 1
+        trainer_state, _ = trainer.checkpointer.load(trainer, target)
+        state.load_state_dict(kept)
+        self.load_state_dict({**trainer_state["guard"], **counters})
+        self.lr_scale, self.num_rewinds = lr_scale, num_rewinds
+
+
+def _finite(value: float) -> float | None:
+    return value if np.isfinite(value) else None
+
+
+def _log_event(out_dir: Path, event: dict[str, Any]) -> None:
+    """Append a guard event to events.jsonl and echo it."""
+    append_jsonl(Path(out_dir) / EVENTS, {**event, "time": time.time()})
+    print(f"guard event: {json.dumps(event)}", flush=True)

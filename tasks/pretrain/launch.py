@@ -1,9 +1,10 @@
 """Start the trainer as its own process and watch it (Prefect-free).
 
-``pretrain()`` is the plain entry point the Prefect task wraps: it writes the config into
+``launch_training()`` is the plain entry point the pretrain step calls: it writes the config into
 ``out_dir``, builds the command (``accelerate launch``, ``torchrun`` or plain ``python``), streams
-every output line to ``on_line``, enforces a wall-clock deadline by killing the process group, and
-returns the headline metrics the trainer wrote to ``summary.json``.
+every output line to ``on_line``, calls ``on_checkpoint`` for each checkpoint the trainer announces
+in ``checkpoints.jsonl`` (a file it polls, never the output), enforces a wall-clock deadline by
+killing the process group, and returns the headline metrics the trainer wrote to ``summary.json``.
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from llmflow.tasks.pretrain.checkpointer import NOTICES
 from llmflow.tasks.pretrain.config import TrainConfig
 
 TRAIN_MODULE = "llmflow.tasks.pretrain.train"
@@ -61,6 +63,25 @@ def build_command(
     return [sys.executable, "-m", TRAIN_MODULE, *train_args]
 
 
+class NoticeWatcher:
+    """Reads the lines appended to a JSON-lines file since it was created (or since start)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.offset = self.path.stat().st_size if self.path.exists() else 0
+
+    def poll(self) -> list[dict[str, Any]]:
+        """The complete lines appended since the last poll, parsed."""
+        if not self.path.exists():
+            return []
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            data = f.read()
+        complete = data[: data.rfind(b"\n") + 1]
+        self.offset += len(complete)
+        return [json.loads(line) for line in complete.splitlines() if line.strip()]
+
+
 def run_streaming(
     command: list[str],
     *,
@@ -68,14 +89,25 @@ def run_streaming(
     timeout_s: float | None = None,
     env: dict[str, str] | None = None,
     tail_lines: int = 50,
+    watch: Path | None = None,
+    on_notice: Callable[[dict[str, Any]], Any] = lambda _: None,
 ) -> list[str]:
     """Run ``command``, stream lines, enforce the deadline; return the tail.
+
+    Args:
+        command: The argv to run (in its own process group).
+        on_line: Called with each output line (stdout and stderr merged).
+        timeout_s: Wall-clock deadline; past it the process group is killed.
+        env: Variables added to this process's environment.
+        tail_lines: How many last lines to keep for the error message and the return value.
+        watch: A JSON-lines file the process appends to; polled about once a second.
+        on_notice: Called with each line appended to ``watch`` while the process runs.
 
     Raises:
         TrainingFailed: on a non-zero exit or when ``timeout_s`` passes (process group killed).
     """
-    full_env = {**os.environ, **(env or {})}
-    full_env.setdefault("PYTHONUNBUFFERED", "1")
+    full_env = {"PYTHONUNBUFFERED": "1", **os.environ, **(env or {})}
+    watcher = NoticeWatcher(watch) if watch is not None else None
     proc = subprocess.Popen(
         command,
         env=full_env,
@@ -85,36 +117,51 @@ def run_streaming(
         bufsize=1,
         start_new_session=True,  # NOTE: own process group, so a kill reaches torchrun's children
     )
-    lines: queue.Queue[str | None] = queue.Queue()
-    reader = threading.Thread(target=_pump, args=(proc.stdout, lines), daemon=True)
-    reader.start()
+    lines: queue.Queue[str | object] = queue.Queue()
+    threading.Thread(target=_pump, args=(proc.stdout, lines), daemon=True).start()
     tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    while True:
-        wait = None if deadline is None else max(deadline - time.monotonic(), 0)
-        try:
-            line = lines.get(timeout=min(wait, 1.0) if wait is not None else None)
-        except queue.Empty:
-            if deadline is not None and time.monotonic() >= deadline:
-                _kill_group(proc)
-                raise TrainingFailed(
-                    f"trainer exceeded its deadline of {timeout_s}s; killed", None, list(tail)
-                ) from None
-            continue
-        if line is None:
-            break
-        tail.append(line)
-        on_line(line)
+    for line in _lines(lines, None if timeout_s is None else time.monotonic() + timeout_s):
+        for notice in watcher.poll() if watcher is not None else []:
+            on_notice(notice)
+        if line is _DEADLINE:
+            _kill_group(proc)
+            message = f"trainer exceeded its deadline of {timeout_s}s; killed"
+            raise TrainingFailed(message, None, list(tail))
+        if line is not None:
+            tail.append(line)
+            on_line(line)
     returncode = proc.wait()
+    for notice in watcher.poll() if watcher is not None else []:
+        on_notice(notice)
     if returncode != 0:
         raise TrainingFailed(f"trainer exited with code {returncode}", returncode, list(tail))
     return list(tail)
 
 
+def _lines(lines: queue.Queue, deadline: float | None) -> Iterator[str | object | None]:
+    """Output lines until the end; None about once a second of silence; _DEADLINE, then stop."""
+    while True:
+        wait = 1.0 if deadline is None else min(deadline - time.monotonic(), 1.0)
+        if wait <= 0:
+            yield _DEADLINE
+            return
+        try:
+            line = lines.get(timeout=wait)
+        except queue.Empty:
+            yield None
+            continue
+        if line is _END:
+            return
+        yield line
+
+
+_END, _DEADLINE = object(), object()
+
+
 def _pump(stream: Any, lines: queue.Queue) -> None:
     for raw in stream:
         lines.put(raw.rstrip("\r\n"))
-    lines.put(None)
+    lines.put(_END)
 
 
 def _kill_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
@@ -147,7 +194,7 @@ def train_arguments(
     return args
 
 
-def pretrain(
+def launch_training(
     cfg: TrainConfig,
     data_dir: Path,
     out_dir: Path,
@@ -157,6 +204,7 @@ def pretrain(
     num_processes: int = 1,
     accelerate_config: Path | None = None,
     on_line: Callable[[str], Any] = print,
+    on_checkpoint: Callable[[dict[str, Any]], Any] = lambda _: None,
     timeout_s: float | None = None,
 ) -> dict[str, Any]:
     """Train (or resume training) into ``out_dir``; return headline metrics.
@@ -164,8 +212,13 @@ def pretrain(
     Fails before starting the process when the config does not fit the data or the run
     (vocab size, sequence length, Muon with several processes, init_from architecture).
 
+    Args:
+        on_checkpoint: Called once per checkpoint the trainer completes, with its notice
+            (``{"path", "step", "final"}``), while the trainer runs.
+
     Returns:
-        The trainer's ``summary.json``: final_loss, val_loss, tokens_seen, tokens_per_s, steps, ...
+        The trainer's ``summary.json``: final_loss, val_loss, tokens_seen, total_tokens_seen,
+        tokens_per_s, steps, ...
     """
     from llmflow.tasks.pretrain.validate import validate_run
 
@@ -177,7 +230,13 @@ def pretrain(
     args = train_arguments(config_path, data_dir, out_dir, val_dir, init_from)
     command = build_command(args, num_processes=num_processes, accelerate_config=accelerate_config)
     on_line("launching: " + " ".join(command))
-    run_streaming(command, on_line=on_line, timeout_s=timeout_s)
+    run_streaming(
+        command,
+        on_line=on_line,
+        timeout_s=timeout_s,
+        watch=out_dir / NOTICES,
+        on_notice=on_checkpoint,
+    )
     summary = json.loads((out_dir / "summary.json").read_text())
     if num_processes > 1 and summary.get("world_size") != num_processes:
         # NOTE: accelerate's MULTI_CPU launch needs mpirun; on CPU use torchrun (no config).

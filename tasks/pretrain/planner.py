@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, field
 
 from llmflow.model.config import ModelConfig
+from llmflow.tasks.framework.errors import BadInputError
 
 GB = 1e9
 HEADROOM = 0.9
@@ -107,7 +108,7 @@ def memory_per_gpu(
     unsharded blocks it holds while gathering (the current one and the prefetched next one).
     """
     if optimizer not in OPTIMIZER_STATES:
-        raise ValueError(f"optimizer={optimizer!r} must be one of {sorted(OPTIMIZER_STATES)}")
+        raise BadInputError(f"optimizer={optimizer!r} must be one of {sorted(OPTIMIZER_STATES)}")
     params = cfg.num_parameters()
     shards = num_gpus if fsdp else 1
     states = OPTIMIZER_STATES[optimizer] + (1 if param_dtype_bytes < 4 else 0)
@@ -195,7 +196,7 @@ def plan(
 def _check_positive(**values: float) -> None:
     for name, value in values.items():
         if not value > 0:
-            raise ValueError(f"{name}={value} must be > 0")
+            raise BadInputError(f"{name}={value} must be > 0")
 
 
 def _batch_warnings(

@@ -1,18 +1,39 @@
-"""Store adapter for one pretraining stage (no Prefect): launches the trainer subprocess."""
+"""The pretrain step: one trainer run (a curriculum or context-extension stage) in its own process.
+
+The output folder is the run folder: ``final/`` (the stage's checkpoint, also a plain model
+folder), ``summary.json`` (headline metrics, ``total_tokens_seen`` over the whole curriculum
+included), ``metrics.jsonl``, ``checkpoints/`` while it runs. A retried step finds the previous
+attempt's checkpoints there and resumes exactly; each checkpoint the trainer completes is mirrored
+to the store (``checkpoint_saved``) so a run killed on one machine resumes on another.
+"""
 
 from __future__ import annotations
 
-import json
+import logging
 from pathlib import Path
-from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from llmflow.tasks.framework.resources import preset_path
-from llmflow.tasks.pretrain.config import TrainConfig
-from llmflow.tasks.pretrain.launch import pretrain
+from llmflow.tasks.framework.step import Metrics, checkpoint_saved, step
+from llmflow.tasks.pretrain.config import UNVERSIONED, TrainConfig
+from llmflow.tasks.pretrain.launch import launch_training
+from llmflow.tasks.pretrain.validate import read_meta
 
-PRETRAIN_VERSION = "1"
+log = logging.getLogger("llmflow.pretrain")
+
+# Read although the hash leaves them out: how to launch, and (through model_dump, which the
+# trainer's config file needs) the trainer's execution-only fields.
+EXECUTION = (
+    "num_processes",
+    "accelerate_config",
+    "timeout_s",
+    "train.deterministic",
+    "train.log_interval",
+    "train.eval_interval",
+    "train.progress_bar",
+    "train.tracker",
+)
 
 
 class StageRun(BaseModel):
@@ -20,52 +41,49 @@ class StageRun(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    train: TrainConfig
-    num_processes: int = Field(1, ge=1, json_schema_extra={"versioned": False})
-    accelerate_config: str | None = Field(None, json_schema_extra={"versioned": False})
-    timeout_s: float | None = Field(None, json_schema_extra={"versioned": False})
+    train: TrainConfig = Field(description="The trainer's config for this stage.")
+    num_processes: int = Field(
+        1, ge=1, description="Processes on this machine.", json_schema_extra=UNVERSIONED
+    )
+    accelerate_config: str | None = Field(
+        None,
+        description="accelerate YAML, e.g. deployments/accelerate/multi_gpu_fsdp2.yaml.",
+        json_schema_extra=UNVERSIONED,
+    )
+    timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="Deadline of the run (the process group is killed).",
+        json_schema_extra=UNVERSIONED,
+    )
 
 
 def with_data_vocab(train: TrainConfig, data_dir: Path) -> TrainConfig:
     """Take the vocabulary size from the packed data unless the config sets it explicitly."""
-    if "vocab_size" in train.model.overrides:
+    if train.model.overrides.vocab_size is not None:
         return train
-    vocab = json.loads((data_dir / "meta.json").read_text())["vocab_size"]
-    model = train.model.model_copy(
-        update={"overrides": {**train.model.overrides, "vocab_size": vocab}}
-    )
-    return TrainConfig.model_validate(train.model_copy(update={"model": model}).model_dump())
+    return train.replaced(**{"model.overrides.vocab_size": read_meta(data_dir)["vocab_size"]})
 
 
-def pretrain_step(ctx) -> dict[str, Any]:
-    """Train (or resume) one stage into ``ctx.out_dir``; ``final/`` is the stage's checkpoint."""
-    cfg: StageRun = ctx.config
-    data = ctx.inputs["data"]
-    train = with_data_vocab(cfg.train, data)
-    init = ctx.inputs.get("init")
-
-    def on_line(line: str) -> None:
-        ctx.log.info(line)
-        if "saved checkpoint" in line:  # push partial state so a killed run resumes remotely
-            ctx.sync()
-
+@step("pretrain", version=1, gpu=True, execution=EXECUTION)
+def pretrain(
+    cfg: StageRun,
+    data: Path,
+    out: Path,
+    validation: Path | None = None,
+    init: Path | None = None,
+) -> Metrics:
+    """Train (or resume) one stage; final/ is its checkpoint, summary.json its metrics."""
     accelerate = preset_path(cfg.accelerate_config) if cfg.accelerate_config else None
-    metrics = pretrain(
-        train,
+    return launch_training(
+        with_data_vocab(cfg.train, data),
         data,
-        ctx.out_dir,
-        val_dir=ctx.inputs.get("validation"),
-        init_from=(init / "final") if init else None,
+        out,
+        val_dir=validation,
+        init_from=init / "final" if init is not None else None,
         num_processes=cfg.num_processes,
         accelerate_config=accelerate,
-        on_line=on_line,
+        on_line=log.info,
+        on_checkpoint=lambda _notice: checkpoint_saved(),
         timeout_s=cfg.timeout_s,
     )
-    previous = 0
-    if init is not None and (init / "lineage.json").exists():
-        previous = json.loads((init / "lineage.json").read_text())["metrics"].get(
-            "total_tokens_seen", 0
-        )
-    # The trainer counts this stage's tokens; the curriculum total is what evaluations plot against.
-    metrics["total_tokens_seen"] = previous + metrics.get("tokens_seen", 0)
-    return metrics

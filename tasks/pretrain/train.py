@@ -8,52 +8,54 @@ Run it as its own process (never imports Prefect)::
         -m llmflow.tasks.pretrain.train ...
 
 ``out_dir`` may hold a previous attempt: training resumes exactly from its latest checkpoint.
+
+The train step (forward, backward, clip, step, schedule) is :meth:`Trainer.train_step`; everything
+with a cadence (logging, validation, checkpointing, the stability guard, test fault injection) is
+a component in ``Trainer.callbacks`` whose hooks the loop calls (``callbacks.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
+import functools
 import json
 import os
 import random
 import time
-from collections import deque
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from llmflow.model.hf import save_model
 from llmflow.model.loss import IGNORE_INDEX, causal_lm_loss
 from llmflow.model.transformer import Transformer
 from llmflow.tasks.dataprep.loader import PackedLoader
-from llmflow.tasks.pretrain import checkpoint as ckpt
-from llmflow.tasks.pretrain.callbacks import MetricsLogger, log_event
+from llmflow.tasks.pretrain.callbacks import Callback, MetricsLogger, RankInfo, Validator
+from llmflow.tasks.pretrain.checkpointer import Checkpointer
 from llmflow.tasks.pretrain.config import TrainConfig
 from llmflow.tasks.pretrain.distributed import (
     all_reduce_sum,
     param_checksum,
     setup_runtime,
     shard_model,
-    sharding_report,
     teardown_runtime,
 )
+from llmflow.tasks.pretrain.faults import FaultInjector
 from llmflow.tasks.pretrain.guard import StabilityGuard
 from llmflow.tasks.pretrain.optim import build_optimizers, set_lr
 from llmflow.tasks.pretrain.schedule import lr_multiplier, micro_batch_size, steps_for_tokens
-from llmflow.tasks.pretrain.validate import check_data, check_source, check_world_size
+from llmflow.tasks.pretrain.state import StepOutput, TrainState
+from llmflow.tasks.pretrain.validate import check_data, check_world_size
 
 # Dense bf16 peak FLOP/s per GPU, for MFU.
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
 
 
 class Trainer:
-    """Owns the model, optimizers, data and run state of one process."""
+    """Owns the model, optimizers, data, run state and components of one process."""
 
     def __init__(
         self,
@@ -63,40 +65,32 @@ class Trainer:
         val_dir: Path | None = None,
         init_from: Path | None = None,
     ) -> None:
-        self.cfg, self.out_dir, self.val_dir = cfg, Path(out_dir), val_dir
+        self.cfg, self.out_dir = cfg, Path(out_dir)
         self.runtime = rt = setup_runtime()
         if cfg.deterministic and rt.device.type == "cpu":
             torch.use_deterministic_algorithms(True)
         check_world_size(cfg, rt.world_size)
-        self.meta = check_data(cfg, data_dir)
+        check_data(cfg, data_dir)
         if val_dir is not None:
             check_data(cfg, val_dir, role="val_dir")
         self.model_config = cfg.model_config_obj()
         self.model = self._build_model()
         self.optimizers = build_optimizers(self.model, cfg.optimizer)
         self.base_lrs = [[g["base_lr"] for g in o.param_groups] for o in self.optimizers]
-        self.guard = StabilityGuard(cfg.guard)
+        self.loss_fn = functools.partial(causal_lm_loss, z_loss_weight=cfg.z_loss)
         self.loader = PackedLoader(
             data_dir, cfg.batch.micro_batch_size, rt.rank, rt.world_size, seed=cfg.seed
         )
-        self.state: dict[str, Any] = {
-            "step": 0,
-            "start_step": 0,
-            "end_step": 0,
-            "tokens_seen": 0,
-            "batches_drawn": 0,
-            "train_time_s": 0.0,
-            "recent_losses": [],
-            "val_loss": None,
-        }
+        self.state = TrainState()
         self.autocast = (
             torch.autocast("cuda", dtype=torch.bfloat16)
             if rt.device.type == "cuda" and not rt.distributed
             else contextlib.nullcontext()
         )
-        self.resumed_from: Path | None = None
-        self._fired_debug: set[int] = set()
-        self._restore(init_from)
+        self.guard = StabilityGuard(cfg.guard)
+        self.checkpointer = Checkpointer(cfg.checkpoint, self.out_dir)
+        self.callbacks = self._components(val_dir)
+        self._start(init_from)
 
     # ----------------------------------------------------------------------------- setup
     def _build_model(self) -> torch.nn.Module:
@@ -114,55 +108,35 @@ class Trainer:
             model.to(rt.device)
         return model
 
-    def _seed_rng(self) -> None:
+    def _components(self, val_dir: Path | None) -> list[Callback]:
+        """The components, in hook order: validate, log, checkpoint, then test faults last."""
+        found: list[Callback | None] = [
+            self.guard,
+            Validator(val_dir, self.cfg.eval_interval) if val_dir is not None else None,
+            MetricsLogger(self.cfg, self.out_dir) if self.runtime.is_main else None,
+            self.checkpointer,
+            RankInfo(self.out_dir),
+            FaultInjector.from_env(),
+        ]
+        return [c for c in found if c is not None]
+
+    def _start(self, init_from: Path | None) -> None:
+        """Resume this run's latest checkpoint, else start from init_from, else fresh."""
+        if self.checkpointer.resume(self) is not None:
+            return
+        self.seed_rng()
+        if init_from is not None:
+            self.checkpointer.initialise(self, init_from)
+        self.state.end_step = self.state.start_step + self._stage_steps()
+
+    def seed_rng(self) -> None:
         """Runtime RNG (dropout, sampling): differs per rank on purpose."""
         seed = self.cfg.seed * 1000 + self.runtime.rank
         random.seed(seed)
         np.random.seed(seed % 2**32)
         torch.manual_seed(seed)
 
-    def _restore(self, init_from: Path | None) -> None:
-        """Resume from out_dir's latest checkpoint, else start from init_from, else fresh."""
-        if self.runtime.is_main:
-            ckpt.clean_tmp(self.out_dir)
-        ckpt.barrier()
-        latest = ckpt.latest_checkpoint(self.out_dir)
-        if latest is not None:
-            self._load(latest, resume=True)
-            self.resumed_from = latest
-            print(f"resumed from {latest} at step {self.state['step']}", flush=True)
-            return
-        self._seed_rng()
-        if init_from is not None:
-            source = ckpt.resolve_init_from(init_from)
-            self._load(source, resume=False)
-            self.state.update(
-                start_step=self.state["step"],
-                tokens_seen=0,
-                train_time_s=0.0,
-                recent_losses=[],
-                val_loss=None,
-                batches_drawn=0,
-            )
-            print(f"initialised from {source} at step {self.state['step']}", flush=True)
-        self.state["end_step"] = self.state["start_step"] + self._stage_steps()
-
-    def _load(self, path: Path, resume: bool) -> None:
-        check_source(self.cfg, path)
-        trainer_state, rank_state = ckpt.load_checkpoint(path, self.model, self.optimizers)
-        self._reset_base_lrs()
-        self.state.update(trainer_state["train"])
-        if not resume:
-            return
-        self.guard.load_state_dict(trainer_state["guard"])
-        if rank_state is None:  # NOTE: written by another world size: the data restarts.
-            print("checkpoint from another world size: data loader restarts", flush=True)
-            self._seed_rng()
-            return
-        ckpt.set_rng_state(rank_state["rng"])
-        self.loader.load_state_dict(rank_state["loader"])
-
-    def _reset_base_lrs(self) -> None:
+    def reset_base_lrs(self) -> None:
         """A loaded optimizer state carries the old run's LRs; the config's LRs win."""
         for optimizer, lrs in zip(self.optimizers, self.base_lrs, strict=True):
             for group, lr in zip(optimizer.param_groups, lrs, strict=True):
@@ -176,24 +150,36 @@ class Trainer:
             self.cfg.batch,
             self.loader.seq_len,
             self.runtime.world_size,
-            self.state["start_step"],
+            self.state.start_step,
         )
 
-    @property
-    def total_steps(self) -> int:
-        return self.cfg.schedule.total_steps or self.state["end_step"]
-
     # ----------------------------------------------------------------------------- the step
+    def train_step(self) -> StepOutput | None:
+        """One optimizer step on the next global batch; None when the guard refused it."""
+        started, step = time.perf_counter(), self.state.step
+        first = self.state.batches_drawn
+        batches = self.next_batches(step)
+        loss, num_tokens = self.forward_backward(batches)
+        grad_norm = self.clip_gradients()
+        if not self.guard.admit(self, loss, grad_norm, [first, self.state.batches_drawn]):
+            self.state.train_time_s += time.perf_counter() - started
+            return None
+        lr = self.optimizer_step(step)
+        self.state.advance(loss, num_tokens)
+        seconds = time.perf_counter() - started
+        self.state.train_time_s += seconds
+        return StepOutput(step + 1, loss, grad_norm, lr, num_tokens, seconds, batches[0])
+
     def next_batches(self, step: int) -> list[dict[str, torch.Tensor]]:
         """Draw this step's micro-batches (resizing them under batch-size warmup)."""
         size = micro_batch_size(step, self.cfg.batch)
         if size != self.loader.batch_size:
             self.loader.set_batch_size(size)
         batches = [self.loader.next_batch() for _ in range(self.cfg.batch.grad_accum_steps)]
-        self.state["batches_drawn"] += len(batches)
+        self.state.batches_drawn += len(batches)
         return batches
 
-    def forward_backward(self, batches: list[dict], step: int) -> tuple[float, int]:
+    def forward_backward(self, batches: list[dict]) -> tuple[float, int]:
         """Accumulate gradients of the token-mean loss over the global batch.
 
         Returns the global mean loss and the global number of tokens.
@@ -211,8 +197,7 @@ class Trainer:
             batch = {k: v.to(rt.device, non_blocking=True) for k, v in batch.items()}
             with self.autocast:
                 logits = self.model(batch["input_ids"], batch["position_ids"], batch["cu_seqlens"])
-            loss, _ = causal_lm_loss(logits, batch["labels"], self.cfg.z_loss)
-            loss = loss * self._debug_scale(step)
+            loss, _ = self.loss_fn(logits, batch["labels"])
             # NOTE: FSDP averages gradients over ranks; weighting by this micro-batch's share
             # of the global tokens times world_size makes the result the global token mean.
             (loss * (count * rt.world_size / max(num_valid, 1))).backward()
@@ -229,124 +214,63 @@ class Trainer:
 
     def optimizer_step(self, step: int) -> float:
         """Apply the schedule's LR and step every optimizer; return the LR of group 0."""
-        if self.cfg.schedule.per_stage:
-            start = self.state["start_step"]
-            multiplier = lr_multiplier(
-                step - start, self.cfg.schedule, self.state["end_step"] - start
-            )
-        else:
-            multiplier = lr_multiplier(step, self.cfg.schedule, self.total_steps)
-        set_lr(self.optimizers, multiplier * self.guard.lr_scale)
+        set_lr(self.optimizers, self.lr_multiplier(step) * self.guard.lr_scale)
         for optimizer in self.optimizers:
             optimizer.step()
         self.zero_grad()
         return self.optimizers[-1].param_groups[0]["lr"]
 
+    def lr_multiplier(self, step: int) -> float:
+        """The schedule at ``step``: over the whole run, or over this stage (``per_stage``)."""
+        schedule, state = self.cfg.schedule, self.state
+        if schedule.per_stage:
+            start = state.start_step
+            return lr_multiplier(step - start, schedule, state.end_step - start)
+        return lr_multiplier(step, schedule, schedule.total_steps or state.end_step)
+
     def zero_grad(self) -> None:
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
 
-    def _debug_scale(self, step: int) -> float:
-        """Fault injection for tests: scale one step's loss, once per process."""
-        debug = self.cfg.debug
-        if step in debug.scale_loss_at_steps and step not in self._fired_debug:
-            self._fired_debug.add(step)
-            return debug.loss_scale
-        return 1.0
-
     # ----------------------------------------------------------------------------- the loop
     def fit(self) -> dict[str, Any]:
         """Train until the stage's last step; write final/ and summary.json; return summary."""
-        rt, cfg = self.runtime, self.cfg
-        logger = (
-            MetricsLogger(cfg, self.out_dir, self.state["step"], self.state["end_step"])
-            if rt.is_main
-            else None
-        )
-        if cfg.guard.policy == "rewind" and ckpt.latest_checkpoint(self.out_dir) is None:
-            self.save(self.out_dir / "checkpoints" / ckpt.step_dir_name(self.state["step"]))
-        recent = deque(self.state["recent_losses"], maxlen=10)
+        self._hook("on_train_start")
         self.model.train()
-        first = True
-        tick, interval_tokens = time.perf_counter(), 0
-        while self.state["step"] < self.state["end_step"]:
-            step = self.state["step"]
-            batch_start = self.state["batches_drawn"]
-            batches = self.next_batches(step)
-            if first:
-                self._write_rank_info(batches[0])
-                first = False
-            loss, num_tokens = self.forward_backward(batches, step)
-            grad_norm = self.clip_gradients()
-            kind, zscore = self.guard.check(loss, grad_norm)
-            if kind != "ok":
-                self._on_guard_event(
-                    kind, step, loss, grad_norm, zscore, [batch_start, self.state["batches_drawn"]]
-                )
-                recent = deque(self.state["recent_losses"], maxlen=10)
-                continue
-            lr = self.optimizer_step(step)
-            self.guard.accept(loss)
-            recent.append(loss)
-            interval_tokens += num_tokens
-            self.state.update(
-                step=step + 1,
-                tokens_seen=self.state["tokens_seen"] + num_tokens,
-                recent_losses=list(recent),
-            )
-            step += 1
-            if logger is not None:
-                logger.advance()
-            if (
-                step % cfg.log_interval == 0
-                or step % cfg.eval_interval == 0
-                or step == self.state["end_step"]
-            ):
-                elapsed = time.perf_counter() - tick
-                self.state["train_time_s"] += elapsed
-                row = self._metrics_row(step, loss, grad_norm, lr, interval_tokens, elapsed)
-                if self.val_dir is not None and (
-                    step % cfg.eval_interval == 0 or step == self.state["end_step"]
-                ):
-                    row["val_loss"] = self.state["val_loss"] = self.evaluate()
-                if logger is not None:
-                    logger.log(row)
-                tick, interval_tokens = time.perf_counter(), 0
-            if step % cfg.checkpoint.interval == 0 and step < self.state["end_step"]:
-                paused = time.perf_counter()
-                self.save(self.out_dir / "checkpoints" / ckpt.step_dir_name(step))
-                tick += time.perf_counter() - paused  # saving is not training time
-            if cfg.debug.crash_after_step == step:
-                print(f"debug: crashing after step {step}", flush=True)
-                os._exit(3)
-        if self.resumed_from is None or self.resumed_from.name != "final":
-            self.save(self.out_dir / "final", final=True)
+        while self.state.step < self.state.end_step:
+            self._hook("on_step_start", self.state.step)
+            out = self.train_step()
+            if out is not None:
+                self._hook("on_step_end", out)
+        self._hook("on_train_end")
         summary = self.summary()
-        if rt.is_main:
+        if self.runtime.is_main:
             (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-            logger.close()
         return summary
 
-    def _metrics_row(
-        self, step: int, loss: float, grad_norm: float, lr: float, tokens: int, elapsed: float
-    ) -> dict[str, Any]:
-        tokens_per_s = tokens / max(elapsed, 1e-9)
-        row = {
-            "step": step,
-            "loss": loss,
-            "grad_norm": grad_norm,
-            "lr": lr,
-            "tokens_seen": self.state["tokens_seen"],
-            "tokens_per_s": tokens_per_s,
-            "skipped_batches": self.guard.num_skipped,
-            "memory_gib": _memory_gib(),
-        }
-        mfu = self._mfu(tokens_per_s)
-        if mfu is not None:
-            row["mfu"] = mfu
-        return row
+    def _hook(self, name: str, *args: Any) -> None:
+        for callback in self.callbacks:
+            getattr(callback, name)(self, *args)
 
-    def _mfu(self, tokens_per_s: float) -> float | None:
+    def summary(self) -> dict[str, Any]:
+        """Headline metrics (JSON scalars) for summary.json."""
+        state, recent = self.state, self.state.recent_losses
+        return {
+            "final_loss": sum(recent) / len(recent) if recent else None,
+            "last_loss": recent[-1] if recent else None,
+            "val_loss": state.val_loss,
+            "steps": state.step,
+            "stage_steps": state.step - state.start_step,
+            "tokens_seen": state.tokens_seen,
+            "total_tokens_seen": state.total_tokens_seen,
+            "tokens_per_s": state.tokens_seen / max(state.train_time_s, 1e-9),
+            "skipped_batches": self.guard.num_skipped,
+            "guard_events": self.guard.num_events,
+            "rewinds": self.guard.num_rewinds,
+            "world_size": self.runtime.world_size,
+        }
+
+    def mfu(self, tokens_per_s: float) -> float | None:
         """Model FLOPs utilisation on GPU (6N + attention per token); None on CPU."""
         if self.runtime.device.type != "cuda":
             return None
@@ -358,150 +282,6 @@ class Trainer:
         dense = mc.num_parameters(non_embedding=True) + mc.vocab_size * mc.hidden_size
         flops = 6 * dense + 12 * mc.num_layers * mc.hidden_size * self.loader.seq_len
         return flops * tokens_per_s / (peak * self.runtime.world_size)
-
-    def _on_guard_event(
-        self,
-        kind: str,
-        step: int,
-        loss: float,
-        grad_norm: float,
-        zscore: float,
-        batch_ids: list[int],
-    ) -> None:
-        """Apply the guard policy (skip, rewind or stop) and log the event."""
-        guard, policy = self.guard, self.cfg.guard.policy
-        self.zero_grad()
-        guard.num_events += 1
-        event = {
-            "step": step,
-            "kind": kind,
-            "policy": policy,
-            "loss": _finite(loss),
-            "grad_norm": _finite(grad_norm),
-            "zscore": _finite(zscore),
-            "batch_ids": batch_ids,
-            "loader_state": self.loader.state_dict(),
-        }
-        target = ckpt.latest_checkpoint(self.out_dir) if policy == "rewind" else None
-        if policy == "skip" or (policy == "rewind" and target is None):
-            guard.num_skipped += 1
-        elif policy == "rewind":
-            self._rewind(target)
-            event.update(rewound_to=self.state["step"], lr_scale=guard.lr_scale)
-        if self.runtime.is_main:
-            log_event(self.out_dir, event)
-        if policy == "stop" or guard.num_events > self.cfg.guard.max_events:
-            raise RuntimeError(
-                f"stability guard: {kind} at step {step} (loss {loss}); "
-                f"{guard.num_events} events; policy={policy}"
-            )
-
-    def _rewind(self, target: Path) -> None:
-        """Reload weights, optimizer and step from ``target``; keep the data moving forward."""
-        counters = {k: getattr(self.guard, k) for k in ("num_events", "num_skipped")}
-        kept = {k: self.state[k] for k in ("batches_drawn", "train_time_s", "end_step")}
-        trainer_state, _ = ckpt.load_checkpoint(target, self.model, self.optimizers)
-        self._reset_base_lrs()
-        self.state.update(trainer_state["train"], **kept)
-        lr_scale = self.guard.lr_scale * self.cfg.guard.rewind_lr_factor
-        num_rewinds = self.guard.num_rewinds + 1
-        self.guard.load_state_dict(trainer_state["guard"])
-        self.guard.lr_scale, self.guard.num_rewinds = lr_scale, num_rewinds
-        for key, value in counters.items():
-            setattr(self.guard, key, value)
-
-    @torch.no_grad()
-    def evaluate(self) -> float:
-        """Token-mean loss on the first eval_batches batches of the held-out set."""
-        rt, cfg = self.runtime, self.cfg
-        loader = PackedLoader(
-            self.val_dir, cfg.batch.micro_batch_size, rt.rank, rt.world_size, seed=cfg.seed
-        )
-        self.model.eval()
-        totals = torch.zeros(2, dtype=torch.float64, device=rt.device)
-        for _ in range(cfg.eval_batches):
-            batch = {k: v.to(rt.device) for k, v in loader.next_batch().items()}
-            with self.autocast:
-                logits = self.model(batch["input_ids"], batch["position_ids"], batch["cu_seqlens"])
-            loss, _ = causal_lm_loss(logits, batch["labels"], 0.0)
-            count = (batch["labels"] != IGNORE_INDEX).sum()
-            totals += torch.stack([loss.double() * count, count.double()])
-        loader.close()
-        self.model.train()
-        total, count = all_reduce_sum(totals, rt).tolist()
-        return total / max(count, 1)
-
-    # ----------------------------------------------------------------------------- saving
-    def save(self, path: Path, final: bool = False) -> None:
-        """Write a checkpoint (all ranks); final ones also hold model.safetensors."""
-        trainer_state = {
-            "train": self.state,
-            "guard": self.guard.state_dict(),
-            "optimizer": self.cfg.optimizer.name,
-            "world_size": self.runtime.world_size,
-        }
-        full = None
-        if final:  # NOTE: collective: every rank takes part, rank 0 receives the tensors.
-            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-            full = get_model_state_dict(self.model, options=options)
-        ckpt.save_checkpoint(
-            path,
-            self.model,
-            self.optimizers,
-            trainer_state,
-            self.loader.state_dict(),
-            self.model_config,
-            write_extra=(lambda tmp: save_model(full, self.model_config, tmp)) if final else None,
-        )
-        if self.runtime.is_main:
-            if not final:
-                ckpt.prune_checkpoints(self.out_dir, self.cfg.checkpoint.keep_last)
-            # NOTE: the Prefect wrapper watches for this line to push partial state.
-            print(f"saved checkpoint {path} at step {self.state['step']}", flush=True)
-
-    def summary(self) -> dict[str, Any]:
-        """Headline metrics (JSON scalars) for summary.json."""
-        recent = self.state["recent_losses"]
-        return {
-            "final_loss": sum(recent) / len(recent) if recent else None,
-            "last_loss": recent[-1] if recent else None,
-            "val_loss": self.state["val_loss"],
-            "steps": self.state["step"],
-            "stage_steps": self.state["step"] - self.state["start_step"],
-            "tokens_seen": self.state["tokens_seen"],
-            "tokens_per_s": self.state["tokens_seen"] / max(self.state["train_time_s"], 1e-9),
-            "skipped_batches": self.guard.num_skipped,
-            "guard_events": self.guard.num_events,
-            "rewinds": self.guard.num_rewinds,
-            "world_size": self.runtime.world_size,
-        }
-
-    def _write_rank_info(self, batch: dict[str, torch.Tensor]) -> None:
-        """Record this rank's init fingerprint, first batch and sharding (checked by tests)."""
-        digest = hashlib.sha256(batch["input_ids"].numpy().tobytes()).hexdigest()
-        info = {
-            "rank": self.runtime.rank,
-            "world_size": self.runtime.world_size,
-            "init_checksum": self.init_checksum,
-            "first_batch_sha256": digest,
-            "step": self.state["step"],
-            **sharding_report(self.model),
-        }
-        folder = self.out_dir / "ranks"
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / f"rank-{self.runtime.rank:05d}.json").write_text(json.dumps(info, indent=1))
-
-
-def _finite(value: float) -> float | None:
-    return value if np.isfinite(value) else None
-
-
-def _memory_gib() -> float:
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 2**30
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
 def run(

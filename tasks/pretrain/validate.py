@@ -1,4 +1,7 @@
-"""Checks that a config fits its data and run before any compute starts."""
+"""Checks that a config fits its data and run before any compute starts.
+
+Every failure is a ``BadInputError`` naming the field and both values: retrying cannot help.
+"""
 
 from __future__ import annotations
 
@@ -6,29 +9,30 @@ import json
 from pathlib import Path
 from typing import Any
 
+from llmflow.tasks.framework.errors import BadInputError
 from llmflow.tasks.pretrain.checkpoint import check_same_architecture, resolve_init_from
 from llmflow.tasks.pretrain.config import TrainConfig
 
 
 def read_meta(data_dir: Path) -> dict[str, Any]:
-    """Read a packed dataset's ``meta.json`` (FileNotFoundError names the folder)."""
+    """Read a packed dataset's ``meta.json`` (a folder without one is a BadInputError)."""
     path = Path(data_dir) / "meta.json"
     if not path.exists():
-        raise FileNotFoundError(f"data_dir={data_dir}: no meta.json (not a packed dataset)")
+        raise BadInputError(f"data_dir={data_dir}: no meta.json (not a packed dataset)")
     return json.loads(path.read_text())
 
 
 def check_data(cfg: TrainConfig, data_dir: Path, role: str = "data_dir") -> dict[str, Any]:
-    """Raise ValueError when the data's vocab or sequence length does not fit the model."""
+    """Raise BadInputError when the data's vocab or sequence length does not fit the model."""
     meta = read_meta(data_dir)
     model_cfg = cfg.model_config_obj()
     if meta["vocab_size"] != model_cfg.vocab_size:
-        raise ValueError(
+        raise BadInputError(
             f"model.vocab_size={model_cfg.vocab_size} differs from {role} meta.json "
             f"vocab_size={meta['vocab_size']} ({data_dir})"
         )
     if meta["seq_len"] > model_cfg.max_seq_len:
-        raise ValueError(
+        raise BadInputError(
             f"{role} meta.json seq_len={meta['seq_len']} exceeds model.max_seq_len="
             f"{model_cfg.max_seq_len}"
         )
@@ -47,7 +51,7 @@ def validate_run(
     if val_dir is not None:
         val_meta = check_data(cfg, val_dir, role="val_dir")
         if val_meta["seq_len"] != meta["seq_len"]:
-            raise ValueError(
+            raise BadInputError(
                 f"val_dir seq_len={val_meta['seq_len']} differs from data_dir seq_len="
                 f"{meta['seq_len']}"
             )
@@ -59,7 +63,7 @@ def validate_run(
 def check_world_size(cfg: TrainConfig, world_size: int) -> None:
     """Muon needs whole matrices: refuse it under FSDP (more than one process)."""
     if cfg.optimizer.name == "muon" and world_size > 1:
-        raise ValueError(
+        raise BadInputError(
             f"optimizer.name='muon' with {world_size} processes: Muon needs whole matrices and "
             "is single-process for now; use optimizer.name='adamw' under FSDP"
         )
@@ -70,7 +74,7 @@ def check_source(cfg: TrainConfig, checkpoint: Path) -> None:
     check_same_architecture(checkpoint, cfg.model_config_obj())
     state = json.loads((Path(checkpoint) / "trainer_state.json").read_text())
     if state.get("optimizer") != cfg.optimizer.name:
-        raise ValueError(
+        raise BadInputError(
             f"checkpoint {checkpoint} used optimizer.name={state.get('optimizer')!r}, "
             f"this config sets optimizer.name={cfg.optimizer.name!r}"
         )

@@ -73,19 +73,3 @@ def test_nope_layers_follow_smollm3_convention():
     cfg = ModelConfig(num_layers=8, nope_interval=4)
     assert [cfg.uses_rope(i) for i in range(8)] == [1, 1, 1, 0, 1, 1, 1, 0]
     assert all(ModelConfig(num_layers=8).uses_rope(i) for i in range(8))
-
-
-def test_extend_context_abf_and_yarn():
-    from llmflow.model.config import extend_context
-
-    cfg = ModelConfig(max_seq_len=256, rope_theta=10000.0)
-    once = extend_context(cfg, 1024, rope_theta=50000.0)
-    assert (once.max_seq_len, once.rope_theta) == (1024, 50000.0)
-    assert once.rope_scaling["factor"] == 4.0
-    assert once.rope_scaling["original_max_position_embeddings"] == 256
-    twice = extend_context(once, 4096)
-    assert twice.rope_scaling["factor"] == 16.0 and twice.rope_theta == 50000.0
-    abf_only = extend_context(cfg, 512, rope_theta=1e6, yarn=False)
-    assert abf_only.rope_scaling is None and abf_only.rope_theta == 1e6
-    with pytest.raises(ValueError, match="max_seq_len=128"):
-        extend_context(cfg, 128)

@@ -1,16 +1,25 @@
-"""Long-context evaluation and the extension stage config, against hand computations."""
+"""Long-context evaluation, the extension stage config and the longctx step."""
 
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from pydantic import BaseModel
 
 from llmflow.model.config import preset
+from llmflow.model.hf import save_model
 from llmflow.model.transformer import Transformer
-from llmflow.tasks.extend.config import ExtendConfig, ExtensionStage
+from llmflow.tasks.extend.config import (
+    ExtendConfig,
+    ExtensionStage,
+    LongContextEvalConfig,
+    extension_train_config,
+)
 from llmflow.tasks.extend.longctx import (
     NEEDLE,
     passkey_grid,
@@ -18,7 +27,10 @@ from llmflow.tasks.extend.longctx import (
     position_loss,
     with_rope,
 )
-from llmflow.tasks.extend.steps import extension_train_config
+from llmflow.tasks.extend.steps import LongContextEval, longctx
+from llmflow.tasks.framework.executor import Executor
+from llmflow.tasks.framework.graph import Graph
+from llmflow.tasks.framework.step import Metrics, step
 from llmflow.tasks.pretrain.config import TrainConfig
 from llmflow.tasks.pretrain.schedule import lr_multiplier
 
@@ -109,3 +121,84 @@ def test_extension_stage_config_restarts_schedule_and_raises_rope_base():
     assert lr_multiplier(0, cfg.schedule, 4) == pytest.approx(0.5)
     with pytest.raises(ValueError, match="strictly increasing"):
         ExtendConfig(stages=[stage, stage], weights={"prose": 1.0})
+
+
+def test_yarn_scaling_extends_past_the_last_trained_length():
+    stages = [
+        ExtensionStage(seq_len=512, rope_theta=4e4, num_tokens=1, lr=1e-3),
+        ExtensionStage(seq_len=1024, rope_theta=1.6e5, num_tokens=1, lr=1e-3),
+    ]
+    cfg = ExtendConfig(stages=stages, weights={"prose": 1.0}, yarn_factor=4.0)
+    scaling = cfg.yarn_scaling()
+    assert scaling["rope_type"] == "yarn" and scaling["factor"] == 4.0
+    assert scaling["original_max_position_embeddings"] == 1024  # the last trained length
+    model = preset("debug", max_seq_len=4096, rope_scaling=scaling)  # a valid ModelConfig
+    assert model.rope_scaling["beta_fast"] == 32.0 and model.rope_scaling["beta_slow"] == 1.0
+
+
+# ------------------------------------------------------------------------------ the step
+
+
+class FixtureSpec(BaseModel):
+    kind: str
+
+
+@step("test-longctx-input")
+def fixture_output(cfg: FixtureSpec, out: Path) -> Metrics:
+    """Two tiny models (before/after extension), a byte-level tokenizer, tokenized documents."""
+    if cfg.kind in ("before", "after"):
+        seq_len = 32 if cfg.kind == "before" else 64
+        mc = preset("debug", vocab_size=300, hidden_size=32, num_layers=2, max_seq_len=seq_len)
+        model = Transformer(mc)
+        model.init_weights(seed=0)
+        save_model(model, mc, out / "final")
+    elif cfg.kind == "tokenizer":
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        tok.add_tokens([chr(c) for c in range(32, 127)])
+        tok.save(str(out / "tokenizer.json"))
+    else:
+        rng = np.random.default_rng(0)
+        folder = out / "validation" / "prose"
+        folder.mkdir(parents=True)
+        docs = [rng.integers(0, 300, n).astype(np.uint16) for n in (80, 90, 20)]
+        np.concatenate(docs).tofile(folder / "tokens.bin")
+        np.save(folder / "offsets.npy", np.cumsum([0, *map(len, docs)]))
+        meta = {
+            "dtype": "uint16",
+            "train": {},
+            "validation": {"prose": {"dir": "validation/prose"}},
+        }
+        (out / "meta.json").write_text(json.dumps(meta))
+    return {}
+
+
+def test_longctx_step_compares_before_after_and_yarn(tmp_path):
+    graph = Graph()
+    inputs = {k: graph.add(fixture_output, FixtureSpec(kind=k), k) for k in
+              ("before", "after", "tokenizer", "tokenized")}  # fmt: skip
+    stage = ExtensionStage(seq_len=64, rope_theta=4e4, num_tokens=1, lr=1e-3)
+    ev = LongContextEvalConfig(
+        lengths=[40], depths=[0.5], trials=1, position_loss_len=64, num_buckets=4
+    )
+    cfg = LongContextEval(extend=ExtendConfig(stages=[stage], weights={"prose": 1.0}, eval=ev))
+    node = graph.add(longctx, cfg, "test", **inputs)
+    executor = Executor(str(tmp_path), audit=True)
+    result = executor.run(graph)[node]
+
+    assert executor.unhashed_reads(graph) == {}
+    report = json.loads((Path(result.uri) / "longctx.json").read_text())
+    assert report["original_len"] == 32 and report["documents_split"] == "validation"
+    assert set(report["position_loss"]) == {"before", "after", "after+yarn"}
+    assert result.metrics["num_long_docs"] == 2  # the 20-token document is too short
+    curve = report["position_loss"]["after"]
+    pairs = zip(curve["bucket_start"], curve["loss"], strict=True)
+    beyond = [loss for start, loss in pairs if start >= 32]
+    assert result.metrics["loss_beyond_original_after"] == pytest.approx(np.mean(beyond))
+    # The untrained "after" model and its YaRN view share weights but not RoPE: curves differ.
+    assert report["position_loss"]["after+yarn"]["loss"] != curve["loss"]
+    assert (Path(result.uri) / "position_loss.png").exists()
+    assert [row["model"] for row in result.artifacts[0]["rows"]] == list(report["passkey"])

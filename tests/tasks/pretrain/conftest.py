@@ -103,10 +103,16 @@ def run_trainer(
     num_processes=1,
     check=True,
     timeout=300,
+    faults=None,
 ):
-    """Run the trainer as its own process (as production does); return the CompletedProcess."""
+    """Run the trainer as its own process (as production does); return the CompletedProcess.
+
+    ``faults`` (a dict) turns on the fault-injection component through ``LLMFLOW_FAULTS``.
+    """
+    import json
     import subprocess
 
+    from llmflow.tasks.pretrain.faults import ENV
     from llmflow.tasks.pretrain.launch import build_command, train_arguments
 
     out_dir = Path(out_dir)
@@ -115,6 +121,9 @@ def run_trainer(
     cfg.save(config_path)
     args = train_arguments(config_path, data_dir, out_dir, val_dir, init_from)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop(ENV, None)
+    if faults:
+        env[ENV] = json.dumps(faults)
     proc = subprocess.run(
         build_command(args, num_processes=num_processes),
         cwd=out_dir,

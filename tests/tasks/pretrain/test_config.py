@@ -6,6 +6,7 @@ import pytest
 from conftest import TINY_MODEL, make_packed, run_trainer, tiny_config
 from pydantic import ValidationError
 
+from llmflow.tasks.framework.errors import BadInputError, ConfigError
 from llmflow.tasks.pretrain.config import TrainConfig, versioned_fields
 from llmflow.tasks.pretrain.validate import validate_run
 
@@ -49,27 +50,27 @@ def test_bad_values_name_the_field(changes, match):
 def test_vocab_mismatch_with_data(tmp_path, train_data):
     cfg = tiny_config(model=_model(vocab_size=256))
     with pytest.raises(
-        ValueError, match="vocab_size=256 differs from data_dir meta.json vocab_size=128"
+        BadInputError, match="vocab_size=256 differs from data_dir meta.json vocab_size=128"
     ):
         validate_run(cfg, train_data, None, None, world_size=1)
 
 
 def test_sequence_longer_than_the_model(train_data):
     cfg = tiny_config(model=_model(max_seq_len=16))
-    with pytest.raises(ValueError, match="seq_len=32 exceeds model.max_seq_len=16"):
+    with pytest.raises(BadInputError, match="seq_len=32 exceeds model.max_seq_len=16"):
         validate_run(cfg, train_data, None, None, world_size=1)
 
 
 def test_val_dir_checked_too(tmp_path, train_data):
     other = make_packed(tmp_path / "v", num_docs=20, vocab=64)
-    with pytest.raises(ValueError, match="val_dir meta.json vocab_size=64"):
+    with pytest.raises(BadInputError, match="val_dir meta.json vocab_size=64"):
         validate_run(tiny_config(), train_data, other, None, world_size=1)
 
 
 def test_muon_is_single_process_for_now(train_data):
     cfg = tiny_config(optimizer={"name": "muon"})
     validate_run(cfg, train_data, None, None, world_size=1)
-    with pytest.raises(ValueError, match="optimizer.name='muon' with 2 processes"):
+    with pytest.raises(BadInputError, match="optimizer.name='muon' with 2 processes"):
         validate_run(cfg, train_data, None, None, world_size=2)
 
 
@@ -86,6 +87,35 @@ def test_execution_only_fields_are_not_versioned():
     b = versioned_fields(tiny_config(log_interval=7, eval_interval=9, progress_bar=True))
     assert a == b and "log_interval" not in a and "tracker" not in a
     assert versioned_fields(tiny_config(seed=1)) != a
+
+
+def test_overrides_are_typed_and_dump_only_what_is_set():
+    cfg = tiny_config(model=_model(num_layers=3))
+    assert cfg.model.overrides.num_layers == 3 and cfg.model.overrides.qk_norm is None
+    assert cfg.model_dump()["model"]["overrides"] == {**TINY_MODEL, "num_layers": 3}
+    assert cfg.model_config_obj().num_layers == 3
+    assert cfg.model_config_obj().rope_theta == 10000.0  # unset: the preset's value
+    with pytest.raises(ValidationError, match="num_layers"):
+        tiny_config(model=_model(num_layers="three"))
+
+
+def test_replaced_merges_sections_and_dotted_paths_and_validates_once():
+    cfg = tiny_config()
+    new = cfg.replaced(
+        max_steps=None,
+        num_tokens=4096,
+        schedule={"name": "wsd"},
+        **{"optimizer.lr": 1e-4, "model.overrides.max_seq_len": 128},
+    )
+    assert (new.max_steps, new.num_tokens, new.optimizer.lr) == (None, 4096, 1e-4)
+    assert new.schedule.name == "wsd" and new.schedule.warmup_steps == 2  # the rest is kept
+    assert new.model_config_obj().max_seq_len == 128
+    assert new.model.overrides.hidden_size == TINY_MODEL["hidden_size"]
+    assert cfg.max_steps == 12 and cfg.optimizer.lr == 3e-3  # the original is untouched
+    with pytest.raises(ConfigError, match="exactly one of max_steps and num_tokens"):
+        cfg.replaced(num_tokens=4096)  # max_steps still set
+    with pytest.raises(ConfigError, match="num_layer"):
+        cfg.replaced(**{"model.overrides.num_layer": 3})
 
 
 def test_config_round_trips_through_json(tmp_path):

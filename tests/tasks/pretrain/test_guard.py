@@ -31,13 +31,17 @@ def test_zscore_hand_computed():
     assert restored.state_dict() == guard.state_dict()
 
 
-def _guarded(policy, scale, steps=(8,)):
+def _guarded(policy):
     return tiny_config(
         max_steps=10,
         guard={"policy": policy, "window": 8, "min_history": 4, "zscore": 5.0},
-        debug={"scale_loss_at_steps": list(steps), "loss_scale": scale},
         checkpoint={"interval": 4, "keep_last": 2},
     )
+
+
+def _faults(scale, steps=(8,)):
+    """Multiply the loss of ``steps`` by ``scale`` (the fault-injection component)."""
+    return {"scale_loss_at_steps": list(steps), "loss_scale": scale}
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +55,7 @@ def clean_losses(tmp_path_factory, train_data):
 @pytest.mark.parametrize(("scale", "kind"), [(100.0, "spike"), (math.nan, "nonfinite")])
 def test_skip_policy_drops_the_batch(tmp_path, train_data, clean_losses, scale, kind):
     out = tmp_path / "skip"
-    run_trainer(_guarded("skip", scale), train_data, out)
+    run_trainer(_guarded("skip"), train_data, out, faults=_faults(scale))
 
     events = read_jsonl(out / "events.jsonl")
     assert [(e["step"], e["kind"], e["policy"]) for e in events] == [(8, kind, "skip")]
@@ -69,7 +73,7 @@ def test_skip_policy_drops_the_batch(tmp_path, train_data, clean_losses, scale, 
 
 def test_rewind_policy_reloads_the_checkpoint_with_lower_lr(tmp_path, train_data):
     out = tmp_path / "rewind"
-    run_trainer(_guarded("rewind", 100.0, steps=(6,)), train_data, out)
+    run_trainer(_guarded("rewind"), train_data, out, faults=_faults(100.0, steps=(6,)))
 
     events = read_jsonl(out / "events.jsonl")
     assert len(events) == 1
@@ -84,6 +88,7 @@ def test_rewind_policy_reloads_the_checkpoint_with_lower_lr(tmp_path, train_data
 
 
 def test_stop_policy_fails_the_run(tmp_path, train_data):
-    proc = run_trainer(_guarded("stop", 100.0), train_data, tmp_path / "stop", check=False)
+    stop = tmp_path / "stop"
+    proc = run_trainer(_guarded("stop"), train_data, stop, check=False, faults=_faults(100.0))
     assert proc.returncode != 0
     assert "stability guard: spike at step 8" in proc.stderr

@@ -10,6 +10,7 @@ from conftest import TINY_MODEL, losses_by_step, read_jsonl, run_trainer, tiny_c
 
 from llmflow.model.hf import load_model
 from llmflow.model.transformer import Transformer
+from llmflow.tasks.framework.errors import BadInputError
 from llmflow.tasks.pretrain.checkpoint import load_checkpoint
 from llmflow.tasks.pretrain.optim import build_optimizers
 from llmflow.tasks.pretrain.schedule import lr_multiplier
@@ -67,11 +68,11 @@ def test_init_from_another_architecture_fails(tmp_path, train_data):
     run_trainer(tiny_config(max_steps=1), train_data, tmp_path / "s1")
     wider = tiny_config(model={"preset": "debug", "overrides": {**TINY_MODEL, "hidden_size": 64}})
     with pytest.raises(
-        ValueError, match="another architecture .*hidden_size: checkpoint=32 vs config=64"
+        BadInputError, match="another architecture .*hidden_size: checkpoint=32 vs config=64"
     ):
         validate_run(wider, train_data, None, tmp_path / "s1", world_size=1)
     proc = run_trainer(wider, train_data, tmp_path / "s2", init_from=tmp_path / "s1", check=False)
     assert proc.returncode != 0 and "another architecture" in proc.stderr
     muon = tiny_config(optimizer={"name": "muon"})
-    with pytest.raises(ValueError, match="used optimizer.name='adamw'"):
+    with pytest.raises(BadInputError, match="used optimizer.name='adamw'"):
         validate_run(muon, train_data, None, tmp_path / "s1", world_size=1)

@@ -1,4 +1,4 @@
-"""The Prefect-free launcher: commands, streaming, deadlines, failures, and pretrain()."""
+"""The launcher: commands, streaming, checkpoint notices, deadlines, failures, launch_training()."""
 
 from __future__ import annotations
 
@@ -9,7 +9,14 @@ from pathlib import Path
 import pytest
 from conftest import TINY_MODEL, tiny_config
 
-from llmflow.tasks.pretrain.launch import TrainingFailed, build_command, pretrain, run_streaming
+from llmflow.tasks.framework.errors import BadInputError
+from llmflow.tasks.pretrain.launch import (
+    NoticeWatcher,
+    TrainingFailed,
+    build_command,
+    launch_training,
+    run_streaming,
+)
 
 ARGS = ["--config", "c.json", "--data-dir", "d", "--out-dir", "o"]
 
@@ -80,25 +87,70 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def test_pretrain_end_to_end(tmp_path, train_data, val_data, monkeypatch):
+def test_notices_reach_the_callback_while_the_process_runs(tmp_path):
+    """A notice appended to the watched file reaches on_notice before the process ends."""
+    notices = tmp_path / "checkpoints.jsonl"
+    notices.write_text('{"step": 0}\n')  # from an earlier attempt: not announced again
+    code = (
+        "import json, sys, time\n"
+        f"path = {str(notices)!r}\n"
+        "for step in (1, 2):\n"
+        "    with open(path, 'a') as f:\n"
+        "        f.write(json.dumps({'step': step}) + '\\n')\n"
+        "    time.sleep(1.5)\n"
+        "with open(path, 'a') as f:\n"
+        "    f.write('{\"step\": 3')\n"  # a torn line is never parsed
+    )
+    seen: list[tuple[int, float]] = []
+    start = time.monotonic()
+    run_streaming(
+        [sys.executable, "-c", code],
+        on_line=lambda _: None,
+        watch=notices,
+        on_notice=lambda n: seen.append((n["step"], time.monotonic() - start)),
+    )
+    assert [step for step, _ in seen] == [1, 2]
+    assert seen[0][1] < 2.5, "the first notice must arrive while the process still runs"
+
+
+def test_watcher_reads_only_complete_new_lines(tmp_path):
+    path = tmp_path / "n.jsonl"
+    watcher = NoticeWatcher(path)
+    assert watcher.poll() == []
+    path.write_text('{"a": 1}\n{"a": 2')
+    assert watcher.poll() == [{"a": 1}]
+    with open(path, "a") as f:
+        f.write("}\n")
+    assert watcher.poll() == [{"a": 2}] and watcher.poll() == []
+
+
+def test_launch_training_end_to_end(tmp_path, train_data, val_data, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     lines: list[str] = []
-    cfg = tiny_config(max_steps=4, tracker={"tensorboard": True}, eval_interval=2)
-    summary = pretrain(cfg, train_data, tmp_path / "run", val_dir=val_data, on_line=lines.append)
+    notices: list[dict] = []
+    cfg = tiny_config(
+        max_steps=4, tracker={"tensorboard": True}, eval_interval=2, checkpoint={"interval": 2}
+    )
+    run = tmp_path / "run"
+    summary = launch_training(
+        cfg, train_data, run, val_dir=val_data, on_line=lines.append, on_checkpoint=notices.append
+    )
     assert lines[0].startswith("launching: ")
     assert any(line.startswith("step 4 loss") for line in lines)
-    assert any(line.startswith("saved checkpoint") and "final" in line for line in lines)
+    # One notice per complete checkpoint, in order, each naming a folder that is complete.
+    assert [(n["step"], n["final"]) for n in notices] == [(2, False), (4, True)]
+    assert notices[-1]["path"] == str(run / "final")
     assert summary["steps"] == 4 and summary["tokens_seen"] == 4 * 4 * 32
+    assert summary["total_tokens_seen"] == summary["tokens_seen"]  # no earlier stage
     assert summary["final_loss"] > 0 and summary["val_loss"] > 0 and summary["tokens_per_s"] > 0
-    run = tmp_path / "run"
     assert list((run / "tb").glob("events.out.tfevents.*"))
     for name in ("metrics.jsonl", "summary.json", "final/COMPLETE", "final/model.safetensors"):
         assert (run / name).exists(), name
 
 
-def test_pretrain_fails_before_launching_on_bad_input(tmp_path, train_data):
+def test_launch_fails_before_launching_on_bad_input(tmp_path, train_data):
     lines: list[str] = []
     bad = tiny_config(model={"preset": "debug", "overrides": {**TINY_MODEL, "vocab_size": 64}})
-    with pytest.raises(ValueError, match="vocab_size=64 differs"):
-        pretrain(bad, train_data, tmp_path / "run", on_line=lines.append)
+    with pytest.raises(BadInputError, match="vocab_size=64 differs"):
+        launch_training(bad, train_data, tmp_path / "run", on_line=lines.append)
     assert lines == []

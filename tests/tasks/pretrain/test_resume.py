@@ -12,11 +12,9 @@ def test_resume_after_crash_is_bitwise_exact(tmp_path, train_data, val_data):
     full = tmp_path / "full"
     run_trainer(cfg, train_data, full, val_dir=val_data)
 
-    crashing = cfg.model_copy(
-        update={"debug": cfg.debug.model_copy(update={"crash_after_step": 6})}
-    )
     resumed = tmp_path / "resumed"
-    proc = run_trainer(crashing, train_data, resumed, val_dir=val_data, check=False)
+    crash = {"crash_after_step": 6}
+    proc = run_trainer(cfg, train_data, resumed, val_dir=val_data, check=False, faults=crash)
     assert proc.returncode == 3, proc.stdout + proc.stderr
     assert not (resumed / "final").exists()
     # The crash came after step 6: metrics for steps 5-6 exist but the last checkpoint is 4.

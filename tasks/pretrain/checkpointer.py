@@ -1,0 +1,136 @@
+"""The checkpointing component: save on its cadence, prune, resume, and announce each checkpoint.
+
+Step checkpoints go to ``checkpoints/step-NNNNNN/`` every ``checkpoint.interval`` steps (the
+newest ``keep_last`` survive); ``final/`` is written at the stage's end and also holds
+``model.safetensors``. After each complete checkpoint, rank 0 appends one JSON line to
+``checkpoints.jsonl`` in the run folder: the launcher watches that file (not the trainer's
+output) to mirror the partial run, so a killed run resumes elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from llmflow.model.hf import save_model
+from llmflow.tasks.pretrain import checkpoint as ckpt
+from llmflow.tasks.pretrain.callbacks import Callback, append_jsonl
+from llmflow.tasks.pretrain.config import CheckpointConfig
+from llmflow.tasks.pretrain.state import StepOutput
+from llmflow.tasks.pretrain.validate import check_source
+
+if TYPE_CHECKING:
+    from llmflow.tasks.pretrain.train import Trainer
+
+NOTICES = "checkpoints.jsonl"
+
+
+class Checkpointer(Callback):
+    """Saves, prunes and restores the checkpoints of one run folder."""
+
+    def __init__(self, cfg: CheckpointConfig, out_dir: Path):
+        self.cfg, self.out_dir = cfg, Path(out_dir)
+        self.resumed_from: Path | None = None
+
+    def latest(self) -> Path | None:
+        """The newest complete checkpoint of this run (``final/`` wins), or None."""
+        return ckpt.latest_checkpoint(self.out_dir)
+
+    # ------------------------------------------------------------------------- the cadence
+    def on_step_end(self, trainer: Trainer, out: StepOutput) -> None:
+        if out.step % self.cfg.interval == 0 and out.step < trainer.state.end_step:
+            self.save_step(trainer)
+
+    def on_train_end(self, trainer: Trainer) -> None:
+        if self.resumed_from is None or self.resumed_from.name != "final":
+            self.save(trainer, self.out_dir / "final", final=True)
+
+    # ------------------------------------------------------------------------- saving
+    def save_step(self, trainer: Trainer) -> None:
+        """Checkpoint the current step under ``checkpoints/`` (all ranks)."""
+        self.save(trainer, self.out_dir / "checkpoints" / ckpt.step_dir_name(trainer.state.step))
+
+    def save(self, trainer: Trainer, path: Path, final: bool = False) -> None:
+        """Write a checkpoint (all ranks); final ones also hold model.safetensors."""
+        trainer_state = {
+            "train": trainer.state.state_dict(),
+            "guard": trainer.guard.state_dict(),
+            "optimizer": trainer.cfg.optimizer.name,
+            "world_size": trainer.runtime.world_size,
+        }
+        full = None
+        if final:  # NOTE: collective: every rank takes part, rank 0 receives the tensors.
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            full = get_model_state_dict(trainer.model, options=options)
+        ckpt.save_checkpoint(
+            path,
+            trainer.model,
+            trainer.optimizers,
+            trainer_state,
+            trainer.loader.state_dict(),
+            trainer.model_config,
+            write_extra=(lambda tmp: save_model(full, trainer.model_config, tmp))
+            if final
+            else None,
+        )
+        if trainer.runtime.is_main:
+            if not final:
+                ckpt.prune_checkpoints(self.out_dir, self.cfg.keep_last)
+            self.announce(path, trainer.state.step, final)
+
+    def announce(self, path: Path, step: int, final: bool) -> None:
+        """Append the notice the launcher watches for; echo it for people reading the log."""
+        append_jsonl(self.out_dir / NOTICES, {"path": str(path), "step": step, "final": final})
+        print(f"checkpoint {path.name} complete at step {step}", flush=True)
+
+    # ------------------------------------------------------------------------- loading
+    def load(self, trainer: Trainer, path: Path) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """Load weights, optimizer state and ``TrainState`` from ``path`` (all ranks).
+
+        Returns the checkpoint's ``trainer_state.json`` and this rank's RNG/loader state (None
+        when another world size wrote it).
+        """
+        trainer_state, rank_state = ckpt.load_checkpoint(path, trainer.model, trainer.optimizers)
+        trainer.reset_base_lrs()
+        trainer.state.load_state_dict(trainer_state["train"])
+        return trainer_state, rank_state
+
+    def resume(self, trainer: Trainer) -> Path | None:
+        """Continue exactly from this run's latest checkpoint, if any; return it."""
+        if trainer.runtime.is_main:
+            ckpt.clean_tmp(self.out_dir)
+        ckpt.barrier()
+        latest = self.latest()
+        if latest is None:
+            return None
+        check_source(trainer.cfg, latest)
+        trainer_state, rank_state = self.load(trainer, latest)
+        trainer.guard.load_state_dict(trainer_state["guard"])
+        if rank_state is None:  # NOTE: written by another world size: the data restarts.
+            print("checkpoint from another world size: data loader restarts", flush=True)
+            trainer.seed_rng()
+        else:
+            ckpt.set_rng_state(rank_state["rng"])
+            trainer.loader.load_state_dict(rank_state["loader"])
+        self.resumed_from = latest
+        print(f"resumed from {latest} at step {trainer.state.step}", flush=True)
+        return latest
+
+    def initialise(self, trainer: Trainer, init_from: Path) -> None:
+        """Start a new stage from a previous stage's checkpoint: weights, optimizer, step."""
+        source = ckpt.resolve_init_from(init_from)
+        check_source(trainer.cfg, source)
+        self.load(trainer, source)
+        trainer.state.start_stage()
+        print(f"initialised from {source} at step {trainer.state.step}", flush=True)
+
+
+def read_notices(out_dir: Path) -> list[dict[str, Any]]:
+    """The checkpoint notices of a run folder, oldest first."""
+    path = Path(out_dir) / NOTICES
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

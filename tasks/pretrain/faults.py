@@ -1,0 +1,59 @@
+"""Fault injection for tests: a trainer component enabled by the ``LLMFLOW_FAULTS`` variable.
+
+``LLMFLOW_FAULTS='{"scale_loss_at_steps": [8], "loss_scale": 100}'`` multiplies the loss of
+step 8 (once per process: a rewound or retried step 8 trains normally), so tests can provoke a
+spike or a NaN; ``{"crash_after_step": 6}`` kills the process abruptly (exit code 3) after step 6
+and its checkpoint, as a lost machine would. Unset, the trainer has no such component at all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from llmflow.tasks.pretrain.callbacks import Callback
+from llmflow.tasks.pretrain.state import StepOutput
+
+if TYPE_CHECKING:
+    from llmflow.tasks.pretrain.train import Trainer
+
+ENV = "LLMFLOW_FAULTS"
+CRASH_EXIT_CODE = 3
+
+
+@dataclass
+class FaultInjector(Callback):
+    """Scales chosen steps' losses and/or crashes after a chosen step."""
+
+    scale_loss_at_steps: list[int] = field(default_factory=list)
+    loss_scale: float = 100.0
+    crash_after_step: int | None = None
+    fired: set[int] = field(default_factory=set)
+    loss_fn: Callable[..., Any] | None = None
+
+    @classmethod
+    def from_env(cls) -> FaultInjector | None:
+        """The injector ``LLMFLOW_FAULTS`` (JSON) asks for, or None when it is unset."""
+        spec = os.environ.get(ENV)
+        return cls(**json.loads(spec)) if spec else None
+
+    def on_train_start(self, trainer: Trainer) -> None:
+        self.loss_fn = trainer.loss_fn
+
+    def on_step_start(self, trainer: Trainer, step: int) -> None:
+        fire = step in self.scale_loss_at_steps and step not in self.fired
+        if fire:
+            self.fired.add(step)
+        trainer.loss_fn = self._scaled if fire else self.loss_fn
+
+    def _scaled(self, *args: Any, **kwargs: Any) -> Any:
+        loss, parts = self.loss_fn(*args, **kwargs)
+        return loss * self.loss_scale, parts
+
+    def on_step_end(self, trainer: Trainer, out: StepOutput) -> None:
+        if out.step == self.crash_after_step:
+            print(f"fault injection: crashing after step {out.step}", flush=True)
+            os._exit(CRASH_EXIT_CODE)
