@@ -109,7 +109,7 @@ class Trainer:
         return model
 
     def _components(self, val_dir: Path | None) -> list[Callback]:
-        """The components, in hook order: validate, log, checkpoint, then test faults last."""
+        """The components in hook order; the fault injector only under ``LLMFLOW_FAULTS``."""
         found: list[Callback | None] = [
             self.guard,
             Validator(val_dir, self.cfg.eval_interval) if val_dir is not None else None,

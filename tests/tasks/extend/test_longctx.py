@@ -22,12 +22,13 @@ from llmflow.tasks.extend.config import (
 )
 from llmflow.tasks.extend.longctx import (
     NEEDLE,
+    LongContextEval,
+    longctx,
     passkey_grid,
     passkey_prompt,
     position_loss,
     with_rope,
 )
-from llmflow.tasks.extend.steps import LongContextEval, longctx
 from llmflow.tasks.framework.executor import Executor
 from llmflow.tasks.framework.graph import Graph
 from llmflow.tasks.framework.step import Metrics, step

@@ -6,6 +6,8 @@ import json
 
 from conftest import losses_by_step, read_jsonl, run_trainer, tiny_config
 
+from llmflow.tasks.pretrain.checkpointer import read_notices
+
 
 def test_resume_after_crash_is_bitwise_exact(tmp_path, train_data, val_data):
     cfg = tiny_config(max_steps=12, checkpoint={"interval": 4, "keep_last": 2})
@@ -41,6 +43,10 @@ def test_resume_after_crash_is_bitwise_exact(tmp_path, train_data, val_data):
         "step-000008",
     ]
     assert (full / "final" / "model.safetensors").exists()
+    # Each complete checkpoint was announced once, the crashed attempt's included.
+    expected_notices = [(4, False), (8, False), (12, True)]
+    for run in (full, resumed):
+        assert [(n["step"], n["final"]) for n in read_notices(run)] == expected_notices
 
 
 def test_rerun_of_a_finished_run_is_a_no_op(tmp_path, train_data):

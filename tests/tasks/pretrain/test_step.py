@@ -15,7 +15,7 @@ from llmflow.tasks.framework.step import Metrics, step
 from llmflow.tasks.framework.store import Store
 from llmflow.tasks.pretrain.faults import ENV
 from llmflow.tasks.pretrain.launch import TrainingFailed
-from llmflow.tasks.pretrain.steps import StageRun, pretrain
+from llmflow.tasks.pretrain.step import StageRun, pretrain
 
 
 class PackedSpec(BaseModel):
