@@ -1,21 +1,23 @@
 """Annealing ablation (how SmolLM3 chose late-stage data): from a curriculum checkpoint, anneal a
 fixed token budget on the baseline mix and on 40% baseline + 60% candidate source; evaluate both
-and report the difference. Every run is a content-addressed step, so re-runs are free.
+and report the difference. The arms extend the recipe's graph cut at ``pretrain``, so everything
+upstream is the pipeline's own (cached) outputs.
 """
 
-from __future__ import annotations  # noqa: I001  (flows must be imported before prefect)
+from __future__ import annotations
 
-
-import llmflow.flows  # noqa: F401  (sets Prefect env defaults before prefect is imported)
 from prefect import flow
 from prefect.artifacts import create_table_artifact
 from pydantic import BaseModel, ConfigDict, Field
 
-from llmflow.flows.pipeline import _export_and_evaluate, _Run, _train, pipeline
+from llmflow.flows.recipe import Models, export_and_evaluate, recipe, stage_run
 from llmflow.tasks.config import PipelineConfig
-from llmflow.tasks.dataprep.task import mixture_task
+from llmflow.tasks.dataprep.mixture import mixture
+from llmflow.tasks.framework.executor import PrefectExecutor
+from llmflow.tasks.framework.graph import Graph
+from llmflow.tasks.pretrain.config import TrainConfig
 from llmflow.tasks.pretrain.curriculum import stage_train_config
-from llmflow.tasks.framework.store import StepResult, Store
+from llmflow.tasks.pretrain.step import pretrain
 
 
 class AblationConfig(BaseModel):
@@ -39,63 +41,70 @@ def arm_weights(baseline: dict[str, float], candidate: str, share: float) -> dic
     return weights
 
 
-@flow(name="llmflow-annealing-ablation", log_prints=True)
-def annealing_ablation(config: PipelineConfig, ablation: AblationConfig) -> list[dict]:
-    """Anneal baseline vs baseline+candidate from one checkpoint; table of metric differences."""
-    upstream = pipeline(config.model_copy(update={"until": "pretrain"}))
-    by_step = {r.step: r for r in upstream}
-    stages = [r for r in upstream if r.step == "pretrain"]
-    start = stages[ablation.from_stage]
-    run = _Run(config)
-    last = len(config.pretrain.stages) - 1
-    baseline = config.pretrain.stages[last].mixture
-    train = stage_train_config(config.pretrain, last).model_copy(
-        update={"max_steps": None, "num_tokens": ablation.num_tokens}
+def annealing_train_config(config: PipelineConfig, num_tokens: int) -> TrainConfig:
+    """The last stage's trainer config, annealing ``num_tokens`` linearly to the floor."""
+    last = stage_train_config(config.pretrain, len(config.pretrain.stages) - 1)
+    return last.replaced(
+        max_steps=None,
+        num_tokens=num_tokens,
+        schedule={"name": "linear", "warmup_steps": 0, "total_steps": None, "per_stage": True},
     )
-    train = type(train).model_validate(
-        {
-            **train.model_dump(),
-            "schedule": {
-                **train.schedule.model_dump(),
-                "name": "linear",
-                "warmup_steps": 0,
-                "total_steps": None,
-                "per_stage": True,
-            },
-        }
-    )
+
+
+def ablation_graph(config: PipelineConfig, ablation: AblationConfig) -> tuple[Graph, Models]:
+    """The recipe up to pretraining, plus each arm's mixture, annealing run, export and evaluation."""
+    graph = recipe(config).until("pretrain")
+    start = graph.find(step="pretrain")[ablation.from_stage]
+    (tokenizer,), (tokenized,) = graph.find(step="tokenizer"), graph.find(step="tokenize")
+    (held_out,) = graph.find(step="validation")
+    baseline = config.pretrain.stages[-1].mixture
     arms = {
         "baseline": baseline.weights,
         f"plus-{ablation.candidate}": arm_weights(
             baseline.weights, ablation.candidate, ablation.candidate_share
         ),
     }
+    run = stage_run(config, annealing_train_config(config, ablation.num_tokens))
+    models = Models()
     for label, weights in arms.items():
-        mixture = run.add(
-            mixture_task(
-                baseline.model_copy(update={"weights": weights, "num_tokens": ablation.num_tokens}),
-                inputs={"tokenized": by_step["tokenize"].uri},
-                **run.named(f"ablation-{label}"),
-            )
+        name = f"{config.name}-ablation-{label}"
+        data_cfg = baseline.model_copy(
+            update={"weights": weights, "num_tokens": ablation.num_tokens}
         )
-        checkpoint = _train(run, f"ablation-{label}", train, mixture, by_step["validation"], start)
-        _export_and_evaluate(
-            run, f"ablation-{label}", checkpoint, by_step["tokenizer"], by_step["tokenize"]
+        data = graph.add(mixture, data_cfg, name, phase="pretrain", tokenized=tokenized)
+        annealed = graph.add(
+            pretrain, run, name, phase="pretrain", data=data, validation=held_out, init=start
         )
-    rows = _difference(run.evaluated, Store(config.root))
+        export_and_evaluate(
+            graph, config, models, f"ablation-{label}", annealed, tokenizer, tokenized
+        )
+    return graph, models
+
+
+def difference(base: dict, candidate: dict) -> list[dict]:
+    """Per task metric: baseline, candidate and candidate minus baseline."""
+    return [
+        {
+            "metric": k,
+            "baseline": base[k],
+            "candidate": candidate[k],
+            "difference": candidate[k] - base[k],
+        }
+        for k in sorted(base)
+        if "/" in k and isinstance(base[k], (int, float)) and k in candidate
+    ]
+
+
+@flow(name="llmflow-annealing-ablation", log_prints=True)
+def annealing_ablation(config: PipelineConfig, ablation: AblationConfig) -> list[dict]:
+    """Anneal baseline vs baseline+candidate from one checkpoint; table of metric differences."""
+    graph, models = ablation_graph(config, ablation)
+    outcome = PrefectExecutor(config.root).run(graph)
+    (_, _, base), (_, _, cand) = models.evaluated
+    rows = difference(outcome[base].metrics, outcome[cand].metrics)
     create_table_artifact(
         rows,
         key="llmflow-annealing-ablation",
         description=f"Annealing with {ablation.candidate} minus baseline",
     )
     return rows
-
-
-def _difference(evaluated: list[tuple[str, StepResult, StepResult]], store: Store) -> list[dict]:
-    (_, _, base), (_, _, cand) = evaluated
-    a, b = (store.read_lineage(r.uri)["metrics"] for r in (base, cand))
-    return [
-        {"metric": k, "baseline": a[k], "candidate": b[k], "difference": b[k] - a[k]}
-        for k in sorted(a)
-        if "/" in k and isinstance(a[k], (int, float)) and k in b
-    ]

@@ -9,22 +9,20 @@ leaderboard is built over them, then the run ends Failed naming it. Deploy it wi
 schedule (``deployments/prefect.yaml``).
 """
 
-from __future__ import annotations  # noqa: I001  (flows must be imported before prefect)
+from __future__ import annotations
 
 import re
 from typing import Any
 
-import llmflow.flows  # noqa: F401  (sets Prefect env defaults before prefect is imported)
 from prefect import flow
 from prefect.artifacts import create_table_artifact
 from pydantic import BaseModel, ConfigDict, Field
 
 from llmflow.tasks.evaluation.config import EvalConfig
-from llmflow.tasks.evaluation.harness import ModelLoadError, evaluate
+from llmflow.tasks.evaluation.harness import evaluate
 from llmflow.tasks.evaluation.leaderboard import LeaderboardConfig, leaderboard
 from llmflow.tasks.framework.executor import Outcome, PrefectExecutor
 from llmflow.tasks.framework.graph import Existing, Graph, Node
-from llmflow.tasks.framework.step import StepResult
 from llmflow.tasks.framework.store import Store
 
 MODEL_STEPS = ("export", "sft", "dpo")  # the steps whose outputs hold a model in hf/
@@ -53,25 +51,6 @@ class ScheduledEvaluationConfig(BaseModel):
 
 class CheckpointEvalError(RuntimeError):
     """One or more model outputs failed to evaluate; the message names each."""
-
-
-class _CheckpointFailed(RuntimeError):
-    """A model that does not load: bad input of its own node only."""
-
-
-class _Executor(PrefectExecutor):
-    """Keeps going past a model that does not load.
-
-    NOTE: the executor re-raises every ``BadInputError`` even with ``keep_going`` (a bad config
-    fails every node alike). A model that does not load is bad input of one node only: its
-    task fails without retries, and here it becomes that node's failure.
-    """
-
-    def call(self, step, config, name, inputs) -> StepResult:
-        try:
-            return super().call(step, config, name, inputs)
-        except ModelLoadError as err:
-            raise _CheckpointFailed(str(err)) from err
 
 
 def model_outputs(store: Store) -> list[str]:
@@ -162,7 +141,7 @@ def scheduled_evaluation(
     config: ScheduledEvaluationConfig = ScheduledEvaluationConfig(),  # noqa: B008
 ) -> list[dict[str, Any]]:
     """Evaluate model outputs not yet scored, rebuild the leaderboard, fail naming failures."""
-    executor = _Executor(config.root, keep_going=True)
+    executor = PrefectExecutor(config.root, keep_going=True)
     graph = evaluation_graph(config, model_outputs(executor.store))
     rows = statuses(graph, executor.run(graph))
     rows += build_leaderboard(executor, rows)

@@ -1,6 +1,6 @@
 """The pipeline config: one typed config per step, YAML presets, dotted overrides.
 
-``load_config("configs/quickstart.yaml", ["pretrain.stage1.lr=3e-4"])`` reads the YAML,
+``load_config("configs/quickstart.yaml", ["pretrain.train.optimizer.lr=3e-4"])`` reads the YAML,
 applies each override, and validates everything before any compute. A bad value raises
 ``ConfigError`` naming the field path, the value given and what is allowed.
 """

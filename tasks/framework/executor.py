@@ -69,8 +69,9 @@ class Executor:
     def run(self, graph: Graph) -> Outcome:
         """Run every node whose output is not yet in the store; return every node's result.
 
-        With ``keep_going``, a failing node is recorded and the nodes that do not depend on it
-        still run (scheduled evaluation: one bad checkpoint must not block the others).
+        With ``keep_going``, a failing node (whatever the error, bad input included: a checkpoint
+        that does not load) is recorded and the nodes that do not depend on it still run
+        (scheduled evaluation: one bad checkpoint must not block the others).
         """
         outcome = Outcome({}, {})
         for node in graph.nodes:
@@ -80,7 +81,7 @@ class Executor:
             try:
                 outcome.results[node] = self._run_node(node, outcome.results)
             except Exception as err:
-                if not self.keep_going or isinstance(err, BadInputError):
+                if not self.keep_going:
                     raise
                 log.error("%s failed: %s", node.label, err)
                 outcome.failed[node] = err
