@@ -62,9 +62,13 @@ def _summary(results, seconds: float) -> str:
 def cmd_run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     config = _load(args)  # fails here, before Prefect starts, on any bad value
+    if config.data:  # a missing path fails in about a second, before the heavy imports
+        from llmflow.tasks.ingest.ingest import list_files
+
+        list_files(config.data)
     from llmflow.flows.recipe import recipe
 
-    recipe(config)  # and so does a missing --data path or a misnamed input
+    recipe(config)  # and so does a misnamed input of any step
     from llmflow.flows.pipeline import run_pipeline
 
     results = run_pipeline(config)
