@@ -100,8 +100,8 @@ def test_quickstart_end_to_end(tmp_path):
         assert f"{step} " in lineage, step
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(dpo / "model")
-    tokenizer = AutoTokenizer.from_pretrained(dpo / "model")
+    model = AutoModelForCausalLM.from_pretrained(dpo / "hf")
+    tokenizer = AutoTokenizer.from_pretrained(dpo / "hf")
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is 2 + 3?"}],
         add_generation_prompt=True,
