@@ -24,6 +24,7 @@ import yaml
 
 from llmflow.tasks.evaluation.config import EvalConfig
 from llmflow.tasks.evaluation.synthetic import LETTERS, arithmetic_items, fact_items
+from llmflow.tasks.framework.errors import BadInputError
 from llmflow.tasks.framework.hashing import digest, versioned_fields
 
 SUITE_VERSION = "1"
@@ -220,7 +221,9 @@ def _write_piqa(data_root: Path, out_dir: Path) -> None:
     questions = [json.loads(line) for line in _lines(data_root / "piqa_valid.jsonl")]
     labels = [int(line) for line in _lines(data_root / "piqa_valid_labels.lst")]
     if len(questions) != len(labels):
-        raise ValueError(f"{data_root}: {len(questions)} PIQA questions but {len(labels)} labels")
+        raise BadInputError(
+            f"{data_root}: {len(questions)} PIQA questions but {len(labels)} labels"
+        )
     docs = [{**q, "label": label} for q, label in zip(questions, labels, strict=True)]
     data = _write_jsonl(out_dir / "data" / "piqa_local.jsonl", docs)
     task = {

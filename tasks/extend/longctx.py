@@ -177,9 +177,9 @@ class _TextTokenizer:
     """encode/decode without special tokens, over the raw `tokenizers` object."""
 
     def __init__(self, tokenizer_dir: Path):
-        from tokenizers import Tokenizer
+        from llmflow.tasks.dataprep.tokenize import load_tokenizer
 
-        self.tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+        self.tok = load_tokenizer(tokenizer_dir)
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
