@@ -27,6 +27,7 @@ from llmflow.tasks.curation.shards import (
     iter_rows,
     read_column,
     shards_in,
+    write_drops,
     write_json,
 )
 from llmflow.tasks.curation.text import simplify_text
@@ -190,14 +191,8 @@ def exact_dedup(
     """
     keep = surviving_ids(filtered) if cfg.enabled else set()
     dropped, stats = _dedup_keys(_hash_files(hashes, "exact"), ("id",), keep, cfg)
-    drops = pa.table(
-        {
-            "id": pa.array([d["id"] for d in dropped], pa.string()),
-            "reason": pa.array(["exact_duplicate"] * len(dropped), pa.string()),
-            "duplicate_of": pa.array([d["duplicate_of"] for d in dropped], pa.string()),
-        }
-    )
-    pq.write_table(drops, out / "drops.parquet")
+    duplicate_of = pa.array([d["duplicate_of"] for d in dropped], pa.string())
+    write_drops(out, [d["id"] for d in dropped], "exact_duplicate", duplicate_of=duplicate_of)
     report = {"stage": "exact_dedup", "documents_dropped": len(dropped), **stats}
     if cfg.level == "paragraph":
         report.update(_paragraph_drops(cfg, hashes, keep, out))

@@ -23,7 +23,14 @@ from tqdm import tqdm
 
 from llmflow.tasks.curation.config import MinhashConfig, SignatureConfig
 from llmflow.tasks.curation.exact_dedup import surviving_ids
-from llmflow.tasks.curation.shards import add_metrics, iter_rows, preview, shards_in, write_json
+from llmflow.tasks.curation.shards import (
+    add_metrics,
+    iter_rows,
+    preview,
+    shards_in,
+    write_drops,
+    write_json,
+)
 from llmflow.tasks.curation.text import simplify_text
 from llmflow.tasks.framework.step import Metrics, step
 
@@ -244,14 +251,8 @@ def _sample_clusters(cfg: MinhashConfig, clusters: list[dict], filtered: list[Pa
 
 
 def _write_drops(drops: list[tuple[str, str]], out: Path) -> None:
-    table = pa.table(
-        {
-            "id": pa.array([d[0] for d in drops], pa.string()),
-            "reason": pa.array(["near_duplicate"] * len(drops), pa.string()),
-            "duplicate_of": pa.array([d[1] for d in drops], pa.string()),
-        }
-    )
-    pq.write_table(table, out / "drops.parquet")
+    duplicate_of = pa.array([d[1] for d in drops], pa.string())
+    write_drops(out, [d[0] for d in drops], "near_duplicate", duplicate_of=duplicate_of)
 
 
 @step("curate-near-dedup", version=1)

@@ -14,12 +14,11 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from llmflow.tasks.curation.config import QualityModelConfig
 from llmflow.tasks.curation.minhash import _excluded_ids, _word_hash
-from llmflow.tasks.curation.shards import iter_rows, shards_in, write_json
+from llmflow.tasks.curation.shards import iter_rows, shards_in, write_drops, write_json
 from llmflow.tasks.curation.text import simplify_text
 from llmflow.tasks.framework.step import Metrics, step
 
@@ -192,14 +191,7 @@ def _score_all(
 
 
 def _write_drops(drops: dict[str, list], out: Path) -> None:
-    table = pa.table(
-        {
-            "id": pa.array(drops["id"], pa.string()),
-            "reason": pa.array(drops["reason"], pa.string()),
-            "score": pa.array(drops["score"], pa.float64()),
-        }
-    )
-    pq.write_table(table, out / "drops.parquet")
+    write_drops(out, drops["id"], drops["reason"], score=pa.array(drops["score"], pa.float64()))
 
 
 @step("curate-quality-model", version=1)

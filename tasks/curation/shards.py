@@ -109,3 +109,10 @@ def add_metrics(per_shard: Iterable[dict[str, int]]) -> dict[str, int]:
         for key, value in metrics.items():
             total[key] = total.get(key, 0) + value
     return total
+
+
+def write_drops(out: Path, ids: list[str], reasons: list[str] | str, **extra: pa.Array) -> None:
+    """A global stage's removed documents: ``drops.parquet`` with id, reason and extra columns."""
+    reasons = [reasons] * len(ids) if isinstance(reasons, str) else reasons
+    columns = {"id": pa.array(ids, pa.string()), "reason": pa.array(reasons, pa.string())}
+    pq.write_table(pa.table({**columns, **extra}), out / "drops.parquet")
