@@ -41,9 +41,14 @@ def ours(compile_blocks: bool, fused: bool):
         for block in model.layers:
             block.compile()
     (optimizer,) = build_optimizers(model, OptimizerConfig(lr=1e-3, fused=fused))
+    return train_step(model, optimizer, lambda ids, labels: causal_lm_loss(model(ids), labels)[0])
+
+
+def train_step(model, optimizer, loss_of):
+    """One training step, the same for both models: loss, backward, clip, step."""
 
     def step(ids: torch.Tensor, labels: torch.Tensor) -> float:
-        loss, _ = causal_lm_loss(model(ids), labels)
+        loss = loss_of(ids, labels)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -67,16 +72,7 @@ def smollm3():
     )  # fmt: skip
     model = SmolLM3ForCausalLM(config).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-
-    def step(ids: torch.Tensor, labels: torch.Tensor) -> float:
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss.item()
-
-    return step
+    return train_step(model, optimizer, lambda ids, labels: model(input_ids=ids, labels=ids).loss)
 
 
 def timed(step, ids, labels, steps: int) -> float:
