@@ -168,11 +168,10 @@ def test_scheduled_evaluation_deployment_has_a_cron_and_runs(
     (schedule,) = deployment.schedules
     assert schedule.active and schedule.schedule.cron == "0 */6 * * *"
     root = tmp_path_factory.mktemp("evaluation-root")
-    (root / "export").mkdir()  # no checkpoint exported yet
+    (root / "export").mkdir()  # no checkpoint exported yet: an empty graph, not an error
     run = _run(deployed, _EVAL, {"config": {"root": str(root)}})
-    names = sorted(t.name.rsplit("-", 1)[0] for t in _task_runs(run.id))
-    assert names == ["evaluate-new-checkpoints", "update-leaderboard"]
-    _wait_for_log(run.id, "evaluated 0 new checkpoint(s)")
+    assert _task_runs(run.id) == []
+    _wait_for_log(run.id, "0 model output(s): 0 evaluated now, 0 failure(s)")
 
 
 def test_gpu_slot_holds_the_gpu_limit_and_is_a_no_op_without_it(deployed: PrefectServer):
@@ -209,7 +208,7 @@ def test_serve_runs_the_local_deployments_without_a_worker(deployed: PrefectServ
     # fields and crashes the runs; switching a deployment to serve() means deleting it first.
     out = deployed.cli("deployment", "delete", _EVAL)
     assert out.returncode == 0, out.stdout + out.stderr
-    code = "from flows.deploy import serve; serve(['scheduled-evaluation'])"
+    code = "from llmflow.flows.deploy import serve; serve(['scheduled-evaluation'])"
     env = {**deployed.env, "PREFECT_RUNNER_POLL_FREQUENCY": "2"}
     deployed.start([sys.executable, "-c", code], "serve.log", env)
     wait_until(
@@ -217,4 +216,4 @@ def test_serve_runs_the_local_deployments_without_a_worker(deployed: PrefectServ
     )
     (tmp_path / "export").mkdir()
     run = _run(deployed, _EVAL, {"config": {"root": str(tmp_path)}}, "serve.log")
-    _wait_for_log(run.id, "evaluated 0 new checkpoint(s)")
+    _wait_for_log(run.id, "0 model output(s): 0 evaluated now, 0 failure(s)")
