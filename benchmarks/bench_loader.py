@@ -20,14 +20,11 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import numpy as np
+import torch
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from llmflow.tasks.dataprep.loader import PackedLoader  # noqa: E402
-from llmflow.tasks.dataprep.pack import write_packed  # noqa: E402
+from llmflow.tasks.dataprep.loader import PackedLoader
+from llmflow.tasks.dataprep.pack import write_packed
 
 BATCH, SEQ_LEN, VOCAB = 8, 256, 8192
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -22,15 +21,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from llmflow.model.loss import IGNORE_INDEX, causal_lm_loss
+from llmflow.tasks.dataprep.loader import PackedLoader
+from llmflow.tasks.dataprep.pack import write_packed
+from llmflow.tasks.pretrain.config import ScheduleConfig, TrainConfig
+from llmflow.tasks.pretrain.schedule import lr_multiplier
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from llmflow.model.loss import IGNORE_INDEX, causal_lm_loss  # noqa: E402
-from llmflow.tasks.dataprep.loader import PackedLoader  # noqa: E402
-from llmflow.tasks.dataprep.pack import write_packed  # noqa: E402
-from llmflow.tasks.pretrain.config import ScheduleConfig, TrainConfig  # noqa: E402
-from llmflow.tasks.pretrain.schedule import lr_multiplier  # noqa: E402
-
 DATA = ROOT.parent / "shared" / "data" / "text"
 VOCAB, SEQ, BATCH, LR = 4096, 128, 16, 3e-3
 WIDTH = dict(hidden_size=256, num_layers=6, num_heads=8, num_kv_heads=2, intermediate_size=768)

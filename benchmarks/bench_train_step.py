@@ -14,19 +14,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from llmflow.model.config import ModelConfig  # noqa: E402
-from llmflow.model.loss import causal_lm_loss  # noqa: E402
-from llmflow.model.transformer import Transformer  # noqa: E402
-from llmflow.tasks.pretrain.config import OptimizerConfig  # noqa: E402
-from llmflow.tasks.pretrain.optim import build_optimizers  # noqa: E402
+from llmflow.model.config import ModelConfig
+from llmflow.model.loss import causal_lm_loss
+from llmflow.model.transformer import Transformer
+from llmflow.tasks.pretrain.config import OptimizerConfig
+from llmflow.tasks.pretrain.optim import build_optimizers
 
 SHAPES = dict(vocab_size=8192, hidden_size=256, num_layers=6, num_heads=8, num_kv_heads=2,
               intermediate_size=768, max_seq_len=256, tie_embeddings=True, nope_interval=4)  # fmt: skip
