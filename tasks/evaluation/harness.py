@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -15,12 +16,26 @@ from llmflow.tasks.evaluation.config import EvalConfig
 from llmflow.tasks.evaluation.models import hf_dir, load_hf_model, load_tokenizer
 from llmflow.tasks.evaluation.suite import build_suite, missing_data_reason, read_manifest
 from llmflow.tasks.framework.errors import BadInputError
+from llmflow.tasks.framework.lineage import code_version
 from llmflow.tasks.framework.step import Metrics, report_table, step
 
 RESULTS_FILE = "results.json"
 HELDOUT_DOCS = "validation_docs"  # where a tokenize output keeps its held-out documents
 CPU_BATCH_SIZE = 16  # what batch_size="auto" means on CPU (see load_model)
 log = logging.getLogger("llmflow.evaluation")
+
+
+class _LoadedModelNotice(logging.Filter):
+    """Drops lm-eval's two warnings about being handed a loaded model: we do that on purpose
+    (one loader for every model output), and they would repeat on every evaluation."""
+
+    EXPECTED = ("`pretrained` model kwarg is not of type `str`", "Passed an already-initialized")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.EXPECTED)
+
+
+logging.getLogger("lm_eval.models.huggingface").addFilter(_LoadedModelNotice())
 
 
 class EvalTaskError(BadInputError):
@@ -73,6 +88,23 @@ def evaluate_hf(
         return _evaluate_with_suite(cfg, Path(folder), Path(out_dir), suite, heldout_dir)
 
 
+@contextlib.contextmanager
+def _our_git_hash():
+    """lm-eval records llmflow's git sha, the one lineage.json holds.
+
+    NOTE: lm-eval runs ``git describe`` in the working directory with stderr open, so outside a
+    git checkout every evaluation printed "fatal: not a git repository".
+    """
+    import lm_eval.evaluator
+
+    original = lm_eval.evaluator.get_git_commit_hash
+    lm_eval.evaluator.get_git_commit_hash = lambda: code_version()["git_sha"]
+    try:
+        yield
+    finally:
+        lm_eval.evaluator.get_git_commit_hash = original
+
+
 def _evaluate_with_suite(
     cfg: EvalConfig, model_dir: Path, out_dir: Path, suite_dir: Path, heldout_dir: Path | None
 ) -> dict[str, Any]:
@@ -82,16 +114,17 @@ def _evaluate_with_suite(
     specs, leaf_tasks = load_tasks(cfg, manager, heldout_dir)
     lm = load_model(cfg, model_dir)
     start = time.perf_counter()
-    raw = simple_evaluate(
-        model=lm,
-        tasks=specs,
-        task_manager=manager,
-        num_fewshot=cfg.num_fewshot,
-        limit=cfg.limit,
-        batch_size=cfg.batch_size,
-        log_samples=cfg.log_samples,
-        bootstrap_iters=cfg.bootstrap_iters,
-    )
+    with _our_git_hash():
+        raw = simple_evaluate(
+            model=lm,
+            tasks=specs,
+            task_manager=manager,
+            num_fewshot=cfg.num_fewshot,
+            limit=cfg.limit,
+            batch_size=cfg.batch_size,
+            log_samples=cfg.log_samples,
+            bootstrap_iters=cfg.bootstrap_iters,
+        )
     seconds = time.perf_counter() - start
     num_requests = sum(len(task.instances) for task in leaf_tasks)
     results = summarize(raw, cfg, model_dir, read_manifest(suite_dir), seconds, num_requests)
