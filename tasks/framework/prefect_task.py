@@ -116,6 +116,9 @@ def step_task(step: Step):
             retry_condition_fn=_retry_transient,
             cache_key_fn=cache_key,
             persist_result=True,
+            # NOTE: steps log through "llmflow.*"; captured prints would also catch libraries'
+            # stdout, e.g. dill's dis.dis() while datasets hashes a function (pages of bytecode).
+            log_prints=False,
             tags=["gpu"] if step.gpu else [],
         )
     )
