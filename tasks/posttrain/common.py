@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import warnings
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -210,6 +211,31 @@ def offline_environment() -> None:
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 
+# NOTE: TRL 1.x still calls transformers' deprecated is_gradient_checkpointing once per run.
+warnings.filterwarnings(
+    "ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning
+)
+
+
+def _checkpointing_arg(enabled: bool) -> dict[str, bool]:
+    """transformers 5 renamed gradient_checkpointing (a deprecated alias warns on every run)."""
+    from transformers import TrainingArguments
+
+    fields = TrainingArguments.__dataclass_fields__
+    name = (
+        "activation_checkpointing"
+        if "activation_checkpointing" in fields
+        else "gradient_checkpointing"
+    )
+    return {name: enabled}
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def common_training_args(cfg: Any, out_dir: Path) -> dict[str, Any]:
     """The TrainingArguments SFT and DPO share: no checkpoints, no trackers, CPU-safe precision."""
     return dict(
@@ -226,7 +252,8 @@ def common_training_args(cfg: Any, out_dir: Path) -> dict[str, Any]:
         seed=cfg.seed,
         data_seed=cfg.seed,
         bf16=cfg.bf16,
-        gradient_checkpointing=cfg.gradient_checkpointing,
+        **_checkpointing_arg(cfg.gradient_checkpointing),
+        dataloader_pin_memory=_has_cuda(),
         logging_steps=cfg.logging_steps,
         dataloader_num_workers=cfg.dataloader_num_workers,
         save_strategy="no",
