@@ -74,7 +74,7 @@ class PipelineConfig(BaseModel):
     )
     until: str | None = Field(
         None,
-        description=f"Stop after this step; one of {', '.join(PHASES)}.",
+        description=f"Stop after this phase of the recipe; one of {', '.join(PHASES)}.",
         json_schema_extra={"versioned": False},
     )
     runner: RunnerConfig = Field(
@@ -96,7 +96,7 @@ class PipelineConfig(BaseModel):
     @classmethod
     def _known_step(cls, value: str | None) -> str | None:
         if value is not None and value not in PHASES:
-            raise ValueError(f"not a step; allowed: {', '.join(PHASES)}")
+            raise ValueError(f"not a phase of the recipe; allowed: {', '.join(PHASES)}")
         return value
 
 
