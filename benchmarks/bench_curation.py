@@ -1,8 +1,9 @@
 """Curation speed and fidelity against datatrove 0.10 (the FineWeb pipeline), side by side.
 
-Corpus: the quickstart sample (`tasks.ingest.sample`) plus ../shared/data/text cut as PEERS.md
-describes (WikiText-2 validation articles, tinyshakespeare in 2,000-character chunks), plus
-planted near copies (1-3 words replaced) of real documents.
+Corpus: the quickstart sample (`tasks.ingest.sample`), plus, with ``--text-dir DIR`` (a folder
+holding ``wikitext2_valid.txt`` and ``tinyshakespeare.txt``), WikiText-2 validation articles and
+tinyshakespeare in 2,000-character chunks, plus planted near copies (1-3 words replaced) of those
+real documents.
 
 1. Filter chain, one process, in memory, same thresholds: datatrove GopherRepetition ->
    GopherQuality -> C4QualityFilter(filter_no_terminal_punct=False) -> FineWebQuality, against
@@ -17,7 +18,7 @@ Throughput is documents per CPU second of one process (per core), so a busy mach
 skew the ratio. Prints ONE JSON line. Without datatrove installed, only our half runs (with a message).
 
     pip install "datatrove==0.10.*" spacy regex "xxhash<4"
-    python benchmarks/bench_curation.py [--near-copies 200]
+    python benchmarks/bench_curation.py [--near-copies 200] [--text-dir DIR]
 """
 
 from __future__ import annotations
@@ -56,7 +57,9 @@ except ImportError:
     HAVE_DATATROVE = False
 
 
-def build_corpus(tmp: Path, num_near: int, seed: int = 0) -> tuple[list[dict], dict[str, str]]:
+def build_corpus(
+    tmp: Path, num_near: int, text_dir: Path | None, seed: int = 0
+) -> tuple[list[dict], dict[str, str]]:
     """Returns (records, planted copy id -> original id)."""
     from llmflow.tasks.ingest.sample import SampleConfig, make_sample
 
@@ -68,7 +71,7 @@ def build_corpus(tmp: Path, num_near: int, seed: int = 0) -> tuple[list[dict], d
     ]
     manifest = json.loads((tmp / "sample" / "manifest.json").read_text())
     planted = {k: v["of"] for k, v in manifest.items() if "of" in v}
-    real = real_documents() if (ROOT.parent / "shared" / "data" / "text").exists() else []
+    real = real_documents(text_dir=text_dir) if text_dir is not None else []
     records += [{"id": f"real-{i:05d}", "text": t, "domain": "prose"} for i, t in enumerate(real)]
     rng = random.Random(seed)
     sources = [r for r in records if r["id"].startswith("real-") and len(r["text"].split()) > 150]
@@ -293,6 +296,9 @@ def run_datatrove_minhash(tmp: Path, records: list[dict]) -> tuple[set[str], dic
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--near-copies", type=int, default=200)
+    parser.add_argument(
+        "--text-dir", type=Path, help="Folder with wikitext2_valid.txt and tinyshakespeare.txt."
+    )
     args = parser.parse_args()
     if not HAVE_DATATROVE:
         print(
@@ -303,7 +309,7 @@ def main() -> None:
     result: dict = {"datatrove": HAVE_DATATROVE}
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
-        records, planted = build_corpus(tmp, args.near_copies)
+        records, planted = build_corpus(tmp, args.near_copies, args.text_dir)
         words = sum(len(r["text"].split()) for r in records)
         result.update(
             {"documents": len(records), "words": words, "planted_near_copies": args.near_copies}

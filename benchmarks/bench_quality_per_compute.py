@@ -1,12 +1,12 @@
 """Quality per compute on CPU: our trainer (Transformer + WSD) against GPT-2 + AdamW + cosine.
 
-Both models see the same packed tokens (WikiText-2 valid + tinyshakespeare from ../shared/data,
+Both models see the same packed tokens (WikiText-2 valid + tinyshakespeare from ``--text-dir``,
 byte-level BPE with 4,096 ids trained here), the same number of steps and batch, the same width
 and depth, and are scored on the same held-out rows. Training FLOPs are reported (6 N D) so the
 comparison can be read per FLOP. Ours attends within documents (packed rows, cu_seqlens);
 GPT-2 attends across document boundaries like a plain causal LM. Prints ONE JSON line.
 
-    python benchmarks/bench_quality_per_compute.py [--steps 200]
+    python benchmarks/bench_quality_per_compute.py --text-dir DIR [--steps 200]
 """
 
 from __future__ import annotations
@@ -27,17 +27,16 @@ from llmflow.tasks.dataprep.pack import write_packed
 from llmflow.tasks.pretrain.config import ScheduleConfig, TrainConfig
 from llmflow.tasks.pretrain.schedule import lr_multiplier
 
-ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared" / "data" / "text"
 VOCAB, SEQ, BATCH, LR = 4096, 128, 16, 3e-3
 WIDTH = dict(hidden_size=256, num_layers=6, num_heads=8, num_kv_heads=2, intermediate_size=768)
 
 
-def build_data(work: Path) -> tuple[Path, Path]:
+def build_data(work: Path, text_dir: Path) -> tuple[Path, Path]:
     """Tokenize the texts with a fresh BPE; pack 95% of documents for training, 5% held out."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    text = (DATA / "wikitext2_valid.txt").read_text() + (DATA / "tinyshakespeare.txt").read_text()
+    text = (text_dir / "wikitext2_valid.txt").read_text()
+    text += (text_dir / "tinyshakespeare.txt").read_text()
     docs = [d for d in text.split("\n\n") if len(d.strip()) > 20]
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -141,13 +140,18 @@ def evaluate_gpt2(model: torch.nn.Module, val: Path, val_batches: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument(
+        "--text-dir",
+        type=Path,
+        required=True,
+        help="Folder with wikitext2_valid.txt and tinyshakespeare.txt.",
+    )
     args = parser.parse_args()
-    if not DATA.exists():
-        print(json.dumps({"benchmark": "quality_per_compute", "skipped": f"{DATA} absent"}))
-        return
+    if not args.text_dir.is_dir():
+        parser.error(f"--text-dir {args.text_dir} is not a folder")
     torch.set_num_threads(2)
     with tempfile.TemporaryDirectory() as tmp:
-        train, val = build_data(Path(tmp))
+        train, val = build_data(Path(tmp), args.text_dir)
         num_val = json.loads((val / "meta.json").read_text())["num_sequences"]
         val_batches = max(num_val // BATCH, 1)
         ours = train_ours(train, val, Path(tmp) / "ours", args.steps, val_batches)

@@ -8,6 +8,7 @@ from an empty directory elsewhere.
 from __future__ import annotations
 
 import json
+import shutil
 import site
 import subprocess
 import venv
@@ -17,6 +18,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
+NOT_SOURCE = (".git", ".venv", "runs", "build", "*.egg-info", "__pycache__", "*_cache")
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +34,10 @@ def installed(tmp_path_factory) -> Path:
         check=True,
     ).stdout.strip()
     Path(target, "llmflow-deps.pth").write_text(site.getsitepackages()[0] + "\n")
+    source = tmp_path_factory.mktemp("source") / "llmflow"  # the build writes build/ beside it
+    shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(*NOT_SOURCE))
     subprocess.run(
-        [python, "-m", "pip", "install", "-q", "--no-deps", str(REPO)],
+        [python, "-m", "pip", "install", "-q", "--no-deps", str(source)],
         check=True,
         capture_output=True,
         timeout=600,

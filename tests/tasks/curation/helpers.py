@@ -43,11 +43,11 @@ def near_copy(rng: random.Random, text: str, num_edits: int) -> str:
     return " ".join(words)
 
 
-def real_documents(max_docs: int | None = None) -> list[str]:
+def real_documents(max_docs: int | None = None, text_dir: Path = SHARED_TEXT) -> list[str]:
     """WikiText-2 validation articles and tinyshakespeare in 2,000-character chunks."""
-    wiki = (SHARED_TEXT / "wikitext2_valid.txt").read_text(encoding="utf-8")
+    wiki = (text_dir / "wikitext2_valid.txt").read_text(encoding="utf-8")
     docs = [a for a in re.split(r"\n(?= = [^=].* = \n)", wiki) if a.strip()]
-    shakespeare = (SHARED_TEXT / "tinyshakespeare.txt").read_text(encoding="utf-8")
+    shakespeare = (text_dir / "tinyshakespeare.txt").read_text(encoding="utf-8")
     docs += [shakespeare[i : i + 2000] for i in range(0, len(shakespeare), 2000)]
     return docs[:max_docs]
 

@@ -47,11 +47,11 @@ def write_corpus(docs: list[dict], corpus_dir: Path, num_files: int = 2) -> Path
     return corpus_dir
 
 
-def real_docs() -> list[dict]:
+def real_docs(text_dir: Path = SHARED_DATA / "text") -> list[dict]:
     """Tinyshakespeare in 2,000-character chunks and WikiText-2 validation articles."""
-    if not SHARED_DATA.is_dir():
-        pytest.skip(f"shared data not found at {SHARED_DATA}")
-    shakespeare = (SHARED_DATA / "text" / "tinyshakespeare.txt").read_text()
+    if not text_dir.is_dir():
+        pytest.skip(f"shared data not found at {text_dir}")
+    shakespeare = (text_dir / "tinyshakespeare.txt").read_text()
     docs = [
         {
             "id": f"shakespeare-{i}",
@@ -61,7 +61,7 @@ def real_docs() -> list[dict]:
         }
         for i in range(0, len(shakespeare), 2000)
     ]
-    wiki = (SHARED_DATA / "text" / "wikitext2_valid.txt").read_text()
+    wiki = (text_dir / "wikitext2_valid.txt").read_text()
     articles, current = [], []
     for line in wiki.splitlines(keepends=True):
         if line.startswith(" = ") and not line.startswith(" = = ") and current:
