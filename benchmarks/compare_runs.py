@@ -13,21 +13,21 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import re
 import sys
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
-HASH = re.compile(r"-[0-9a-f]{16}$")
+from llmflow.tasks.framework.store import Store
 
 
 def outputs(root: Path, step: str) -> dict[str, Path]:
     """Committed outputs of one step by label (the folder name less its hash)."""
     folder = root / step
     found = folder.iterdir() if folder.is_dir() else []
-    return {HASH.sub("", p.name): p for p in found if (p / "_COMMITTED").exists()}
+    store = Store(root)
+    return {Store.address_of(str(p))[1]: p for p in found if store.is_complete(str(p))}
 
 
 def weights(output: Path) -> Path:

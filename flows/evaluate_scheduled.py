@@ -11,7 +11,6 @@ schedule (``deployments/prefect.yaml``).
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from prefect import flow
@@ -26,7 +25,6 @@ from llmflow.tasks.framework.graph import Existing, Graph, Node
 from llmflow.tasks.framework.store import Store
 
 MODEL_STEPS = ("export", "sft", "dpo")  # the steps whose outputs hold a model in hf/
-HASH_SUFFIX = re.compile(r"-[0-9a-f]{16}$")
 LEADERBOARD_NAME = "scheduled"
 
 
@@ -63,8 +61,7 @@ def label_of(uri: str) -> str:
     the pipeline made is found, not repeated): the output's label less its hash, with the step
     appended for post-trained models (``export/quickstart-base-<hash>`` -> ``quickstart-base``,
     ``sft/quickstart-<hash>`` -> ``quickstart-sft``)."""
-    step_name, folder = uri.rstrip("/").rsplit("/", 2)[-2:]
-    label = HASH_SUFFIX.sub("", folder)
+    step_name, label, _ = Store.address_of(uri)
     if step_name == "export" or label.endswith(f"-{step_name}"):
         return label
     return f"{label}-{step_name}"

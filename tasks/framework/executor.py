@@ -8,14 +8,12 @@ over the shards of its input; one failing shard retries alone. Prefect is import
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
 from llmflow.tasks.framework.audit import unhashed_reads
-from llmflow.tasks.framework.concurrency import gpu_slot
 from llmflow.tasks.framework.errors import BadInputError
 from llmflow.tasks.framework.graph import Existing, Graph, Node, Raw
 from llmflow.tasks.framework.step import RawFiles, Shard, Step, StepResult
@@ -115,15 +113,13 @@ class Executor:
 
     def _shards(self, uri: str) -> tuple[list[str], list[Shard]]:
         """The shard files of one output (``shards/*.parquet``), the unit a mapped step runs on."""
-        shards = sorted(p.name for p in (self.store.local_path(uri) / "shards").glob("*.parquet"))
+        shards = [s for s in self.store.listdir(uri, "shards") if s.endswith(".parquet")]
         return [s.removesuffix(".parquet") for s in shards], [Shard(uri, s) for s in shards]
 
     def call(self, step: Step, config: Any, name: str, inputs: dict[str, Any]) -> StepResult:
         """Run one step through the store."""
-        slot = gpu_slot() if step.gpu else contextlib.nullcontext()
         reads = None if self.reads is None else self.reads.setdefault(step.name, set())
-        with slot:
-            return step.run(self.store, config, name, inputs, reads=reads)
+        return step.run(self.store, config, name, inputs, reads=reads)
 
     def unhashed_reads(self, graph: Graph) -> dict[str, list[str]]:
         """After an audited run: per step, the config fields read that its hash leaves out."""

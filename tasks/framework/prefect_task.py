@@ -8,7 +8,6 @@ never bad input. Each materialized output emits a Prefect asset event with its u
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 from prefect import task
@@ -17,7 +16,6 @@ from prefect.context import FlowRunContext, TaskRunContext
 from prefect.events import emit_event
 from prefect.states import Completed, State
 
-from llmflow.tasks.framework.concurrency import gpu_slot
 from llmflow.tasks.framework.errors import BadInputError
 from llmflow.tasks.framework.step import Shard, Step, StepResult
 from llmflow.tasks.framework.store import Store
@@ -96,10 +94,7 @@ def step_task(step: Step):
     def run(
         config: Any, inputs: dict[str, Any] | None = None, root: str = "./runs", name: str = "run"
     ):
-        store = Store(root)
-        slot = gpu_slot() if step.gpu else contextlib.nullcontext()
-        with slot:
-            result = step.run(store, config, name, inputs, _run_info())
+        result = step.run(Store(root), config, name, inputs, _run_info())
         if result.cached:
             return Completed(message=f"output exists: {result.uri}", name="Cached", data=result)
         _publish(result, inputs or {})

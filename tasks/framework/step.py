@@ -17,6 +17,7 @@ directly, it is the plain function.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import inspect
 import time
@@ -32,6 +33,7 @@ from pydantic import BaseModel
 
 from llmflow.tasks.framework import lineage
 from llmflow.tasks.framework.audit import recording
+from llmflow.tasks.framework.concurrency import gpu_slot
 from llmflow.tasks.framework.errors import BadInputError
 from llmflow.tasks.framework.hashing import step_hash
 from llmflow.tasks.framework.store import Store, now
@@ -181,7 +183,8 @@ class Step:
                 self.name, on_checkpoint=lambda: store.sync_partial(self.name, name, digest, work)
             )
             started_at = now()
-            with _running(running):
+            slot = gpu_slot() if self.gpu else contextlib.nullcontext()
+            with slot, _running(running):
                 local = {k: _local(store, v) for k, v in inputs.items()}
                 seen = config if reads is None else recording(config, reads)
                 metrics = self.fn(seen, **local, **{OUT: work}) or {}

@@ -53,6 +53,21 @@ class Store:
     def uri(self, step: str, name: str, digest: str) -> str:
         return f"{self.root}/{step}/{name}-{digest}"
 
+    @staticmethod
+    def address_of(uri: str) -> tuple[str, str, str]:
+        """The (step, name, hash) of an output's URI: the inverse of ``uri``."""
+        step, folder = uri.rstrip("/").rsplit("/", 2)[-2:]
+        name, _, digest = folder.rpartition("-")
+        return step, name, digest
+
+    def listdir(self, uri: str, folder: str) -> list[str]:
+        """Names of the files in one folder of an output, read remotely (nothing downloaded)."""
+        path = f"{uri}/{folder}"
+        self._forget_listings(path)
+        if not self.fs.exists(path):
+            return []
+        return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(path, detail=False))
+
     def is_complete(self, uri: str) -> bool:
         marker = f"{uri}/{COMMIT_MARKER}"
         self._forget_listings(marker)

@@ -184,3 +184,16 @@ def test_sync_uploads_in_write_order_and_only_what_changed(s3_env: S3, tmp_path:
         "order/toy/.partial/t-abc/ckpt/COMPLETE",
         "order/toy/.partial/t-abc/ckpt/zz-data.bin",
     ]
+
+
+def test_listdir_lists_one_folder_of_a_remote_output(s3_env: S3, tmp_path: Path):
+    from llmflow.tasks.framework.store import Store
+
+    store = Store(f"s3://{s3_env.bucket}/listing", cache_dir=tmp_path)
+    uri = _commit_by_hand(s3_env, "listing/ingest/q-0123456789abcdef", "2026-01-01")
+    for name in ("shard-00001.parquet", "shard-00000.parquet"):
+        s3_env.client().put_object(
+            Bucket=s3_env.bucket, Key=f"listing/ingest/q-0123456789abcdef/shards/{name}", Body=b"x"
+        )
+    assert store.listdir(uri, "shards") == ["shard-00000.parquet", "shard-00001.parquet"]
+    assert not (tmp_path / "inputs").exists()  # listed remotely, nothing downloaded

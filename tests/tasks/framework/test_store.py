@@ -207,3 +207,15 @@ def test_concurrent_runs_of_one_step_do_not_corrupt(tmp_path):
         "part-1",
         "part-2",
     ]
+
+
+def test_address_of_inverts_uri_and_listdir_reads_one_folder(tmp_path):
+    store = Store(tmp_path)
+    uri = store.uri("curate-filter", "quickstart-shard-00001", "0123456789abcdef")
+    assert Store.address_of(uri) == ("curate-filter", "quickstart-shard-00001", "0123456789abcdef")
+    assert Store.address_of(uri + "/") == Store.address_of(uri)
+    (Path(uri) / "shards").mkdir(parents=True)
+    for name in ("b.parquet", "a.parquet"):
+        (Path(uri) / "shards" / name).write_text("x")
+    assert store.listdir(uri, "shards") == ["a.parquet", "b.parquet"]
+    assert store.listdir(uri, "missing") == []
