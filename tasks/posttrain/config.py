@@ -12,8 +12,10 @@ UNVERSIONED = {"versioned": False}
 class _TrainStepConfig(BaseModel):
     """Fields shared by SFT and DPO.
 
-    Defaults suit the CPU quickstart (a tiny model, a few dozen steps); real models want far
-    lower learning rates (SFT ~1e-5, DPO ~5e-7) and ``max_steps=None`` with ``num_epochs``.
+    Learning rates default to what fine-tuning a real pretrained model wants (TRL's SFT default
+    2e-5; DPO 5e-7, the Zephyr / Tulu recipe): a user pointing the step at a 1B model must not
+    inherit a toy model's rate, which would wreck it in a few steps. The CPU quickstart (a ~2M
+    model, a few dozen steps) sets its own rates in ``configs/quickstart.yaml``.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -29,7 +31,7 @@ class _TrainStepConfig(BaseModel):
     max_length: int = Field(
         128, ge=16, description="Longest tokenized sequence; longer prompts are rejected."
     )
-    learning_rate: float = Field(3e-3, gt=0, lt=1, description="Peak AdamW learning rate.")
+    learning_rate: float = Field(2e-5, gt=0, lt=1, description="Peak AdamW learning rate.")
     lr_scheduler_type: Literal["constant", "linear", "cosine"] = Field(
         "cosine", description="Learning-rate schedule after warmup."
     )
@@ -92,7 +94,7 @@ class SFTStepConfig(_TrainStepConfig):
 class DPOStepConfig(_TrainStepConfig):
     """Direct preference optimization through TRL's DPOTrainer; the reference is the SFT model."""
 
-    learning_rate: float = Field(2e-3, gt=0, lt=1, description="Peak AdamW learning rate.")
+    learning_rate: float = Field(5e-7, gt=0, lt=1, description="Peak AdamW learning rate.")
     lr_scheduler_type: Literal["constant", "linear", "cosine"] = Field(
         "constant", description="Learning-rate schedule after warmup."
     )

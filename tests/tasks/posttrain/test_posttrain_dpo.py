@@ -119,8 +119,9 @@ def test_sft_then_dpo_raises_heldout_preference_accuracy(tiny_model_output, tmp_
     """The quickstart recipe: SFT on noisy arithmetic chat, then DPO on preference pairs."""
     sft_out, dpo_out = tmp_path / "sft", tmp_path / "dpo"
     sft_out.mkdir(), dpo_out.mkdir()
-    sft(SFTStepConfig(), tiny_model_output, sft_out)  # the defaults are the quickstart recipe
-    metrics = dpo(DPOStepConfig(), sft_out, dpo_out)
+    # A random-init model: toy-model learning rates (the class defaults suit real models).
+    sft(SFTStepConfig(learning_rate=3e-3), tiny_model_output, sft_out)
+    metrics = dpo(DPOStepConfig(learning_rate=2e-3), sft_out, dpo_out)
     before = metrics["heldout_preference_accuracy_before"]
     after = metrics["heldout_preference_accuracy_after"]
     assert after >= before + 0.2, (before, after)
