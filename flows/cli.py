@@ -91,25 +91,19 @@ def cmd_lineage(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from llmflow.tasks.pretrain.planner import format_plan, plan
+    from llmflow.tasks.pretrain.planner import format_plan, recipe_plan
 
     config = _load(args)
-    pretrain = config.pretrain
-    model = pretrain.train.model_config_obj()
-    seq_len = max(s.mixture.seq_len for s in pretrain.stages)
-    batch = pretrain.train.batch
-    micro = batch.micro_batch_size
-    result = plan(
-        model,
-        seq_len=seq_len,
-        global_batch_tokens=micro * batch.grad_accum_steps * seq_len * args.gpus,
-        num_tokens=sum(s.mixture.num_tokens for s in pretrain.stages),
-        num_gpus=args.gpus,
-        gpu_mem_gb=args.gpu_mem,
-        mfu=args.mfu,
-        micro_batch_size=micro,
+    result = recipe_plan(
+        config.pretrain, config.hardware, num_gpus=args.gpus, gpu_mem_gb=args.gpu_mem, mfu=args.mfu
     )
+    gpus = args.gpus or config.hardware.gpus
+    print(f"{config.name} on {gpus} GPU(s)")
     print(format_plan(result))
+    if not result.fits:
+        print(
+            "llmflow: error: the recipe does not fit its GPUs; see the fixes above", file=sys.stderr
+        )
     return 0 if result.fits else 1
 
 
@@ -155,9 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
     lin.set_defaults(func=cmd_lineage)
     planner = sub.add_parser("plan", help="Parameters, FLOPs, memory per GPU, tokens and time.")
     _add_config_args(planner)
-    planner.add_argument("--gpus", type=int, default=1, help="Data-parallel GPUs.")
-    planner.add_argument("--gpu-mem", type=float, default=80.0, help="GiB per GPU.")
-    planner.add_argument("--mfu", type=float, default=0.4, help="Expected model FLOPs utilization.")
+    planner.add_argument("--gpus", type=int, help="Data-parallel GPUs (default: hardware.*).")
+    planner.add_argument("--gpu-mem", type=float, help="GB per GPU (default: hardware.gpu_mem_gb).")
+    planner.add_argument("--mfu", type=float, help="Expected MFU (default: hardware.mfu).")
     planner.set_defaults(func=cmd_plan)
     ablate = sub.add_parser(
         "ablate", help="Annealing ablation: baseline vs 40/60 with a candidate domain."

@@ -23,6 +23,7 @@ from llmflow.tasks.ingest.ingest import IngestConfig
 from llmflow.tasks.ingest.sample import SampleConfig
 from llmflow.tasks.posttrain.config import DPOStepConfig, SFTStepConfig
 from llmflow.tasks.pretrain.curriculum import PretrainConfig
+from llmflow.tasks.safety.config import SafetyConfig
 from llmflow.tasks.tokenizer.config import TokenizerConfig
 
 CONFIGS = data_dir("configs")
@@ -55,6 +56,26 @@ class RunnerConfig(BaseModel):
     max_workers: int | None = Field(None, ge=1, description="Workers (None: Prefect's default).")
 
 
+class HardwareConfig(BaseModel):
+    """The machines a recipe is sized for: what ``llmflow plan`` and preflight plan against.
+
+    Execution-only (never in a hash): the same recipe trains the same model on other hardware.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    nodes: int = Field(1, ge=1, description="Machines in the training job.")
+    gpus_per_node: int = Field(1, ge=1, description="GPUs per machine (data-parallel ranks).")
+    gpu_mem_gb: float = Field(80.0, gt=0, description="Memory of one GPU, GB.")
+    peak_tflops: float = Field(989.0, gt=0, description="Dense bf16 peak of one GPU (H100: 989).")
+    mfu: float = Field(0.4, gt=0, le=1, description="Model FLOPs utilization expected.")
+
+    @property
+    def gpus(self) -> int:
+        """Data-parallel GPUs in all."""
+        return self.nodes * self.gpus_per_node
+
+
 class PipelineConfig(BaseModel):
     """Everything one end-to-end run needs; each field below is one step's config."""
 
@@ -80,6 +101,9 @@ class PipelineConfig(BaseModel):
     runner: RunnerConfig = Field(
         default_factory=RunnerConfig, json_schema_extra={"versioned": False}
     )
+    hardware: HardwareConfig = Field(
+        default_factory=HardwareConfig, json_schema_extra={"versioned": False}
+    )
     sample: SampleConfig = Field(default_factory=SampleConfig)
     ingest: IngestConfig = Field(default_factory=IngestConfig)
     curate: CurateConfig = Field(default_factory=CurateConfig)
@@ -91,6 +115,7 @@ class PipelineConfig(BaseModel):
     evaluate: EvalConfig = Field(default_factory=EvalConfig)
     sft: SFTStepConfig = Field(default_factory=SFTStepConfig)
     dpo: DPOStepConfig = Field(default_factory=DPOStepConfig)
+    safety: SafetyConfig = Field(default_factory=SafetyConfig)
 
     @field_validator("until")
     @classmethod
@@ -175,13 +200,46 @@ def load_config(
     path: str | Path | None = None, overrides: list[str] | None = None
 ) -> PipelineConfig:
     """Read a YAML preset, apply dotted overrides, validate."""
-    path = Path(path) if path else DEFAULT_CONFIG
+    data = read_recipe(Path(path) if path else DEFAULT_CONFIG)
+    return validate(PipelineConfig, apply_overrides(data, overrides or []))
+
+
+def read_recipe(path: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """A YAML recipe as a dict; with ``base: NAME`` (a preset in configs/ or a path, relative to
+    this file first) it is the base recipe deep-merged with what this file changes."""
     if not path.exists():
         raise ConfigError(f"config file not found: {path}")
+    if path.resolve() in chain:
+        raise ConfigError(f"{path}: base recipes form a cycle: {' -> '.join(map(str, chain))}")
     data = yaml.safe_load(path.read_text()) or {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping of step configs")
-    return validate(PipelineConfig, apply_overrides(data, overrides or []))
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    return deep_merge(read_recipe(_base_path(path, base), (*chain, path.resolve())), data)
+
+
+def _base_path(path: Path, base: Any) -> Path:
+    """``base: smollm3-1.7b`` is configs/smollm3-1.7b.yaml; a path is taken beside ``path``."""
+    if not isinstance(base, str) or not base:
+        raise ConfigError(f"{path}: base={base!r} must name a recipe in configs/ or a YAML path")
+    for candidate in (path.parent / base, Path(base), CONFIGS / base, CONFIGS / f"{base}.yaml"):
+        if candidate.is_file():
+            return candidate
+    known = ", ".join(sorted(p.stem for p in CONFIGS.glob("*.yaml")))
+    raise ConfigError(f"{path}: base={base!r} is neither a file nor a recipe in configs/ ({known})")
+
+
+def deep_merge(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+    """``changes`` over ``base``: mappings merge key by key; lists and values replace."""
+    merged = dict(base)
+    for key, value in changes.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
 
 
 def dump_config(cfg: BaseModel) -> str:

@@ -269,3 +269,32 @@ def format_plan(p: Plan) -> str:
     ]
     lines += [f"warning: {w}" for w in p.warnings]
     return "\n".join(lines)
+
+
+def recipe_plan(
+    pretrain,
+    hardware,
+    *,
+    num_gpus: int | None = None,
+    gpu_mem_gb: float | None = None,
+    mfu: float | None = None,
+) -> Plan:
+    """The plan of a recipe's pretraining stages on the hardware it declares.
+
+    ``pretrain`` is a ``PretrainConfig`` and ``hardware`` a ``HardwareConfig``; the keyword
+    arguments replace the declared GPU count, memory and MFU (``llmflow plan --gpus ...``).
+    """
+    num_gpus = num_gpus or hardware.gpus
+    batch = pretrain.train.batch
+    seq_len = max(s.mixture.seq_len for s in pretrain.stages)
+    return plan(
+        pretrain.train.model_config_obj(),
+        seq_len=seq_len,
+        global_batch_tokens=batch.micro_batch_size * batch.grad_accum_steps * seq_len * num_gpus,
+        num_tokens=sum(s.mixture.num_tokens for s in pretrain.stages),
+        num_gpus=num_gpus,
+        gpu_mem_gb=gpu_mem_gb or hardware.gpu_mem_gb,
+        mfu=mfu or hardware.mfu,
+        peak_tflops=hardware.peak_tflops,
+        micro_batch_size=batch.micro_batch_size,
+    )
