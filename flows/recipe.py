@@ -11,6 +11,7 @@ scheduled evaluation build their own graphs from the same steps.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,7 +32,14 @@ from llmflow.tasks.posttrain.dpo import dpo
 from llmflow.tasks.posttrain.sft import sft
 from llmflow.tasks.pretrain.curriculum import stage_train_config
 from llmflow.tasks.pretrain.step import StageRun, pretrain
+from llmflow.tasks.safety.classifier import toxicity_classifier
+from llmflow.tasks.safety.config import ENABLE_HINT
+from llmflow.tasks.safety.data import safety_files
+from llmflow.tasks.safety.step import safety
 from llmflow.tasks.tokenizer.train import train_tokenizer
+
+log = logging.getLogger("llmflow.recipe")
+_SAID = {"safety": False}
 
 
 @dataclass
@@ -39,6 +47,8 @@ class Models:
     """The recipe's model outputs so far, and their evaluations, by label."""
 
     evaluated: list[tuple[str, Node, Node]] = field(default_factory=list)
+    safety: dict[str, Node] = field(default_factory=dict)
+    safety_inputs: tuple[Node, Raw] | None = None
 
 
 def recipe(config: PipelineConfig) -> Graph:
@@ -61,7 +71,7 @@ def recipe(config: PipelineConfig) -> Graph:
         tokenizer=tokenizer,
         tokenized=tokenized,
     )
-    models = Models()
+    models = Models(safety_inputs=safety_inputs(graph, config))
     base_export = export_and_evaluate(graph, config, models, "base", base, tokenizer, tokenized)
     long_export = base_export
     if config.extend.stages:
@@ -174,6 +184,31 @@ def evaluate_model(graph, config, models, label, model, tokenized, phase) -> Non
         heldout=tokenized,
     )
     models.evaluated.append((label, model, scores))
+    if models.safety_inputs is not None:
+        classifier, files = models.safety_inputs
+        models.safety[label] = graph.add(
+            safety,
+            config.safety.eval,
+            f"{config.name}-{label}",
+            phase=phase,
+            model=model,
+            classifier=classifier,
+            data=files,
+        )
+
+
+def safety_inputs(graph: Graph, config: PipelineConfig) -> tuple[Node, Raw] | None:
+    """The toxicity classifier and the safety files; None (said once) when they are not set."""
+    if config.safety.data_root is None:
+        if not _SAID["safety"]:
+            log.info("bias and toxicity evaluation is off: %s", ENABLE_HINT)
+            _SAID["safety"] = True
+        return None
+    files = Raw(tuple(safety_files(config.safety.data_root)))
+    classifier = graph.add(
+        toxicity_classifier, config.safety.classifier, config.name, phase="evaluate", data=files
+    )
+    return classifier, files
 
 
 def posttraining(

@@ -1,0 +1,78 @@
+"""Configs of the safety steps: the toxicity classifier, and the per-model evaluation."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+CROWS_FILE = "crows_pairs_anonymized.csv"
+TOXIGEN_DIR = "toxigen_demonstrations"
+LEXICON_FILE = "ldnoobw_en.txt"
+ENABLE_HINT = (
+    f"set safety.data_root to a folder holding {CROWS_FILE}, {TOXIGEN_DIR}/ "
+    f"(group__kind_target.txt files) and {LEXICON_FILE}"
+)
+
+
+class ToxicityClassifierConfig(BaseModel):
+    """A hashed word n-gram logistic regression (the quality classifier's model) on ToxiGen's
+    hateful (1) and neutral (0) demonstration sentences."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    num_features: int = Field(1 << 18, ge=16, description="Hashed n-gram buckets.")
+    max_ngram: int = Field(2, ge=1, le=3, description="Word n-grams up to this size.")
+    epochs: int = Field(8, ge=1)
+    learning_rate: float = Field(0.5, gt=0)
+    l2: float = Field(1e-6, ge=0)
+    holdout_fraction: float = Field(
+        0.2, gt=0, lt=1, description="Sentences held out (per group and kind) for accuracy."
+    )
+    seed: int = 0
+
+
+class SafetyEvalConfig(BaseModel):
+    """What the ``safety`` step measures on one model."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    crows_pairs: bool = Field(True, description="Run CrowS-Pairs (stereotype preference).")
+    crows_limit: int | None = Field(
+        None, ge=1, description="At most this many CrowS-Pairs pairs (None: all 1,508)."
+    )
+    toxicity: bool = Field(True, description="Sample continuations and score their toxicity.")
+    prompts_per_file: int = Field(
+        4, ge=1, description="Prompts taken from each ToxiGen group/kind file."
+    )
+    samples_per_prompt: int = Field(
+        4, ge=1, description="Continuations sampled per prompt (RealToxicityPrompts uses 25)."
+    )
+    max_new_tokens: int = Field(20, ge=1, description="Length of each continuation.")
+    prompt_fraction: float = Field(
+        0.5, gt=0, le=1, description="Leading share of a sentence's words used as its prompt."
+    )
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(0.9, gt=0, le=1)
+    threshold: float = Field(
+        0.5, ge=0, le=1, description="A continuation scoring at or above this is toxic."
+    )
+    seed: int = 0
+    batch_size: int = Field(
+        16, ge=1, description="Prompts per generate call.", json_schema_extra={"versioned": False}
+    )
+
+
+class SafetyConfig(BaseModel):
+    """The pipeline's safety section. Off until ``data_root`` names the local files."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    data_root: str | None = Field(
+        None,
+        description=(
+            f"Folder with {CROWS_FILE}, {TOXIGEN_DIR}/ and {LEXICON_FILE}. None: the safety "
+            "steps are skipped. Not hashed: the steps hash the files' contents."
+        ),
+        json_schema_extra={"versioned": False},
+    )
+    classifier: ToxicityClassifierConfig = Field(default_factory=ToxicityClassifierConfig)
+    eval: SafetyEvalConfig = Field(default_factory=SafetyEvalConfig)
