@@ -87,25 +87,55 @@ def test_meta_device_build_then_materialize():
     assert torch.isfinite(model(torch.zeros(1, 4, dtype=torch.long))).all()
 
 
-def test_bf16_forward_runs_and_tracks_fp32():
+BF16_EPS = torch.finfo(torch.bfloat16).eps  # 2**-7: bf16 keeps 8 significant bits
+
+
+def _position_sensitive_model(num_layers: int) -> Transformer:
+    """A random model whose attention is sharp enough for its logits to depend on positions.
+
+    At init attention is near uniform, so a RoPE or softmax precision bug would hide; the q/k/v
+    projections x4 make attention peaked, as in a trained model.
+    """
     torch.manual_seed(0)
-    model = Transformer(ModelConfig(num_layers=2))
-    input_ids = torch.randint(0, 8192, (2, 16))
+    model = Transformer(ModelConfig(num_layers=num_layers))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "qkv_proj" in name:
+                param.mul_(4)
+    return model
+
+
+def assert_within_bf16_rounding(low: torch.Tensor, reference: torch.Tensor) -> None:
+    """bf16 logits stay within about one bf16 rounding of the fp32 ones, relative to their scale.
+
+    Rounding the output alone moves a logit by up to eps/2 of its size; the bf16 matmuls and
+    residual adds before it (norms and RoPE tables in fp32) add a few smaller ones. Measured on
+    ``_position_sensitive_model(2)``: RMS error 0.88 eps x RMS logit, max error 0.81 eps x max
+    |logit|. RoPE angles computed in bf16 give 1.43 and 1.96: the bounds (1.2 eps RMS, 1.5 eps
+    max, i.e. about 1% of the logit scale) catch that.
+    """
+    error = low.float() - reference
+    assert error.pow(2).mean().sqrt() < 1.2 * BF16_EPS * reference.pow(2).mean().sqrt()
+    assert error.abs().max() < 1.5 * BF16_EPS * reference.abs().max()
+
+
+def test_bf16_forward_runs_and_tracks_fp32():
+    model = _position_sensitive_model(num_layers=2)
+    input_ids = torch.randint(0, 8192, (2, 128))
     reference = model(input_ids)
     low = model.to(torch.bfloat16)(input_ids)
     assert low.dtype == torch.bfloat16
-    assert (low.float() - reference).abs().max() < 0.1
+    assert_within_bf16_rounding(low, reference)
 
 
 def test_autocast_keeps_rotated_heads_in_low_precision():
     from llmflow.model.rope import apply_rotary
 
-    torch.manual_seed(0)
-    model = Transformer(ModelConfig(num_layers=1))
+    model = _position_sensitive_model(num_layers=1)
     cos, sin = model.rope(torch.arange(16)[None], torch.float32)  # float32 tables, as in forward
     heads = torch.randn(2, 16, 4, 32, dtype=torch.bfloat16)
     assert apply_rotary(heads, cos, sin).dtype == torch.bfloat16
-    input_ids = torch.randint(0, 8192, (2, 16))
+    input_ids = torch.randint(0, 8192, (2, 128))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         logits = model(input_ids)
-    assert (logits.float() - model(input_ids)).abs().max() < 0.1
+    assert_within_bf16_rounding(logits, model(input_ids))

@@ -266,7 +266,6 @@ def _tiny_hf_classifier(path) -> None:
 
 @pytest.mark.slow
 def test_hf_teacher_scores_each_text_independently_of_batching(tmp_path):
-    pytest.importorskip("transformers")
     from llmflow.tasks.curation.quality_model import hf_teacher
 
     _tiny_hf_classifier(tmp_path / "teacher")

@@ -15,6 +15,7 @@ from llmflow.tasks.posttrain.config import SFTStepConfig
 from llmflow.tasks.posttrain.formats import write_jsonl
 from llmflow.tasks.posttrain.quickstart import quickstart_sft_examples
 from llmflow.tasks.posttrain.sft import build_sft_trainer, sft
+from llmflow.tasks.tokenizer.train import CHAT_TEMPLATE
 
 FAST = dict(max_length=64, per_device_batch_size=4, max_steps=3, num_heldout=4, logging_steps=1)
 
@@ -152,7 +153,6 @@ def test_sft_on_real_sharegpt_file(tiny_model_output, tmp_path, shared_data):
 
 def test_fixture_template_matches_the_project_tokenizer(tokenizer):
     """The tests' chat template renders and masks exactly like the project tokenizer's."""
-    train = pytest.importorskip("llmflow.tasks.tokenizer.train")
     messages = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "What is 2 + 3?"},
@@ -161,7 +161,7 @@ def test_fixture_template_matches_the_project_tokenizer(tokenizer):
         {"role": "assistant", "content": "1 + 1 = 2."},
     ]
     ours = {}
-    for template in (None, train.CHAT_TEMPLATE):
+    for template in (None, CHAT_TEMPLATE):
         for prompt_only in (False, True):
             rendered = tokenizer.apply_chat_template(
                 messages[:-1] if prompt_only else messages,
