@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 
 import numpy as np
@@ -85,10 +86,32 @@ def test_passkey_prompt_places_needle_at_depth_and_grid_scores(tiny):
         # RULER's depth is the needle's position within the haystack (the question excluded).
         assert number in text and abs(needle_at / haystack_len - depth) < 0.1
         assert abs(len(ids) - 600) < 120
-    grid = passkey_grid(tiny, tok, [200, 300], [0.2, 0.8], trials=1, max_new_tokens=2)
-    assert np.array(grid["accuracy"]).shape == (2, 2)
-    assert set(np.ravel(grid["accuracy"])) <= {0.0, 1.0}
     assert "{number}" in NEEDLE
+
+
+class ShallowReader(torch.nn.Module):
+    """A stub model over ``CharTokenizer`` ids: greedily spells the passkey when the needle sits
+    in the first half of the haystack and the prompt is under 500 characters, else ``00000``."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        text = CharTokenizer().decode(ids[0].tolist())
+        prompt, _, generated = text.rpartition("mentioned in the provided text is")
+        number = re.search(r"is: (\d+)\.", prompt).group(1)
+        needle_at = prompt.index("One of the special")
+        needle_len = prompt.index(".", needle_at) + 1 - needle_at
+        depth = needle_at / (prompt.index("What is the special") - needle_len)
+        answer = " " + (number if depth < 0.5 and len(prompt) < 500 else "00000") + "."
+        logits = torch.zeros(1, ids.shape[1], 256)
+        logits[0, -1, ord(answer[min(len(generated), len(answer) - 1)])] = 1.0
+        return logits
+
+
+def test_passkey_grid_scores_each_length_and_depth():
+    grid = passkey_grid(
+        ShallowReader(), CharTokenizer(), [300, 400, 600], [0.2, 0.8], trials=2, max_new_tokens=7
+    )
+    assert grid["lengths"] == [300, 400, 600] and grid["depths"] == [0.2, 0.8]
+    assert grid["accuracy"] == [[1.0, 0.0], [1.0, 0.0], [0.0, 0.0]]
 
 
 def test_yarn_view_keeps_weights_and_changes_rope(tiny):
