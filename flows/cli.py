@@ -63,9 +63,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     config = _load(args)  # fails here, before Prefect starts, on any bad value
     if config.data:  # a missing path fails in about a second, before the heavy imports
+        from llmflow.tasks.ingest.hub import split_sources
         from llmflow.tasks.ingest.ingest import list_files
 
-        list_files(config.data)
+        local, _ = split_sources(config.data)  # a malformed hf:// URI fails here too
+        if local:
+            list_files(local)
     from llmflow.flows.recipe import recipe
 
     recipe(config)  # and so does a misnamed input of any step

@@ -19,6 +19,7 @@ from llmflow.tasks.config import PHASES, PipelineConfig
 from llmflow.tasks.curation.recipe import add_curation
 from llmflow.tasks.dataprep.mixture import mixture, validation
 from llmflow.tasks.dataprep.tokenize import tokenize_corpus
+from llmflow.tasks.decontam.step import add_decontamination
 from llmflow.tasks.evaluation.export import ExportConfig, export
 from llmflow.tasks.evaluation.harness import evaluate
 from llmflow.tasks.evaluation.leaderboard import LeaderboardConfig, leaderboard
@@ -26,6 +27,7 @@ from llmflow.tasks.extend.config import extension_mixture, extension_train_confi
 from llmflow.tasks.extend.longctx import LongContextEval, longctx
 from llmflow.tasks.framework.errors import BadInputError
 from llmflow.tasks.framework.graph import Graph, Node, Raw
+from llmflow.tasks.ingest.hub import data_sources
 from llmflow.tasks.ingest.ingest import ingest_sources, list_files
 from llmflow.tasks.ingest.sample import sample
 from llmflow.tasks.posttrain.dpo import dpo
@@ -55,6 +57,9 @@ def recipe(config: PipelineConfig) -> Graph:
     """The whole pipeline as a graph of steps, in run order."""
     graph = Graph(PHASES)
     curated = add_curation(graph, config.curate, ingested(graph, config), config.name)
+    curated = add_decontamination(
+        graph, config.decontaminate, config.evaluate, curated, config.name
+    )
     tokenizer = graph.add(train_tokenizer, config.tokenizer, config.name, corpus=curated)
     tokenized = graph.add(
         tokenize_corpus, config.tokenize, config.name, corpus=curated, tokenizer=tokenizer
@@ -93,10 +98,13 @@ def yarn_rope(config: PipelineConfig) -> dict:
 
 
 def ingested(graph: Graph, config: PipelineConfig) -> Node:
-    """The ingest node: the user's raw files (listed now, so a bad path fails now), or the sample."""
+    """The ingest node: the user's raw files (listed now, so a bad path fails now) and Hub
+    datasets (pinned to a commit now, so an unreachable one fails now), or the sample."""
     if config.data:
-        files = Raw(tuple(list_files(config.data)))
-        return graph.add(ingest_sources, config.ingest, config.name, files=files)
+        local, hub = data_sources(config)
+        files = Raw(tuple(list_files(local))) if local else None
+        ingest_cfg = config.ingest.model_copy(update={"hub": hub}) if hub else config.ingest
+        return graph.add(ingest_sources, ingest_cfg, config.name, files=files)
     generated = graph.add(sample, config.sample, config.name)
     return graph.add(ingest_sources, config.ingest, config.name, sample=generated)
 

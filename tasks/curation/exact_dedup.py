@@ -6,7 +6,8 @@ Per shard, `exact_hashes` writes `<stem>.exact.parquet` (id, hash; and with leve
 the hash files once through a Bloom filter sized from `expected_documents` and the target
 false-positive rate; a hit only marks the hash as a candidate. A second streaming pass keeps the
 first occurrence of every candidate hash and drops the later ones, so a Bloom false positive can
-never cost a unique document. Memory: the Bloom bits plus the candidate hashes.
+never cost a unique document. Memory: the Bloom bits plus the candidate hashes; the ids of the
+surviving documents stay on disk (`IdSet`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from llmflow.tasks.curation.shards import (
 )
 from llmflow.tasks.curation.text import simplify_text
 from llmflow.tasks.framework.step import Metrics, step
+from llmflow.tasks.ingest.idset import IdSet
 
 PARAGRAPH_SEPARATOR = "\n\n"
 BLOOM_BATCH = 4096
@@ -119,7 +121,7 @@ def _hash_files(dirs: list[Path], suffix: str) -> list[Path]:
 
 
 def _dedup_keys(
-    files: list[Path], columns: tuple[str, ...], keep: set | None, cfg: ExactDedupConfig
+    files: list[Path], columns: tuple[str, ...], keep: IdSet | set | None, cfg: ExactDedupConfig
 ) -> tuple[list, dict]:
     """Two streaming passes (Bloom, then exact) over hash files; returns (dropped rows, stats)."""
     bloom = BloomFilter(cfg.expected_documents, cfg.false_positive_rate)
@@ -153,11 +155,15 @@ def _dedup_keys(
     return dropped, stats
 
 
-def surviving_ids(shard_dirs: list[Path] | None) -> set[str] | None:
-    """Ids of the documents in the shards of `shard_dirs` (None when not given)."""
+def surviving_ids(shard_dirs: list[Path] | None) -> IdSet | None:
+    """Ids of the documents in the shards of `shard_dirs` (None when not given), in an on-disk
+    set: memory stays bounded however many documents survive."""
     if shard_dirs is None:
         return None
-    return {i for d in shard_dirs for shard in shards_in(d) for i in read_column(shard, "id")}
+    ids = IdSet()
+    for shard in (shard for d in shard_dirs for shard in shards_in(d)):
+        ids.update(read_column(shard, "id"))
+    return ids
 
 
 def _paragraph_drops(cfg: ExactDedupConfig, hashes: list[Path], keep, out: Path) -> dict:
@@ -190,6 +196,14 @@ def exact_dedup(
             in them are ignored, so a removed document is never chosen as the one to keep.
     """
     keep = surviving_ids(filtered) if cfg.enabled else set()
+    try:
+        return _exact_dedup(cfg, hashes, out, keep)
+    finally:
+        if isinstance(keep, IdSet):
+            keep.close()
+
+
+def _exact_dedup(cfg: ExactDedupConfig, hashes: list[Path], out: Path, keep) -> Metrics:
     dropped, stats = _dedup_keys(_hash_files(hashes, "exact"), ("id",), keep, cfg)
     duplicate_of = pa.array([d["duplicate_of"] for d in dropped], pa.string())
     write_drops(out, [d["id"] for d in dropped], "exact_duplicate", duplicate_of=duplicate_of)

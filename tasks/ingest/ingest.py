@@ -24,6 +24,8 @@ from tqdm import tqdm
 
 from llmflow.tasks.framework.errors import BadInputError
 from llmflow.tasks.framework.step import Metrics, RawFiles, report_table, step
+from llmflow.tasks.ingest import hub as hub_sources
+from llmflow.tasks.ingest.idset import IdSet
 
 SUFFIXES = {
     ".jsonl": "jsonl",
@@ -65,6 +67,11 @@ class IngestConfig(BaseModel):
         1_000_000, ge=100, description="Longer documents are rejected as oversized."
     )
     docs_per_shard: int = Field(2000, ge=1, description="Documents per output Parquet shard.")
+    hub: list[str] = Field(
+        default_factory=list,
+        description="Hugging Face Hub sources (hf://datasets/... URIs pinned to a revision), "
+        "streamed after the files; the recipe fills this from the hf:// entries of --data.",
+    )
     excerpt_chars: int = Field(
         200,
         ge=0,
@@ -176,56 +183,70 @@ def _domain_for(uri: str, record: dict, cfg: IngestConfig) -> str:
     return cfg.default_domain
 
 
-def ingest(cfg: IngestConfig, files: list[str], out_dir: Path) -> dict[str, Any]:
-    """Read ``files`` into ``out_dir/shards/shard-NNNNN.parquet``; rejects go to ``rejects.jsonl``.
+class _Source:
+    """One input as ingest reads it: a file, or a Hub dataset split with its overrides and caps."""
+
+    def __init__(self, uri: str, cfg: IngestConfig, hub: hub_sources.HubSource | None = None):
+        self.uri, self.hub = uri, hub
+        self.cfg = (
+            cfg
+            if hub is None or not hub.text_field
+            else cfg.model_copy(update={"text_field": hub.text_field})
+        )
+        self.fallback_id = hashlib.sha1(uri.rsplit("/", 1)[-1].encode()).hexdigest()[:8]
+        self.fallback_id = f"{Path(uri).stem}-{self.fallback_id}" if hub is None else hub.dataset
+        self.kept_bytes = 0
+
+    def records(self) -> Iterator[tuple[int, Any]]:
+        if self.hub is None:
+            return _records(self.uri, SUFFIXES[Path(self.uri).suffix], self.cfg)
+        return enumerate(hub_sources.stream(self.hub))
+
+    def domain(self, record: dict) -> str:
+        if self.hub is not None and self.hub.domain:
+            return self.hub.domain
+        return _domain_for(self.uri, record, self.cfg)
+
+    def full(self, kept: int, text: str) -> bool:
+        """Count a kept document; True when this source's caps are reached."""
+        if self.hub is None:
+            return False
+        self.kept_bytes += len(text.encode("utf-8"))
+        return self.hub.full(kept, self.kept_bytes)
+
+    def describe(self) -> dict[str, Any]:
+        """What the report and the lineage say of the source besides its counts."""
+        if self.hub is None:
+            return {}
+        h = self.hub
+        return {"dataset": h.repo, "config": h.config, "split": h.split, "revision": h.revision}
+
+
+def ingest(
+    cfg: IngestConfig, files: list[str], out_dir: Path, hub: list[str] | None = None
+) -> dict[str, Any]:
+    """Read ``files`` then the Hub sources ``hub`` (URIs) into ``out_dir/shards/shard-NNNNN.parquet``;
+    rejects go to ``rejects.jsonl``.
+
+    Memory stays bounded: documents go out in shards of ``docs_per_shard``, and the ids seen so
+    far (to reject duplicates) live in an on-disk ``IdSet``.
 
     Returns headline metrics: records seen, documents kept, rejected by reason, per source.
     """
     shard_dir = out_dir / "shards"
     shard_dir.mkdir(parents=True, exist_ok=True)
+    sources = [_Source(uri, cfg) for uri in files]
+    sources += [_Source(u, cfg, hub_sources.parse_uri(u)) for u in hub or []]
     rejects = _Rejects(out_dir / "rejects.jsonl", cfg.excerpt_chars)
-    buffer: list[dict[str, str]] = []
-    seen_ids: set[str] = set()
+    writer = _ShardWriter(shard_dir, cfg.docs_per_shard)
     per_source: dict[str, Counter[str]] = {}
-    num_shards = 0
-
-    def flush() -> None:
-        nonlocal num_shards, buffer
-        if buffer:
-            table = pa.Table.from_pylist(buffer, schema=SCHEMA)
-            pq.write_table(table, shard_dir / f"shard-{num_shards:05d}.parquet")
-            num_shards, buffer = num_shards + 1, []
-
-    for uri in tqdm(files, desc="ingest", unit="file"):
-        counts = per_source.setdefault(uri, Counter())
-        file_key = hashlib.sha1(uri.rsplit("/", 1)[-1].encode()).hexdigest()[:8]
-        for index, record in _records(uri, SUFFIXES[Path(uri).suffix], cfg):
-            counts["records"] += 1
-            reason = _check(record, cfg)
-            if reason:
-                rejects.add(uri, index, reason, record)
-                counts["rejected"] += 1
-                continue
-            text = record[cfg.text_field]
-            doc_id = record.get(cfg.id_field)
-            doc_id = (
-                str(doc_id) if doc_id not in (None, "") else f"{Path(uri).stem}-{file_key}-{index}"
-            )
-            if doc_id in seen_ids:
-                rejects.add(uri, index, f"duplicate id {doc_id!r}", record)
-                counts["rejected"] += 1
-                continue
-            seen_ids.add(doc_id)
-            buffer.append(
-                {"id": doc_id, "text": text, "domain": _domain_for(uri, record, cfg), "source": uri}
-            )
-            counts["kept"] += 1
-            if len(buffer) >= cfg.docs_per_shard:
-                flush()
-    flush()
+    with IdSet(out_dir) as seen_ids:
+        for source in tqdm(sources, desc="ingest", unit="source"):
+            per_source[source.uri] = _read_source(source, seen_ids, writer, rejects)
+    writer.flush()
     rejects.file.close()
     report = {
-        "sources": {uri: dict(c) for uri, c in per_source.items()},
+        "sources": {s.uri: {**s.describe(), **per_source[s.uri]} for s in sources},
         "rejected_by_reason": dict(rejects.counts),
     }
     (out_dir / "report.json").write_text(json.dumps(report, indent=1))
@@ -233,9 +254,58 @@ def ingest(cfg: IngestConfig, files: list[str], out_dir: Path) -> dict[str, Any]
     kept = sum(c["kept"] for c in per_source.values())
     if kept == 0:
         raise BadInputError(
-            f"no usable documents in {len(files)} file(s); see the reasons in {out_dir}/rejects.jsonl"
+            f"no usable documents in {len(sources)} source(s); see the reasons in {out_dir}/rejects.jsonl"
         )
-    return {"records": records, "documents": kept, "rejected": records - kept, "shards": num_shards}
+    metrics = {"records": records, "documents": kept, "rejected": records - kept}
+    metrics["shards"] = writer.num_shards
+    taken = {s.hub.uri: per_source[s.uri]["kept"] for s in sources if s.hub is not None}
+    return {**metrics, "hub_taken": taken} if taken else metrics
+
+
+def _read_source(
+    source: _Source, seen_ids: IdSet, writer: _ShardWriter, rejects: _Rejects
+) -> Counter:
+    """Stream one source into the writer; returns its counts (records, kept, rejected)."""
+    cfg, counts = source.cfg, Counter(records=0, kept=0, rejected=0)
+    for index, record in source.records():
+        counts["records"] += 1
+        reason = _check(record, cfg)
+        doc_id = None if reason else record.get(cfg.id_field)
+        doc_id = str(doc_id) if doc_id not in (None, "") else f"{source.fallback_id}-{index}"
+        if reason is None and not seen_ids.add(doc_id):
+            reason = f"duplicate id {doc_id!r}"
+        if reason:
+            rejects.add(source.uri, index, reason, record)
+            counts["rejected"] += 1
+            continue
+        text = record[cfg.text_field]
+        writer.add(
+            {"id": doc_id, "text": text, "domain": source.domain(record), "source": source.uri}
+        )
+        counts["kept"] += 1
+        if source.full(counts["kept"], text):
+            break
+    return counts
+
+
+class _ShardWriter:
+    """Buffers documents and writes a Parquet shard every ``docs_per_shard`` of them."""
+
+    def __init__(self, shard_dir: Path, docs_per_shard: int):
+        self.shard_dir, self.docs_per_shard = shard_dir, docs_per_shard
+        self.buffer: list[dict[str, str]] = []
+        self.num_shards = 0
+
+    def add(self, doc: dict[str, str]) -> None:
+        self.buffer.append(doc)
+        if len(self.buffer) >= self.docs_per_shard:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.buffer:
+            table = pa.Table.from_pylist(self.buffer, schema=SCHEMA)
+            pq.write_table(table, self.shard_dir / f"shard-{self.num_shards:05d}.parquet")
+            self.num_shards, self.buffer = self.num_shards + 1, []
 
 
 def _check(record: Any, cfg: IngestConfig) -> str | None:
@@ -258,16 +328,19 @@ def _check(record: Any, cfg: IngestConfig) -> str | None:
     return None
 
 
-@step("ingest", execution=("excerpt_chars",))
+@step("ingest", version=2, execution=("excerpt_chars",))
 def ingest_sources(
     cfg: IngestConfig, out: Path, sample: Path | None = None, files: RawFiles | None = None
 ) -> Metrics:
-    """Read the quickstart sample or the user's raw files into Parquet shards, rejects counted."""
-    if (sample is None) == (files is None):
-        raise BadInputError("ingest reads either the generated sample or raw files, not both")
-    uris = list_files([str(sample / "files")]) if sample is not None else list(files)
-    metrics = ingest(cfg, uris, out)
+    """Read the quickstart sample, or the user's raw files and Hub sources, into Parquet shards,
+    rejects counted."""
+    if sample is not None and (files is not None or cfg.hub):
+        raise BadInputError("ingest reads either the generated sample or the user's data, not both")
+    if sample is None and files is None and not cfg.hub:
+        raise BadInputError("ingest has nothing to read: no sample, no files, no Hub sources")
+    uris = list_files([str(sample / "files")]) if sample is not None else list(files or ())
+    metrics = ingest(cfg, uris, out, cfg.hub)
     report = json.loads((out / "report.json").read_text())
     rows = [{"source": uri, **counts} for uri, counts in report["sources"].items()]
-    report_table("ingest-sources", rows, "Records read, kept and rejected per source file")
+    report_table("ingest-sources", rows, "Records read, kept and rejected per source")
     return metrics

@@ -1,0 +1,245 @@
+"""Datasets on the Hugging Face Hub as ingest sources, streamed (never downloaded whole).
+
+A source is a URI::
+
+    hf://datasets/OWNER/NAME[/CONFIG][@REVISION]?split=train&domain=web
+        [&text_field=text][&max_docs=N][&max_tokens=N]
+
+``CONFIG`` is the dataset's config (subset) name, ``REVISION`` a branch, tag or commit. The query
+names the split (default ``train``), the domain every record of the source gets, the field that
+holds the text, and caps: at most ``max_docs`` documents kept, or about ``max_tokens`` tokens
+(counted at 4 UTF-8 bytes per token: the tokenizer is trained later, from this very data).
+
+Records stream through ``datasets.load_dataset(..., streaming=True)``. When the recipe is built,
+an unpinned source is pinned to the commit the Hub resolves its revision to, so that commit enters
+the ingest hash and the lineage. Offline, ``LLMFLOW_HUB_MIRROR=/dir`` maps
+``hf://datasets/OWNER/NAME`` to the folder ``/dir/OWNER/NAME``, laid out as the Hub repo (data
+files plus a README.md whose YAML header lists the ``configs``); ``datasets`` reads that folder
+exactly as it reads the repo, and its revision is a fingerprint of its files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qsl, urlencode
+
+from llmflow.tasks.framework.errors import BadInputError
+
+PREFIX = "hf://datasets/"
+MIRROR_ENV = "LLMFLOW_HUB_MIRROR"
+BYTES_PER_TOKEN = 4
+"""Estimated UTF-8 bytes per token of a BPE tokenizer on English text and code."""
+_QUERY_KEYS = {"split", "domain", "text_field", "max_docs", "max_tokens"}
+_URI = re.compile(
+    r"^hf://datasets/(?P<repo>[\w.-]+/[\w.-]+)(?:/(?P<config>[\w.+-]+))?"
+    r"(?:@(?P<revision>[\w./-]+))?(?:\?(?P<query>.*))?$"
+)
+
+
+def is_hub(uri: str) -> bool:
+    """Whether a ``--data`` entry names a Hub dataset."""
+    return uri.startswith(PREFIX)
+
+
+@dataclass(frozen=True)
+class HubSource:
+    """One Hub dataset split, as a ``--data`` URI names it."""
+
+    uri: str
+    repo: str
+    config: str | None = None
+    revision: str | None = None
+    split: str = "train"
+    domain: str | None = None
+    text_field: str | None = None
+    max_docs: int | None = None
+    max_tokens: int | None = None
+
+    @property
+    def dataset(self) -> str:
+        """``OWNER/NAME[/CONFIG]``: how reports name the source."""
+        return self.repo + (f"/{self.config}" if self.config else "")
+
+    def with_revision(self, revision: str) -> HubSource:
+        """The same source pinned to ``revision`` (its URI says so too)."""
+        return replace(self, revision=revision, uri=format_uri(replace(self, revision=revision)))
+
+    def location(self) -> str:
+        """What ``datasets.load_dataset`` is given: the repo id, or its folder in the mirror."""
+        mirror = os.environ.get(MIRROR_ENV)
+        return str(Path(mirror) / self.repo) if mirror else self.repo
+
+    def full(self, kept: int, kept_bytes: int) -> bool:
+        """Whether the caps are reached after ``kept`` documents of ``kept_bytes`` bytes."""
+        if self.max_docs is not None and kept >= self.max_docs:
+            return True
+        return self.max_tokens is not None and kept_bytes >= self.max_tokens * BYTES_PER_TOKEN
+
+
+def parse_uri(uri: str) -> HubSource:
+    """Parse a ``hf://datasets/...`` URI; a malformed one is a BadInputError naming it."""
+    match = _URI.match(uri)
+    if not match:
+        raise BadInputError(
+            f"--data {uri!r} is not a Hub dataset URI; expected "
+            "hf://datasets/OWNER/NAME[/CONFIG][@REVISION]?split=train&domain=D"
+        )
+    query = dict(parse_qsl(match["query"] or "", keep_blank_values=True, strict_parsing=False))
+    unknown = sorted(set(query) - _QUERY_KEYS)
+    if unknown:
+        raise BadInputError(
+            f"--data {uri!r}: unknown option(s) {unknown}; allowed {sorted(_QUERY_KEYS)}"
+        )
+    caps = {
+        key: _positive_int(uri, key, query.pop(key))
+        for key in ("max_docs", "max_tokens")
+        if key in query
+    }
+    if query.get("split") == "":
+        raise BadInputError(f"--data {uri!r}: split is empty")
+    return HubSource(uri, match["repo"], match["config"], match["revision"], **query, **caps)
+
+
+def _positive_int(uri: str, key: str, value: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise BadInputError(f"--data {uri!r}: {key}={value!r} must be a positive integer")
+    return int(value)
+
+
+def format_uri(source: HubSource) -> str:
+    """The URI of a source (the inverse of ``parse_uri``)."""
+    path = PREFIX + source.repo + (f"/{source.config}" if source.config else "")
+    path += f"@{source.revision}" if source.revision else ""
+    fields = ("split", "domain", "text_field", "max_docs", "max_tokens")
+    query = {f: getattr(source, f) for f in fields if getattr(source, f) is not None}
+    return f"{path}?{urlencode(query)}"
+
+
+def split_sources(data: list[str]) -> tuple[list[str], list[HubSource]]:
+    """``--data`` entries as (local or fsspec paths, parsed Hub sources); parsing is offline."""
+    return [d for d in data if not is_hub(d)], [parse_uri(d) for d in data if is_hub(d)]
+
+
+def resolve_revision(source: HubSource) -> str:
+    """The commit a source's revision names on the Hub, or its mirror folder's fingerprint.
+
+    Raises:
+        BadInputError: the repo or revision cannot be reached, naming the source.
+    """
+    mirror = os.environ.get(MIRROR_ENV)
+    if mirror:
+        return _fingerprint(Path(mirror) / source.repo, source)
+    from huggingface_hub import HfApi
+
+    try:
+        return HfApi().dataset_info(source.repo, revision=source.revision).sha
+    except Exception as err:  # noqa: BLE001  (offline, 404, gated, auth: all say "unreachable")
+        raise BadInputError(
+            f"Hub source {source.uri!r} is unreachable: {_first_line(err)}"
+        ) from None
+
+
+def _fingerprint(folder: Path, source: HubSource) -> str:
+    """``local-<sha256>`` of the mirror folder's file names, sizes and contents' first MiB."""
+    if not folder.is_dir():
+        raise BadInputError(
+            f"Hub source {source.uri!r} is unreachable: no folder {folder} in the mirror"
+        )
+    digest = hashlib.sha256()
+    for path in sorted(p for p in folder.rglob("*") if p.is_file() and ".cache" not in p.parts):
+        digest.update(f"{path.relative_to(folder)}\0{path.stat().st_size}\0".encode())
+        with open(path, "rb") as f:
+            digest.update(f.read(1 << 20))
+    return "local-" + digest.hexdigest()[:16]
+
+
+def pin(uri: str) -> str:
+    """The URI with its revision resolved to a commit (an already pinned commit is kept)."""
+    source = parse_uri(uri)
+    if source.revision and re.fullmatch(r"[0-9a-f]{40}|local-[0-9a-f]{16}", source.revision):
+        return source.uri
+    return source.with_revision(resolve_revision(source)).uri
+
+
+def stream(source: HubSource) -> Iterator[dict[str, Any]]:
+    """The source's records, streamed; a missing config or split or an unreachable repo is a
+    BadInputError naming the source (raised before the first record)."""
+    import datasets
+
+    revision = None if (source.revision or "").startswith("local-") else source.revision
+    try:
+        dataset = datasets.load_dataset(
+            source.location(), name=source.config, split=source.split, revision=revision,
+            streaming=True,
+        )  # fmt: skip
+        records = iter(dataset)
+        first = next(records, None)
+    except (ValueError, FileNotFoundError, OSError) as err:
+        raise BadInputError(f"Hub source {source.uri!r}: {_first_line(err)}") from None
+    if first is None:
+        return
+    yield first
+    yield from records
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0] if text else type(err).__name__
+
+
+def sample_documents(source: HubSource, text_field: str, count: int = 2) -> list[str]:
+    """The first ``count`` texts of a source: proof that it is reachable and yields documents.
+
+    Raises:
+        BadInputError: unreachable, no records, or no string ``text_field``, naming the source.
+    """
+    field = source.text_field or text_field
+    texts = []
+    for record in stream(source):
+        value = record.get(field)
+        if not isinstance(value, str):
+            raise BadInputError(
+                f"Hub source {source.uri!r}: records have no string field {field!r} (fields: "
+                f"{sorted(record)}); set text_field= in the URI"
+            )
+        texts.append(value)
+        if len(texts) >= count:
+            break
+    if not texts:
+        raise BadInputError(f"Hub source {source.uri!r} yields no records")
+    return texts
+
+
+def check_domains(sources: list[HubSource], weights: dict[str, dict[str, float]]) -> None:
+    """Every domain a mixture weighs must have a source; ``weights`` maps a stage to its weights.
+
+    Only meaningful when every source is a Hub source naming its domain (local files carry their
+    domains inside their records).
+    """
+    provided = {s.domain for s in sources}
+    for stage, stage_weights in weights.items():
+        missing = sorted(d for d, w in stage_weights.items() if w > 0 and d not in provided)
+        if missing:
+            raise BadInputError(
+                f"{stage} weighs domain(s) {missing} that no --data source provides; the sources "
+                f"give {sorted(d for d in provided if d)} (add &domain=NAME to a source URI)"
+            )
+
+
+def data_sources(config: Any) -> tuple[list[str], list[str]]:
+    """A pipeline config's ``data`` as (local paths, Hub URIs pinned to a commit).
+
+    When every source is a Hub dataset naming its domain, each domain a mixture weighs (each
+    pretraining stage, the context extension) must be one of theirs.
+    """
+    local, hub = split_sources(config.data)
+    if hub and not local and all(source.domain for source in hub):
+        weights = {f"pretrain.stages.{s.name}": s.mixture.weights for s in config.pretrain.stages}
+        check_domains(hub, {**weights, "extend.weights": config.extend.weights})
+    return local, [pin(source.uri) for source in hub]
