@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from llmflow.tasks.posttrain.rewards import RewardSpec
+
 UNVERSIONED = {"versioned": False}
 
 
@@ -116,5 +118,86 @@ class DPOStepConfig(_TrainStepConfig):
         if self.loss_type == "ipo" and self.beta > 10:
             raise ValueError(
                 f"beta={self.beta} with loss_type='ipo' gives a near-zero target margin"
+            )
+        return self
+
+
+def _default_rewards() -> list[RewardSpec]:
+    return [
+        RewardSpec(name="exact_answer", weight=1.0),
+        RewardSpec(name="format", weight=0.5),
+        RewardSpec(name="length_penalty", weight=0.5, params={"target_words": 8}),
+    ]
+
+
+class GRPOStepConfig(_TrainStepConfig):
+    """GRPO with verifiable rewards through TRL's GRPOTrainer, after SFT or after DPO.
+
+    Each prompt gets ``num_generations`` sampled completions; each completion's reward is the
+    weighted sum of ``rewards``; its advantage is the reward minus its group's mean, divided by
+    the group's standard deviation (``scale_rewards="group"``). ``beta`` weighs the KL penalty to
+    the starting model. On a GPU, ``use_vllm`` generates with vLLM (TRL's ``use_vllm`` /
+    ``vllm_mode``; vLLM must be installed there); on CPU generation runs through transformers.
+    """
+
+    enabled: bool = Field(True, description="Run GRPO in the recipe.")
+    after: Literal["sft", "dpo"] = Field(
+        "dpo", description="Which model GRPO starts from (and keeps as its KL reference)."
+    )
+    data: str = Field(
+        "quickstart",
+        description="'quickstart' (generated arithmetic prompts with answers) or a GSM8K-format "
+        "JSONL file ({question, answer with '#### N'}) or {prompt, answer} records.",
+    )
+    num_quickstart_examples: int = Field(
+        256, gt=0, description="Training prompts to draw when data='quickstart'."
+    )
+    max_length: int = Field(
+        128, ge=16, description="Longest prompt in tokens; longer prompts are rejected."
+    )
+    learning_rate: float = Field(1e-6, gt=0, lt=1, description="Peak AdamW learning rate.")
+    lr_scheduler_type: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="Learning-rate schedule after warmup."
+    )
+    max_steps: int | None = Field(
+        20, gt=0, description="Optimizer steps; None trains for num_epochs instead."
+    )
+    num_heldout: int = Field(
+        32, ge=0, description="Prompts held out (by seed) for before/after evaluation."
+    )
+    num_generations: int = Field(4, ge=2, description="Completions per prompt (the group).")
+    max_completion_length: int = Field(
+        16, gt=0, description="Longest completion in tokens, in training and evaluation."
+    )
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature in training.")
+    beta: float = Field(0.04, ge=0, description="KL penalty weight; 0 drops the reference.")
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group", description="Advantage normalization: group std (GRPO), batch std, or none."
+    )
+    loss_type: Literal["grpo", "dapo", "dr_grpo", "bnpo"] = Field(
+        "grpo", description="TRL's GRPO loss aggregation."
+    )
+    rewards: list[RewardSpec] = Field(
+        default_factory=_default_rewards,
+        min_length=1,
+        description="Rewards summed with their weights: built-in names or 'module:function'.",
+    )
+    max_failure_rate: float = Field(
+        0.1, ge=0, le=1, description="Share of completions a reward may fail on before stopping."
+    )
+    use_vllm: bool = Field(
+        False, description="Generate with vLLM (GPU; vLLM installed) instead of transformers."
+    )
+    vllm_mode: Literal["colocate", "server"] = Field(
+        "colocate", description="vLLM in the training process, or a separate `trl vllm-serve`."
+    )
+
+    @model_validator(mode="after")
+    def _full_groups(self) -> GRPOStepConfig:
+        batch = self.per_device_batch_size * self.gradient_accumulation_steps
+        if batch % self.num_generations:
+            raise ValueError(
+                f"per_device_batch_size x gradient_accumulation_steps = {batch} must be a "
+                f"multiple of num_generations={self.num_generations} (whole prompt groups)"
             )
         return self

@@ -91,3 +91,36 @@ def make_quickstart_preferences(out_path: Path, n: int, seed: int) -> Path:
     """Write ``n`` quickstart preference pairs to a JSON Lines file and return its path."""
     write_jsonl(Path(out_path), quickstart_preference_pairs(n, seed))
     return Path(out_path)
+
+
+def all_questions() -> list[tuple[str, int, str]]:
+    """Every distinct quickstart question: ``(question, result, equation prefix)``."""
+    questions = []
+    for a in range(MAX_OPERAND + 1):
+        for b in range(MAX_OPERAND + 1):
+            questions.append((f"What is {a} + {b}?", a + b, f"{a} + {b} ="))
+            if a >= b:
+                questions.append((f"What is {a} - {b}?", a - b, f"{a} - {b} ="))
+    return questions
+
+
+def quickstart_grpo_prompts(n: int, num_heldout: int, seed: int) -> tuple[list, list]:
+    """``(train, heldout)`` arithmetic prompts with answers, disjoint by question.
+
+    The distinct questions are shuffled by ``seed``; the first ``num_heldout`` are held out and
+    ``n`` training prompts are drawn (with repetition) from the rest, so no held-out question is
+    ever trained on. Records: ``{"prompt": [messages], "answer": "12", "answer_format":
+    "equation"}``.
+    """
+    rng = random.Random(seed)
+    questions = all_questions()
+    rng.shuffle(questions)
+    num_heldout = min(num_heldout, len(questions) - 1)
+    heldout, pool = questions[:num_heldout], questions[num_heldout:]
+    train = [rng.choice(pool) for _ in range(n)]
+    return [_grpo_record(rng, q) for q in train], [_grpo_record(rng, q) for q in heldout]
+
+
+def _grpo_record(rng: random.Random, question: tuple[str, int, str]) -> Record:
+    text, result, _ = question
+    return {"prompt": _prompt(rng, text), "answer": str(result), "answer_format": "equation"}
