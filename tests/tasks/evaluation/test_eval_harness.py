@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from llmflow.tasks.evaluation.config import EvalConfig
 from llmflow.tasks.evaluation.harness import EvalTaskError, ModelLoadError, evaluate_hf, table_rows
 from llmflow.tasks.evaluation.suite import build_suite
+from llmflow.tasks.evaluation.synthetic import arithmetic_items
 
 DOC = "The quick brown fox jumps over the lazy dog.\nWhat is 3 + 4? The answer is 7.\n"
 
@@ -85,6 +86,62 @@ def test_exact_match_on_crafted_items(tmp_path, tiny_model):
     out.mkdir()
     metrics = evaluate_hf(cfg, tiny_model, out, suite_dir=suite)
     assert metrics["gen_arith/exact_match"] == pytest.approx(0.5)
+
+
+def _choice_logliks(tok, model, context: str, choices: list[str]) -> list[float]:
+    """log P(" " + choice | context) by hand, split into tokens the way lm-eval's hf model does."""
+    context_ids = tok.encode(context, add_special_tokens=False)
+    logliks = []
+    for choice in choices:
+        whole = tok.encode(context + " " + choice, add_special_tokens=False)
+        with torch.no_grad():
+            logprobs = torch.log_softmax(model(torch.tensor([whole[:-1]])).logits[0].double(), -1)
+        positions = range(len(context_ids), len(whole))
+        logliks.append(sum(logprobs[t - 1, whole[t]].item() for t in positions))
+    return logliks
+
+
+def _mc_request(task: str, item: dict) -> tuple[str, list[str]]:
+    """The context and the scored choices of one item, as the suite's task YAML words them."""
+    if task.startswith("cf_"):
+        return f"Question: {item['question']}\nAnswer:", item["choices"]
+    options = "".join(f"\n{letter}. {c}" for letter, c in zip("ABCD", item["choices"], strict=True))
+    return f"Question: {item['question']}{options}\nAnswer:", ["A", "B", "C", "D"]
+
+
+@pytest.mark.parametrize("task", ["cf_arith", "mcf_arith"])
+def test_choice_accuracy_matches_hand_computation(tmp_path, tiny_model, task):
+    """Labels set so the model's own best choice is right on items 0 and 3 only: acc = 2/6.
+
+    A wrong label mapping, option order or prompt in the suite's YAML changes the score.
+    """
+    cfg = EvalConfig(tasks=[task], batch_size=1, device="cpu", log_samples=True)
+    suite = build_suite(cfg, None, tmp_path / "suite")
+    tok, model = _loaded(tiny_model)
+    items, expected = arithmetic_items(6, seed=5), {}
+    for i, item in enumerate(items):
+        context, choices = _mc_request(task, item)
+        logliks = _choice_logliks(tok, model, context, choices)
+        best = max(range(4), key=lambda k: logliks[k])
+        item["label"] = best if i % 3 == 0 else (best + i % 3) % 4
+        item["answer"] = item["choices"][item["label"]]
+        expected[item["question"]] = logliks
+        norm = [ll / len(c) for ll, c in zip(logliks, choices, strict=True)]
+        expected[item["question"], "norm"] = max(range(4), key=lambda k: norm[k]) == item["label"]
+    (suite / "data" / "arith.jsonl").write_text("".join(json.dumps(i) + "\n" for i in items))
+    out = tmp_path / "out"
+    out.mkdir()
+    metrics = evaluate_hf(cfg, tiny_model, out, suite_dir=suite)
+
+    assert metrics[f"{task}/acc"] == pytest.approx(2 / 6)
+    if task.startswith("cf_"):
+        norm_hits = [expected[i["question"], "norm"] for i in items]
+        assert metrics[f"{task}/acc_norm"] == pytest.approx(sum(norm_hits) / 6)
+    samples = [json.loads(x) for x in (out / f"samples_{task}.jsonl").read_text().splitlines()]
+    assert len(samples) == 6
+    for sample in samples:
+        got = [ll for ll, _ in sample["filtered_resps"]]
+        assert got == pytest.approx(expected[sample["doc"]["question"]], rel=1e-4)
 
 
 def test_bundled_suite_runs_fast_on_tiny_model(tmp_path, tiny_model, heldout_dir):
