@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from llmflow.tasks.curation.config import CurateConfig
 from llmflow.tasks.dataprep.config import TokenizeConfig, ValidationConfig
+from llmflow.tasks.decontam.config import DecontamSettings
 from llmflow.tasks.evaluation.config import EvalConfig
 from llmflow.tasks.extend.config import ExtendConfig
 from llmflow.tasks.framework.errors import ConfigError
@@ -32,6 +33,7 @@ PHASES = (
     "sample",
     "ingest",
     "curate",
+    "decontaminate",
     "tokenizer",
     "tokenize",
     "mixture",
@@ -107,6 +109,7 @@ class PipelineConfig(BaseModel):
     sample: SampleConfig = Field(default_factory=SampleConfig)
     ingest: IngestConfig = Field(default_factory=IngestConfig)
     curate: CurateConfig = Field(default_factory=CurateConfig)
+    decontaminate: DecontamSettings = Field(default_factory=DecontamSettings)
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
     tokenize: TokenizeConfig = Field(default_factory=TokenizeConfig)
     validation: ValidationConfig = Field(default_factory=ValidationConfig)
