@@ -20,7 +20,6 @@ from llmflow.tasks.curation.recipe import add_curation
 from llmflow.tasks.dataprep.mixture import mixture, validation
 from llmflow.tasks.dataprep.tokenize import tokenize_corpus
 from llmflow.tasks.decontam.step import add_decontamination
-from llmflow.tasks.decontam.step import add_decontamination
 from llmflow.tasks.evaluation.export import ExportConfig, export
 from llmflow.tasks.evaluation.harness import evaluate
 from llmflow.tasks.evaluation.leaderboard import LeaderboardConfig, leaderboard
@@ -58,9 +57,6 @@ def recipe(config: PipelineConfig) -> Graph:
     """The whole pipeline as a graph of steps, in run order."""
     graph = Graph(PHASES)
     curated = add_curation(graph, config.curate, ingested(graph, config), config.name)
-    curated = add_decontamination(
-        graph, config.decontaminate, config.evaluate, curated, config.name
-    )
     curated = add_decontamination(
         graph, config.decontaminate, config.evaluate, curated, config.name
     )
