@@ -1,0 +1,195 @@
+"""A hyperparameter search space over the pipeline config, checked before any trial runs.
+
+A space is YAML: the study's name and size, how a trial is cut into segments (the points where
+it reports validation loss and may be pruned), the sampler, the pruner, and one entry per
+dotted config path (the same paths ``llmflow run --set`` takes)::
+
+    study: lr
+    trials: 8
+    max_steps: 120          # steps of a full trial
+    segments: 4             # report (and maybe prune) every 30 steps
+    params:
+      pretrain.train.optimizer.lr: {type: float, low: 1.0e-4, high: 3.0e-2, log: true}
+      pretrain.train.schedule.name: {type: categorical, choices: [cosine, wsd]}
+
+Every path and every bound (or choice) is applied to the real config before the sweep starts,
+so an unknown field or a value the config rejects fails naming the field, before any training.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from llmflow.tasks.config import PipelineConfig, apply_overrides, format_validation_error
+from llmflow.tasks.framework.errors import BadInputError, ConfigError
+
+TUNABLE_PREFIX = "pretrain.train."
+"""A trial is one pretraining run: only the trainer's fields change what it computes."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Param(_Strict):
+    """One dimension of the space: a float or int range (log-scaled or not) or a set of choices."""
+
+    type: Literal["float", "int", "categorical"] = Field(description="Kind of dimension.")
+    low: float | None = Field(None, description="Lower bound (float, int).")
+    high: float | None = Field(None, description="Upper bound (float, int).")
+    log: bool = Field(False, description="Sample on a log scale (float, int).")
+    choices: list[Any] | None = Field(None, description="Values (categorical).")
+
+    @model_validator(mode="after")
+    def _complete(self) -> Param:
+        if self.type == "categorical":
+            if not self.choices:
+                raise ValueError("a categorical parameter needs a non-empty 'choices' list")
+        elif self.low is None or self.high is None or not self.low < self.high:
+            raise ValueError(
+                f"a {self.type} parameter needs low < high, got {self.low}, {self.high}"
+            )
+        return self
+
+    def extremes(self) -> list[Any]:
+        """The values to try against the config before sampling: bounds or every choice."""
+        if self.type == "categorical":
+            return list(self.choices or [])
+        if self.type == "int":
+            return [int(self.low), int(self.high)]
+        return [self.low, self.high]
+
+    def suggest(self, trial: Any, name: str) -> Any:
+        """Ask an Optuna trial for this parameter's value."""
+        if self.type == "categorical":
+            return trial.suggest_categorical(name, self.choices)
+        if self.type == "int":
+            return trial.suggest_int(name, int(self.low), int(self.high), log=self.log)
+        return trial.suggest_float(name, self.low, self.high, log=self.log)
+
+
+class SamplerSpec(_Strict):
+    """Optuna's sampler: TPE (default) or random search."""
+
+    name: Literal["tpe", "random"] = "tpe"
+    seed: int = Field(0, description="Seed of the sampler.")
+    n_startup_trials: int = Field(3, ge=0, description="TPE: random trials before modelling.")
+
+    def build(self) -> Any:
+        import optuna
+
+        if self.name == "random":
+            return optuna.samplers.RandomSampler(seed=self.seed)
+        return optuna.samplers.TPESampler(seed=self.seed, n_startup_trials=self.n_startup_trials)
+
+
+class PrunerSpec(_Strict):
+    """Optuna's pruner: asynchronous successive halving (ASHA), Hyperband, or none.
+
+    Resources are segments: a trial reports its validation loss after segment 1, 2, ...
+    """
+
+    name: Literal["asha", "hyperband", "none"] = "asha"
+    min_resource: int = Field(1, ge=1, description="Segments before the first pruning decision.")
+    reduction_factor: int = Field(3, ge=2, description="Keep the best 1/this at each rung.")
+
+    def build(self, segments: int) -> Any:
+        import optuna
+
+        if self.name == "none":
+            return optuna.pruners.NopPruner()
+        if self.name == "hyperband":
+            return optuna.pruners.HyperbandPruner(
+                min_resource=self.min_resource,
+                max_resource=segments,
+                reduction_factor=self.reduction_factor,
+            )
+        return optuna.pruners.SuccessiveHalvingPruner(
+            min_resource=self.min_resource, reduction_factor=self.reduction_factor
+        )
+
+
+class SweepSpace(_Strict):
+    """The study, the trial length, the search strategy and the parameters."""
+
+    study: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", description="Study name (in the database).")
+    trials: int = Field(8, gt=0, description="Finished trials (complete, pruned or failed).")
+    concurrency: int = Field(1, ge=1, description="Trials training at once.")
+    max_steps: int = Field(gt=0, description="Optimizer steps of a full (unpruned) trial.")
+    segments: int = Field(4, ge=1, description="Equal segments of a trial; each reports.")
+    max_failure_share: float = Field(
+        0.5, ge=0, le=1, description="Stop once more than this share of `trials` has failed."
+    )
+    storage: str | None = Field(
+        None, description="Optuna storage URL (postgresql://...); default: SQLite under the root."
+    )
+    grace_s: int = Field(
+        30,
+        ge=1,
+        description="Seconds without a heartbeat after which a running trial counts as "
+        "interrupted (a killed sweep); a resumed sweep re-runs it with the same parameters.",
+    )
+    sampler: SamplerSpec = Field(default_factory=SamplerSpec)
+    pruner: PrunerSpec = Field(default_factory=PrunerSpec)
+    params: dict[str, Param] = Field(description="Dotted config path -> dimension.")
+
+    @model_validator(mode="after")
+    def _divisible(self) -> SweepSpace:
+        if self.max_steps % self.segments:
+            raise ValueError(
+                f"max_steps={self.max_steps} is not a multiple of segments={self.segments}"
+            )
+        if not self.params:
+            raise ValueError("params is empty: name at least one config field to search")
+        return self
+
+    @property
+    def segment_steps(self) -> int:
+        return self.max_steps // self.segments
+
+    @classmethod
+    def load(cls, path: str | Path) -> SweepSpace:
+        """Read a space from YAML; a malformed file is a ConfigError naming the field."""
+        path = Path(path)
+        if not path.exists():
+            raise ConfigError(f"search space file not found: {path}")
+        try:
+            return cls.model_validate(yaml.safe_load(path.read_text()) or {})
+        except ValidationError as err:
+            raise ConfigError(f"{path}: " + format_validation_error(err)) from None
+
+
+def with_params(config: PipelineConfig, params: dict[str, Any]) -> PipelineConfig:
+    """The config with each dotted path set; a bad path or value is a ConfigError naming it."""
+    overrides = [f"{path}={_yaml_value(value)}" for path, value in params.items()]
+    data = apply_overrides(config.model_dump(mode="json"), overrides)
+    try:
+        return PipelineConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(format_validation_error(err)) from None
+    except (ValueError, TypeError) as err:  # a ModelConfig shape check raised directly
+        raise ConfigError(f"invalid config: {err}") from None
+
+
+def _yaml_value(value: Any) -> str:
+    """One value as the YAML text of a ``--set`` override (so 'null', lists and floats parse)."""
+    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("\n...").strip()
+
+
+def check_space(config: PipelineConfig, space: SweepSpace) -> None:
+    """Fail before any trial on a path outside the trainer, an unknown field or a bad value."""
+    for path, param in space.params.items():
+        if not path.startswith(TUNABLE_PREFIX):
+            raise BadInputError(
+                f"search space field {path!r}: a trial is one pretraining run, so only fields "
+                f"under {TUNABLE_PREFIX!r} can be searched"
+            )
+        for value in param.extremes():
+            try:
+                with_params(config, {path: value})
+            except ConfigError as err:
+                raise ConfigError(f"search space field {path!r} value {value!r}: {err}") from None
