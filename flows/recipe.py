@@ -76,7 +76,7 @@ def recipe(config: PipelineConfig) -> Graph:
         tokenizer=tokenizer,
         tokenized=tokenized,
     )
-    models = Models(safety_inputs=safety_inputs(graph, config))
+    models = Models(safety_inputs=safety_inputs(graph, config, curated))
     base_export = export_and_evaluate(graph, config, models, "base", base, tokenizer, tokenized)
     long_export = base_export
     if config.extend.stages:
@@ -205,8 +205,9 @@ def evaluate_model(graph, config, models, label, model, tokenized, phase) -> Non
         )
 
 
-def safety_inputs(graph: Graph, config: PipelineConfig) -> tuple[Node, Raw] | None:
-    """The toxicity classifier and the safety files; None (said once) when they are not set."""
+def safety_inputs(graph: Graph, config: PipelineConfig, corpus: Node) -> tuple[Node, Raw] | None:
+    """The toxicity classifier (taught that the corpus's ordinary text is not hateful) and the
+    safety files; None (said once) when they are not set."""
     if config.safety.data_root is None:
         if not _SAID["safety"]:
             log.info("bias and toxicity evaluation is off: %s", ENABLE_HINT)
@@ -214,7 +215,12 @@ def safety_inputs(graph: Graph, config: PipelineConfig) -> tuple[Node, Raw] | No
         return None
     files = Raw(tuple(safety_files(config.safety.data_root)))
     classifier = graph.add(
-        toxicity_classifier, config.safety.classifier, config.name, phase="evaluate", data=files
+        toxicity_classifier,
+        config.safety.classifier,
+        config.name,
+        phase="evaluate",
+        data=files,
+        background=corpus,
     )
     return classifier, files
 

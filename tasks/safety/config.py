@@ -27,6 +27,10 @@ class ToxicityClassifierConfig(BaseModel):
     holdout_fraction: float = Field(
         0.2, gt=0, lt=1, description="Sentences held out (per group and kind) for accuracy."
     )
+    background_docs: int = Field(
+        600, ge=0, description="Passages of the run's own corpus taught as ordinary text (0)."
+    )
+    background_words: int = Field(40, ge=5, description="Words per background passage.")
     seed: int = 0
 
 

@@ -39,11 +39,31 @@ def model_output(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def classifier(tmp_path_factory, safety_dir: Path) -> Path:
+def background(tmp_path_factory, shared_data: Path) -> Path:
+    """A corpus output of ordinary text (Shakespeare and WikiText paragraphs)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    corpus = tmp_path_factory.mktemp("corpus")
+    text = (shared_data / "text" / "tinyshakespeare.txt").read_text()[:200_000]
+    text += (shared_data / "text" / "wikitext2_valid.txt").read_text()[:200_000]
+    paragraphs = [p for p in text.split("\n\n") if len(p.split()) > 20]
+    (corpus / "shards").mkdir()
+    rows = {
+        "id": [f"d{i}" for i in range(len(paragraphs))],
+        "text": paragraphs,
+        "domain": ["prose"] * len(paragraphs),
+        "source": ["test"] * len(paragraphs),
+    }
+    pq.write_table(pa.table(rows), corpus / "shards" / "part-0.parquet")
+    return corpus
+
+
+@pytest.fixture(scope="module")
+def classifier(tmp_path_factory, safety_dir: Path, background: Path) -> Path:
     out = tmp_path_factory.mktemp("classifier")
-    toxicity_classifier(
-        ToxicityClassifierConfig(), data=RawFiles(safety_files(safety_dir)), out=out
-    )
+    data = RawFiles(safety_files(safety_dir))
+    toxicity_classifier(ToxicityClassifierConfig(), data=data, out=out, background=background)
     return out
 
 
@@ -104,6 +124,8 @@ def test_lexicon_matches_whole_words_and_phrases():
 def test_classifier_separates_held_out_hate_from_neutral(classifier, safety_dir):
     report = json.loads((classifier / "report.json").read_text())
     assert report["held_out"] > 100 and report["accuracy"] >= 0.7
+    # Ordinary text is not flagged: the background teaches the classifier what is not hateful.
+    assert report["background_false_positive_rate"] <= 0.05
     cfg = ToxicityClassifierConfig()
     _, held = split(read_toxigen(safety_files(safety_dir)), cfg)
     scorer = ToxicityScorer(classifier, cfg)
