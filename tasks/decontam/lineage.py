@@ -69,3 +69,36 @@ def share_label(counts: dict[str, Any] | None, n: int | None = None) -> str:
         return f"not measurable (no item reaches {words})"
     share = 100 * counts["share"]
     return f"{share:.1f}% ({counts['contaminated_items']}/{counts['items']} items)"
+
+
+def task_marks(report: dict[str, Any] | None, tasks: list[str]) -> dict[str, dict[str, Any]]:
+    """Each evaluated task's contamination mark: share, counts and a label for people.
+
+    Held-out perplexity tasks score documents the tokenize step split from this very corpus,
+    so they are marked as held out, not as checked.
+    """
+    marks = {}
+    for task in tasks:
+        counts = (report or {}).get("tasks", {}).get(task)
+        if counts is not None:
+            marks[task] = {**_shares(counts), "label": share_label(counts, report.get("n"))}
+        elif report is not None and task.startswith("ppl_"):
+            marks[task] = {"share": None, "label": "held out (split after decontamination)"}
+        else:
+            marks[task] = {"share": None, "label": share_label(None)}
+    return marks
+
+
+def _shares(counts: dict[str, Any]) -> dict[str, Any]:
+    keys = ("share", "contaminated_items", "items", "indexed_items")
+    return {k: counts.get(k) for k in keys}
+
+
+def mark_results(results: dict[str, Any], model: Path | str) -> dict[str, Any]:
+    """``results`` with ``contamination``: per task, the share of its items seen in the
+    training corpus of ``model`` (from its lineage), and where that was measured."""
+    report = training_contamination(model)
+    marked = dict(results)
+    marked["contamination"] = task_marks(report, sorted(results.get("metrics", {})))
+    marked["contamination_source"] = (report or {}).get("uri")
+    return marked

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from llmflow.tasks.decontam.lineage import mark_results
 from llmflow.tasks.evaluation.config import EvalConfig
 from llmflow.tasks.evaluation.models import hf_dir, load_hf_model, load_tokenizer
 from llmflow.tasks.evaluation.suite import build_suite, missing_data_reason, read_manifest
@@ -46,14 +47,22 @@ class ModelLoadError(BadInputError):
     """The exported model directory cannot be loaded (missing or truncated files)."""
 
 
-@step("evaluate", gpu=True, execution=("batch_size", "max_batch_size", "device", "log_samples"))
+@step(
+    "evaluate",
+    version=2,
+    gpu=True,
+    execution=("batch_size", "max_batch_size", "device", "log_samples"),
+)
 def evaluate(cfg: EvalConfig, model: Path, out: Path, heldout: Path | None = None) -> Metrics:
-    """Run the lm-eval suite on one model output's Hugging Face folder; report the scores."""
+    """Run the lm-eval suite on one model output's Hugging Face folder; report the scores,
+    each marked with the share of its task's items seen in the model's training corpus."""
     docs = heldout / HELDOUT_DOCS if heldout is not None else None
     metrics = evaluate_hf(cfg, hf_dir(model), out, heldout_dir=docs)
-    rows = table_rows(json.loads((out / RESULTS_FILE).read_text()))
-    report_table("evaluation", rows, f"lm-eval scores of {model.name}")
-    return metrics
+    results = mark_results(json.loads((out / RESULTS_FILE).read_text()), model)
+    (out / RESULTS_FILE).write_text(json.dumps(results, indent=1, sort_keys=True))
+    shares = {f"{t}/contamination": m["share"] for t, m in results["contamination"].items()}
+    report_table("evaluation", table_rows(results), f"lm-eval scores of {model.name}")
+    return {**metrics, **shares}
 
 
 def evaluate_hf(
@@ -293,6 +302,7 @@ def table_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
                     "value": value,
                     "stderr": values.get(stderr_key),
                     "n": (results["n_samples"].get(task) or {}).get("effective"),
+                    "contamination": results.get("contamination", {}).get(task, {}).get("label"),
                 }
             )
     return rows

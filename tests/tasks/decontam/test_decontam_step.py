@@ -12,7 +12,7 @@ import pytest
 from llmflow.tasks.curation.shards import ShardWriter
 from llmflow.tasks.decontam.config import DecontamConfig, DecontamSettings, decontam_config
 from llmflow.tasks.decontam.evalsets import EvalSetError, eval_items
-from llmflow.tasks.decontam.lineage import share_label, training_contamination
+from llmflow.tasks.decontam.lineage import mark_results, share_label, training_contamination
 from llmflow.tasks.decontam.step import decontaminate, eval_set_files
 from llmflow.tasks.evaluation.config import EvalConfig
 from llmflow.tasks.framework.errors import BadInputError
@@ -192,3 +192,27 @@ def test_the_tokenizer_and_tokenize_read_the_decontaminated_corpus():
     assert graph.find(step="tokenizer")[0].inputs["corpus"] is node
     assert graph.find(step="tokenize")[0].inputs["corpus"] is node
     assert [n.step.name for n in graph.until("decontaminate").nodes][-1] == "decontaminate"
+
+
+def test_results_are_marked_with_the_training_corpus_contamination(tmp_path):
+    report = {
+        "n": 13,
+        "tasks": {
+            "gsm8k_local": {"share": 0.25, "contaminated_items": 1, "items": 4},
+            "cf_arith": {"share": None, "contaminated_items": 0, "items": 4},
+        },
+        "skipped": {"heldout_ppl": "held out"},
+    }
+    decont = write_output(tmp_path, "decontaminate", [], {"contamination.json": report})
+    model = write_output(tmp_path, "export", [write_output(tmp_path, "pretrain", [decont])])
+    metrics = {t: {"acc": 0.5} for t in ("gsm8k_local", "cf_arith", "ppl_prose", "other")}
+    marked = mark_results({"metrics": metrics}, model)
+    labels = {task: mark["label"] for task, mark in marked["contamination"].items()}
+    assert labels == {
+        "gsm8k_local": "25.0% (1/4 items)",
+        "cf_arith": "not measurable (no item reaches 13 words)",
+        "ppl_prose": "held out (split after decontamination)",
+        "other": "not checked",
+    }
+    assert marked["contamination"]["gsm8k_local"]["share"] == 0.25
+    assert marked["contamination_source"] == str(decont)
