@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from llmflow.model.attention import (
     Attention,
@@ -17,6 +20,61 @@ from llmflow.model.attention import (
 from llmflow.model.config import ModelConfig
 from llmflow.model.norm import RMSNorm
 from llmflow.model.rope import RotaryEmbedding
+
+INIT_BLOCK_ROWS = 1024
+"""Rows drawn from one generator by a seeded init (the unit a shard's rows are drawn in)."""
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def _canonical(name: str) -> str:
+    """A module's name without wrapper segments (activation checkpointing, compile)."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def _block_seed(seed: int, key: str, block: int) -> int:
+    digest = hashlib.sha256(f"{seed}/{key}/{block}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+def normal_rows(
+    shape: tuple[int, ...], start: int, stop: int, std: float, seed: int, key: str
+) -> Tensor:
+    """Rows [start, stop) of a Normal(0, std) tensor of `shape`, drawn in blocks of rows.
+
+    Block b (rows [b * INIT_BLOCK_ROWS, (b + 1) * INIT_BLOCK_ROWS)) comes from its own CPU
+    generator seeded by (seed, key, b), so any row range is reproducible without drawing the
+    rest of the tensor, and the result is the same on every device.
+    """
+    width = math.prod(shape[1:])
+    out = torch.empty(stop - start, width)
+    first, last = start // INIT_BLOCK_ROWS, (stop - 1) // INIT_BLOCK_ROWS if stop > start else -1
+    for block in range(first, last + 1):
+        lo = block * INIT_BLOCK_ROWS
+        rows = min(INIT_BLOCK_ROWS, shape[0] - lo)
+        generator = torch.Generator().manual_seed(_block_seed(seed, key, block))
+        drawn = torch.empty(rows, width).normal_(0.0, std, generator=generator)
+        a, b = max(start, lo), min(stop, lo + rows)
+        out[a - start : b - start] = drawn[a - lo : b - lo]
+    return out.view(stop - start, *shape[1:])
+
+
+def init_normal_(weight: Tensor, std: float, seed: int | None, key: str) -> None:
+    """Fill `weight` (a tensor or a dim-0-sharded DTensor) from the seeded row blocks."""
+    if seed is None:
+        nn.init.normal_(weight, mean=0.0, std=std)
+        return
+    local, start = weight, 0
+    if isinstance(weight, DTensor):
+        local = weight.to_local()
+        _, offsets = compute_local_shape_and_global_offset(
+            weight.shape, weight.device_mesh, weight.placements
+        )
+        start = offsets[0]
+    if local.numel():
+        values = normal_rows(tuple(weight.shape), start, start + local.shape[0], std, seed, key)
+        local.copy_(values)
 
 
 class MLP(nn.Module):
@@ -69,12 +127,12 @@ class Transformer(nn.Module):
         """Normal(0, init_std) everywhere, residual output projections scaled by 1/sqrt(2L).
 
         Args:
-            seed: when given, draw from a private generator so the result does not depend on (or
-                disturb) the global RNG state.
+            seed: when given, every weight is drawn block by block from generators seeded by
+                (seed, its name, the block), so the result does not depend on (or disturb) the
+                global RNG, and a rank holding only a shard of a weight (FSDP2 DTensor, after
+                `to_empty` from the meta device) draws exactly its rows of the same full tensor.
+                Without a seed, weights come from the global RNG (unsharded models only).
         """
-        generator = None
-        if seed is not None:
-            generator = torch.Generator(device=self.embed.weight.device).manual_seed(seed)
         std = self.cfg.init_std
         residual_std = std / math.sqrt(2 * self.cfg.num_layers)
         self.rope.reset_parameters()
@@ -84,7 +142,7 @@ class Transformer(nn.Module):
             elif isinstance(module, (nn.Linear, nn.Embedding)):
                 is_residual_out = name.endswith(("o_proj", "down_proj"))
                 module_std = residual_std if is_residual_out else std
-                nn.init.normal_(module.weight, mean=0.0, std=module_std, generator=generator)
+                init_normal_(module.weight, module_std, seed, _canonical(name))
 
     def output_weight(self) -> Tensor:
         """The (V, C) output projection: the embedding when tied."""

@@ -173,6 +173,12 @@ class CheckpointConfig(_Section):
 
     interval: int = Field(100, gt=0, description="Save every this many optimizer steps.")
     keep_last: int = Field(2, gt=0, description="Keep this many step checkpoints (plus final).")
+    async_save: bool = Field(
+        False,
+        description="Write step checkpoints in the background (DCP async_save) while training "
+        "goes on; a checkpoint is marked complete only once written.",
+        json_schema_extra=UNVERSIONED,
+    )
 
 
 class GuardConfig(_Section):
@@ -220,6 +226,18 @@ class TrainConfig(_Section):
     seed: int = Field(0, description="Seed of the initialisation and data order.")
     z_loss: float = Field(0.0, ge=0, description="z-loss weight (PaLM); 0 disables.")
     compile: bool = Field(False, description="torch.compile each transformer block.")
+    activation_checkpointing: Literal["none", "full", "selective"] = Field(
+        "none",
+        description="Recompute blocks in the backward pass: none, every block (full), or every "
+        "k-th block (selective). Same losses; less activation memory, more compute.",
+        json_schema_extra=UNVERSIONED,
+    )
+    activation_checkpointing_every_k: int = Field(
+        2,
+        gt=0,
+        description="selective: checkpoint blocks k, 2k, 3k, ... (1-based).",
+        json_schema_extra=UNVERSIONED,
+    )
     deterministic: bool = Field(
         True,
         description="torch.use_deterministic_algorithms on CPU (bitwise-exact resume).",

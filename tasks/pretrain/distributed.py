@@ -8,9 +8,15 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl,
+    checkpoint_wrapper,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
+
+from llmflow.tasks.framework.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -66,6 +72,43 @@ def shard_model(model: nn.Module, runtime: Runtime) -> nn.Module:
     return model
 
 
+def materialize_sharded(model: nn.Module, runtime: Runtime, seed: int) -> nn.Module:
+    """Allocate a meta-device model's shards on the real device and initialize them.
+
+    `model` was built under ``torch.device("meta")`` and sharded (`shard_model`); no rank ever
+    holds the full weights. The seeded init draws each shard's rows of the same full tensors a
+    one-process ``init_weights(seed)`` draws, so the weights are identical.
+    """
+    model.to_empty(device=runtime.device)
+    model.init_weights(seed=seed)
+    return model
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str, every_k: int = 1) -> nn.Module:
+    """Recompute blocks in the backward pass: every block (``full``) or every k-th (``selective``).
+
+    Each chosen block of ``model.layers`` is wrapped in place with torch's `checkpoint_wrapper`
+    (non-reentrant), before compile and FSDP2, as torchtitan does. The wrapper strips its prefix
+    from state dicts, so checkpoints and exports keep their names.
+
+    Raises:
+        ConfigError: the model has no ``layers`` ModuleList of blocks to wrap.
+    """
+    if mode == "none":
+        return model
+    layers = getattr(model, "layers", None)
+    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
+        raise ConfigError(
+            f"activation_checkpointing={mode!r} needs a model with a non-empty `layers` "
+            f"ModuleList of blocks; {type(model).__name__} has none"
+        )
+    every = 1 if mode == "full" else every_k
+    for index, block in enumerate(layers):
+        if (index + 1) % every == 0:
+            layers[index] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+    return model
+
+
 def sharding_report(model: nn.Module) -> dict[str, int]:
     """Count parameters that are DTensors sharded on dim 0, and local vs global elements."""
     sharded = local = total = 0
@@ -93,6 +136,14 @@ def all_reduce_sum(value: torch.Tensor, runtime: Runtime) -> torch.Tensor:
 
 
 def param_checksum(model: nn.Module) -> float:
-    """A float64 fingerprint of all (unsharded) parameters: equal across ranks after init."""
+    """A float64 fingerprint of all parameters, summed over shards: the same on every rank."""
     with torch.no_grad():
-        return float(sum((p.double() * (i + 1)).sum() for i, p in enumerate(model.parameters())))
+        total = sum((_local(p).double() * (i + 1)).sum() for i, p in enumerate(model.parameters()))
+        total = torch.as_tensor(total, dtype=torch.float64)
+        if any(isinstance(p, DTensor) for p in model.parameters()):
+            dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        return float(total)
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    return param.to_local() if isinstance(param, DTensor) else param

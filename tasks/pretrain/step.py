@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -18,6 +19,7 @@ from llmflow.tasks.framework.resources import preset_path
 from llmflow.tasks.framework.step import Metrics, checkpoint_saved, step
 from llmflow.tasks.pretrain.config import UNVERSIONED, TrainConfig
 from llmflow.tasks.pretrain.launch import launch_training
+from llmflow.tasks.pretrain.ray_launch import RaySettings
 from llmflow.tasks.pretrain.validate import read_meta
 
 log = logging.getLogger("llmflow.pretrain")
@@ -28,7 +30,12 @@ EXECUTION = (
     "num_processes",
     "accelerate_config",
     "timeout_s",
+    "launcher",
+    "ray",
     "train.deterministic",
+    "train.checkpoint.async_save",
+    "train.activation_checkpointing",
+    "train.activation_checkpointing_every_k",
     "train.log_interval",
     "train.eval_interval",
     "train.progress_bar",
@@ -56,6 +63,12 @@ class StageRun(BaseModel):
         description="Deadline of the run (the process group is killed).",
         json_schema_extra=UNVERSIONED,
     )
+    launcher: Literal["local", "ray"] = Field(
+        "local",
+        description="local: this machine (torchrun/accelerate); ray: Ray Train workers.",
+        json_schema_extra=UNVERSIONED,
+    )
+    ray: RaySettings = Field(default_factory=RaySettings, json_schema_extra=UNVERSIONED)
 
 
 def with_data_vocab(train: TrainConfig, data_dir: Path) -> TrainConfig:
@@ -65,7 +78,7 @@ def with_data_vocab(train: TrainConfig, data_dir: Path) -> TrainConfig:
     return train.replaced(**{"model.overrides.vocab_size": read_meta(data_dir)["vocab_size"]})
 
 
-@step("pretrain", version=1, gpu=True, execution=EXECUTION)
+@step("pretrain", version=2, gpu=True, execution=EXECUTION)
 def pretrain(
     cfg: StageRun,
     data: Path,
@@ -83,6 +96,7 @@ def pretrain(
         init_from=init / "final" if init is not None else None,
         num_processes=cfg.num_processes,
         accelerate_config=accelerate,
+        ray=cfg.ray if cfg.launcher == "ray" else None,
         on_line=log.info,
         on_checkpoint=lambda _notice: checkpoint_saved(),
         timeout_s=cfg.timeout_s,

@@ -38,6 +38,8 @@ from llmflow.tasks.pretrain.checkpointer import Checkpointer
 from llmflow.tasks.pretrain.config import TrainConfig
 from llmflow.tasks.pretrain.distributed import (
     all_reduce_sum,
+    apply_activation_checkpointing,
+    materialize_sharded,
     param_checksum,
     setup_runtime,
     shard_model,
@@ -94,18 +96,24 @@ class Trainer:
 
     # ----------------------------------------------------------------------------- setup
     def _build_model(self) -> torch.nn.Module:
-        """Same weights on every rank (one seed), then shard (FSDP2) or move to the device."""
-        rt = self.runtime
-        model = Transformer(self.model_config)
-        model.init_weights(seed=self.cfg.seed)
-        self.init_checksum = param_checksum(model)
-        if self.cfg.compile:  # per block, before sharding, as torchtitan does
+        """Build on the meta device, checkpoint/compile/shard, then allocate and init (seeded).
+
+        No rank ever holds the full weights: each draws only its shard's rows of the seeded
+        init, which equals a one-process ``init_weights(seed)``.
+        """
+        rt, cfg = self.runtime, self.cfg
+        with torch.device("meta"):
+            model = Transformer(self.model_config)
+        apply_activation_checkpointing(
+            model, cfg.activation_checkpointing, cfg.activation_checkpointing_every_k
+        )
+        if cfg.compile:  # per block, before sharding, as torchtitan does
             for block in model.layers:
                 block.compile()
         if rt.distributed:
             shard_model(model, rt)
-        else:
-            model.to(rt.device)
+        materialize_sharded(model, rt, cfg.seed)
+        self.init_checksum = param_checksum(model)
         return model
 
     def _components(self, val_dir: Path | None) -> list[Callback]:
