@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import math
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import TINY_MODEL, tiny_config
+from conftest import TINY_MODEL, VOCAB, losses_by_step, run_trainer, tiny_config
 
 from llmflow.tasks.framework.errors import BadInputError
 from llmflow.tasks.pretrain.launch import (
@@ -17,6 +19,7 @@ from llmflow.tasks.pretrain.launch import (
     launch_training,
     run_streaming,
 )
+from llmflow.tasks.pretrain.state import RECENT_LOSSES
 
 ARGS = ["--config", "c.json", "--data-dir", "d", "--out-dir", "o"]
 
@@ -142,7 +145,20 @@ def test_launch_training_end_to_end(tmp_path, train_data, val_data, monkeypatch)
     assert notices[-1]["path"] == str(run / "final")
     assert summary["steps"] == 4 and summary["tokens_seen"] == 4 * 4 * 32
     assert summary["total_tokens_seen"] == summary["tokens_seen"]  # no earlier stage
-    assert summary["final_loss"] > 0 and summary["val_loss"] > 0 and summary["tokens_per_s"] > 0
+    assert summary["tokens_per_s"] > 0
+    losses = losses_by_step(run)
+    recent = [losses[step] for step in sorted(losses)][-RECENT_LOSSES:]
+    assert summary["last_loss"] == losses[4]
+    assert summary["final_loss"] == pytest.approx(sum(recent) / len(recent), rel=1e-6)
+    # A fresh model predicts about uniformly: the first loss is near ln(vocab); it then falls.
+    assert abs(losses[1] - math.log(VOCAB)) < 0.3 and losses[4] < losses[1] - 0.05
+    # The launcher changes nothing the trainer computes: a direct run gives the same numbers.
+    direct = tmp_path / "direct"
+    run_trainer(cfg, train_data, direct, val_dir=val_data)
+    expected = json.loads((direct / "summary.json").read_text())
+    for key in ("final_loss", "val_loss", "steps", "tokens_seen"):
+        assert summary[key] == expected[key], key
+    assert losses_by_step(direct) == losses
     assert list((run / "tb").glob("events.out.tfevents.*"))
     for name in ("metrics.jsonl", "summary.json", "final/COMPLETE", "final/model.safetensors"):
         assert (run / name).exists(), name
