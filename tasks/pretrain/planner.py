@@ -53,6 +53,8 @@ class Plan:
     estimated_hours: float
     fits: bool
     warnings: list[str] = field(default_factory=list)
+    predicted_loss: float | None = None
+    """Validation loss from the recipe's fitted scaling law (``llmflow ladder``), if one exists."""
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
@@ -267,6 +269,8 @@ def format_plan(p: Plan) -> str:
         f"{m.optimizer_gb:.2f} + activations {m.activations_gb:.2f} = {m.total_gb:.2f}",
         f"fits                 {'yes' if p.fits else 'NO'}",
     ]
+    if p.predicted_loss is not None:
+        lines.append(f"predicted val loss   {p.predicted_loss:.4f} (fitted scaling law)")
     lines += [f"warning: {w}" for w in p.warnings]
     return "\n".join(lines)
 
