@@ -101,6 +101,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         config.pretrain, config.hardware, num_gpus=args.gpus, gpu_mem_gb=args.gpu_mem, mfu=args.mfu
     )
     gpus = args.gpus or config.hardware.gpus
+    from llmflow.tasks.scaling.fit import find_law
+
+    law = find_law(config.root, config.name)  # fitted by `llmflow ladder` for this recipe
+    if law is not None:
+        result.predicted_loss = law.predict(result.num_non_embedding_parameters, result.num_tokens)
     print(f"{config.name} on {gpus} GPU(s)")
     print(format_plan(result))
     if not result.fits:
@@ -108,6 +113,71 @@ def cmd_plan(args: argparse.Namespace) -> int:
             "llmflow: error: the recipe does not fit its GPUs; see the fixes above", file=sys.stderr
         )
     return 0 if result.fits else 1
+
+
+def cmd_preflight(args: argparse.Namespace) -> int:
+    from llmflow.flows.preflight import PreflightOptions, PreflightRun, preflight_flow
+
+    options = PreflightOptions(
+        processes=args.processes,
+        seq_len=args.seq_len,
+        micro_batch_size=args.micro_batch_size,
+        steps=args.steps,
+        train=not args.no_train,
+        check_data=not args.no_data,
+    )
+    preset = str(Path(args.config).resolve()) if args.config else "quickstart"
+    result = preflight_flow(PreflightRun(preset=preset, overrides=args.overrides, options=options))
+    print(result["table"])
+    return 0 if result["go"] else 1
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from llmflow.tasks.scaling.space import SweepSpace, check_space
+
+    config, space = _load(args), SweepSpace.load(args.space)
+    check_space(config, space)  # an unknown field or a rejected value fails before Prefect
+    from llmflow.flows.sweep import run_sweep
+
+    result = run_sweep(config, space)
+    for row in result.rows:
+        print("  ".join(f"{k}={v}" for k, v in row.items() if v != ""))
+    print(f"best val_loss {result.best_value:.4f}: {result.best_params}")
+    print(f"best config, trials and plots: {result.folder}")
+    return 0
+
+
+def cmd_critical_batch(args: argparse.Namespace) -> int:
+    from llmflow.flows.critical_batch import CriticalBatchConfig, critical_batch
+
+    config = _load(args)
+    cb = CriticalBatchConfig(lr_scaling=args.lr_scaling, tolerance=args.tolerance)
+    result = critical_batch(config, cb)
+    for row in result["rows"]:
+        print("  ".join(f"{k}={v}" for k, v in row.items()))
+    for point, batch in result["critical"].items():
+        print(f"critical batch after {point} tokens: {batch} sequences")
+    return 0
+
+
+def cmd_ladder(args: argparse.Namespace) -> int:
+    from llmflow.flows.scaling import LadderConfig, scaling_ladder
+
+    config = _load(args)
+    result = scaling_ladder(config, LadderConfig())
+    law = result.law
+    print(
+        f"L(N, D) = {law['E']:.3f} + {law['A']:.4g}/N^{law['alpha']:.3f} "
+        f"+ {law['B']:.4g}/D^{law['beta']:.3f}"
+    )
+    print(
+        f"held-out model: predicted {result.predicted:.4f}, actual {result.actual:.4f}, "
+        f"error {result.error:.2%}"
+    )
+    for row in result.ranking:
+        print("  ".join(f"{k}={v}" for k, v in row.items()))
+    print("ranking consistent across sizes:", "yes" if result.consistent else "no")
+    return 0
 
 
 def cmd_ablate(args: argparse.Namespace) -> int:
@@ -156,6 +226,30 @@ def build_parser() -> argparse.ArgumentParser:
     planner.add_argument("--gpu-mem", type=float, help="GB per GPU (default: hardware.gpu_mem_gb).")
     planner.add_argument("--mfu", type=float, help="Expected MFU (default: hardware.mfu).")
     planner.set_defaults(func=cmd_plan)
+    pre = sub.add_parser("preflight", help="The go/no-go checklist to pass before a long run.")
+    _add_config_args(pre)
+    pre.add_argument("--processes", type=int, default=2, help="Ranks of the test steps.")
+    pre.add_argument("--seq-len", type=int, help="Sequence length of the test steps.")
+    pre.add_argument("--micro-batch-size", type=int, help="Sequences per rank per test step.")
+    pre.add_argument("--steps", type=int, default=4, help="Test optimizer steps.")
+    pre.add_argument("--no-train", action="store_true", help="Plan and meta build only.")
+    pre.add_argument("--no-data", action="store_true", help="Do not open the data sources.")
+    pre.set_defaults(func=cmd_preflight)
+    sweep = sub.add_parser("sweep", help="Optuna search (TPE + pruning) over cached trials.")
+    _add_config_args(sweep)
+    sweep.add_argument("--space", required=True, help="Search space YAML (configs/sweeps/).")
+    sweep.add_argument("--root", help="Artifact root (the study's SQLite lives under it).")
+    sweep.set_defaults(func=cmd_sweep)
+    crit = sub.add_parser("critical-batch", help="Largest batch matching the base batch's loss.")
+    _add_config_args(crit)
+    crit.add_argument("--root", help="Artifact root.")
+    crit.add_argument("--lr-scaling", choices=["sqrt", "linear"], default="sqrt")
+    crit.add_argument("--tolerance", type=float, default=0.01, help="Relative loss tolerance.")
+    crit.set_defaults(func=cmd_critical_batch)
+    lad = sub.add_parser("ladder", help="Isoflop ladder, fitted scaling law, held-out check.")
+    _add_config_args(lad)
+    lad.add_argument("--root", help="Artifact root.")
+    lad.set_defaults(func=cmd_ladder)
     ablate = sub.add_parser(
         "ablate", help="Annealing ablation: baseline vs 40/60 with a candidate domain."
     )

@@ -31,6 +31,8 @@ from llmflow.tasks.ingest.hub import data_sources
 from llmflow.tasks.ingest.ingest import ingest_sources, list_files
 from llmflow.tasks.ingest.sample import sample
 from llmflow.tasks.posttrain.dpo import dpo
+from llmflow.tasks.posttrain.grpo import grpo
+from llmflow.tasks.posttrain.merge import merge
 from llmflow.tasks.posttrain.sft import sft
 from llmflow.tasks.pretrain.curriculum import stage_train_config
 from llmflow.tasks.pretrain.step import StageRun, pretrain
@@ -228,11 +230,28 @@ def safety_inputs(graph: Graph, config: PipelineConfig, corpus: Node) -> tuple[N
 def posttraining(
     graph: Graph, config: PipelineConfig, models: Models, base: Node, tokenized: Node
 ) -> None:
-    """SFT of the (extended) base export, then DPO of the SFT model; each evaluated."""
+    """SFT of the (extended) base export, DPO of the SFT model, GRPO (after SFT or DPO), then
+    the last of them merged with the base (SmolLM3's recipe); each evaluated."""
     tuned = graph.add(sft, config.sft, config.name, model=base, data=user_file(config.sft.data))
     evaluate_model(graph, config, models, "sft", tuned, tokenized, phase="sft")
     aligned = graph.add(dpo, config.dpo, config.name, model=tuned, data=user_file(config.dpo.data))
     evaluate_model(graph, config, models, "dpo", aligned, tokenized, phase="dpo")
+    trained = {"sft": tuned, "dpo": aligned}
+    if config.grpo.enabled:
+        start = trained[config.grpo.after]
+        data = user_file(config.grpo.data)
+        trained["grpo"] = graph.add(grpo, config.grpo, config.name, model=start, data=data)
+        evaluate_model(graph, config, models, "grpo", trained["grpo"], tokenized, phase="grpo")
+    if config.merge.enabled:
+        source = config.merge.source
+        if source == "last":
+            source = "grpo" if "grpo" in trained else "dpo"
+        if source not in trained:
+            raise BadInputError(f"merge.source={source!r}, but grpo.enabled is false")
+        merged = graph.add(
+            merge, config.merge, config.name, phase="merge", models=[trained[source], base]
+        )
+        evaluate_model(graph, config, models, "merged", merged, tokenized, phase="merge")
 
 
 def user_file(data: str) -> Raw | None:
