@@ -22,7 +22,8 @@ from llmflow.tasks.framework.errors import ConfigError
 from llmflow.tasks.framework.resources import data_dir
 from llmflow.tasks.ingest.ingest import IngestConfig
 from llmflow.tasks.ingest.sample import SampleConfig
-from llmflow.tasks.posttrain.config import DPOStepConfig, SFTStepConfig
+from llmflow.tasks.posttrain.config import DPOStepConfig, GRPOStepConfig, SFTStepConfig
+from llmflow.tasks.posttrain.merge import MergeStepConfig
 from llmflow.tasks.pretrain.curriculum import PretrainConfig
 from llmflow.tasks.safety.config import SafetyConfig
 from llmflow.tasks.tokenizer.config import TokenizerConfig
@@ -42,6 +43,8 @@ PHASES = (
     "evaluate",
     "sft",
     "dpo",
+    "grpo",
+    "merge",
     "leaderboard",
 )
 """The recipe's phases in run order: ``--until`` stops after one."""
@@ -118,6 +121,8 @@ class PipelineConfig(BaseModel):
     evaluate: EvalConfig = Field(default_factory=EvalConfig)
     sft: SFTStepConfig = Field(default_factory=SFTStepConfig)
     dpo: DPOStepConfig = Field(default_factory=DPOStepConfig)
+    grpo: GRPOStepConfig = Field(default_factory=GRPOStepConfig)
+    merge: MergeStepConfig = Field(default_factory=MergeStepConfig)
     safety: SafetyConfig = Field(default_factory=SafetyConfig)
 
     @field_validator("until")

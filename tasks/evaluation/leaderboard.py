@@ -30,6 +30,7 @@ from llmflow.tasks.framework.step import Metrics, report_markdown, step
 
 MIN_MONOTONICITY = 0.5  # Spearman below this: the task does not track training (yet)
 MIN_SNR = 2.0  # a training trend under twice the seed noise cannot rank runs
+MODEL_METRICS = "leaderboard_metrics.json"  # a model output's own scores (GRPO writes them)
 
 
 class LeaderboardConfig(BaseModel):
@@ -69,7 +70,21 @@ def _record(label: str, evaluation: Path, model: Path) -> dict[str, Any]:
     """One evaluation's results with the model's label and progress (its progress.json)."""
     record = json.loads((evaluation / RESULTS_FILE).read_text())
     record["checkpoint"] = {"key": label, "seed": None, **read_progress(model)}
+    add_model_metrics(record, model)
     return record
+
+
+def add_model_metrics(record: dict[str, Any], model: Path) -> None:
+    """Tasks a training step scored itself (GRPO's held-out verifiable rewards) join the
+    model's row: ``leaderboard_metrics.json`` beside the model holds ``metrics`` and
+    ``higher_is_better`` per task, like ``results.json``."""
+    path = Path(model) / MODEL_METRICS
+    if not path.exists():
+        return
+    extra = json.loads(path.read_text())
+    record["metrics"] = {**record["metrics"], **extra["metrics"]}
+    higher = record.setdefault("higher_is_better", {})
+    higher.update(extra.get("higher_is_better", {}))
 
 
 def leaderboard_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:

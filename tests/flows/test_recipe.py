@@ -39,6 +39,11 @@ TINY = [
     "dpo.max_steps=2",
     "dpo.num_quickstart_examples=32",
     "dpo.num_heldout=4",
+    "grpo.max_steps=1",
+    "grpo.num_quickstart_examples=8",
+    "grpo.num_heldout=4",
+    "grpo.per_device_batch_size=4",
+    "grpo.max_completion_length=4",
 ]
 
 
@@ -46,7 +51,7 @@ def test_the_recipe_is_the_whole_dag_in_run_order():
     graph = recipe(load_config(None))
     steps = [n.step.name for n in graph.nodes]
     assert steps[:2] == ["sample", "ingest"] and steps[-1] == "leaderboard"
-    assert steps.count("pretrain") == 5 and steps.count("evaluate") == 4
+    assert steps.count("pretrain") == 5 and steps.count("evaluate") == 6
     phases = [PHASES.index(n.phase) for n in graph.nodes]
     assert phases == sorted(phases)  # so cutting at a phase keeps a prefix of the run order
     index = {id(n): i for i, n in enumerate(graph.nodes)}
