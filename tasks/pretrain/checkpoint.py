@@ -10,6 +10,10 @@ Layout of one checkpoint folder (``checkpoints/step-000100/`` or ``final/``)::
 
 Every rank writes into ``.tmp-<name>/``; after a barrier rank 0 renames it into place, so a crash
 never leaves a folder that looks complete.
+
+An asynchronous save (:func:`start_async_save`) copies the state in a background thread (the
+optimizer's next step waits for that copy), writes it in another, and is committed (``COMPLETE``,
+rename) by :meth:`PendingSave.commit` only once every rank's write has finished.
 """
 
 from __future__ import annotations
@@ -20,8 +24,10 @@ import json
 import random
 import re
 import shutil
+import time
 import warnings
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +35,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -132,22 +139,45 @@ def save_checkpoint(
 
     ``write_extra(tmp_dir)`` runs on rank 0 before the folder is marked complete.
     """
+    tmp = _prepare(path)
+    model_sd, optim_sd = get_state_dict(model, optimizers)
+    with _quiet_single_process():
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "dcp"))
+    _write_small(tmp, trainer_state, loader_state, model_config, write_extra)
+    _commit(tmp, path)
+
+
+def _prepare(path: Path) -> Path:
+    """An empty ``.tmp-<name>/`` beside ``path`` (rank 0 makes it; all ranks wait)."""
     rank, _ = rank_and_world()
-    path = Path(path)
-    tmp = path.parent / f".tmp-{path.name}"
+    tmp = Path(path).parent / f".tmp-{Path(path).name}"
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizers)
-    with _quiet_single_process():
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "dcp"))
+    return tmp
+
+
+def _write_small(
+    tmp: Path,
+    trainer_state: dict[str, Any],
+    loader_state: dict[str, Any],
+    model_config: Any,
+    write_extra: Callable[[Path], None] | None,
+) -> None:
+    """Per-rank RNG/loader state; rank 0 adds the trainer state, the architecture, extras."""
+    rank, _ = rank_and_world()
     torch.save({"rng": rng_state(), "loader": loader_state}, tmp / f"rank-{rank:05d}.pt")
     if rank == 0:
         (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
         (tmp / "model_config.json").write_text(json.dumps(dataclasses.asdict(model_config)))
         if write_extra is not None:
             write_extra(tmp)
+
+
+def _commit(tmp: Path, path: Path) -> None:
+    """After every rank wrote its part: the marker, then the rename into place (rank 0)."""
+    rank, _ = rank_and_world()
     barrier()
     if rank == 0:
         (tmp / MARKER).write_text("ok\n")
@@ -155,6 +185,89 @@ def save_checkpoint(
             shutil.rmtree(path)
         tmp.rename(path)
     barrier()
+
+
+@dataclasses.dataclass
+class PendingSave:
+    """A checkpoint whose tensors are still being copied and written in the background."""
+
+    path: Path
+    tmp: Path
+    staged: Future
+    written: Future
+    blocked_s: float = 0.0  # training time this checkpoint has held up so far
+
+    def wait_staged(self) -> None:
+        """Block until the state is copied (the next optimizer step may then change it)."""
+        if not self.staged.done():
+            started = time.perf_counter()
+            self.staged.result()
+            self.blocked_s += time.perf_counter() - started
+
+    def written_here(self) -> bool:
+        """Whether this rank's write has finished (raises the write's error, if any)."""
+        if self.written.done():
+            self.written.result()
+            return True
+        return False
+
+    def commit(self) -> None:
+        """Wait for the write on this rank, then mark complete and rename (all ranks)."""
+        started = time.perf_counter()
+        self.written.result()
+        _commit(self.tmp, self.path)
+        self.blocked_s += time.perf_counter() - started
+
+
+_ASYNC_GROUP: list[dist.ProcessGroup] = []
+
+
+def _async_group() -> dist.ProcessGroup | None:
+    """A gloo group of its own for the background writes, so they never interleave with the
+    training collectives on the default group (created once, by every rank together)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    if not _ASYNC_GROUP:
+        _ASYNC_GROUP.append(dist.new_group(backend="gloo"))
+    return _ASYNC_GROUP[0]
+
+
+def start_async_save(
+    path: Path,
+    model: torch.nn.Module,
+    optimizers: list[torch.optim.Optimizer],
+    trainer_state: dict[str, Any],
+    loader_state: dict[str, Any],
+    model_config: Any,
+    storage_writer: Callable[[Path], dcp.StorageWriter] | None = None,
+) -> PendingSave:
+    """Begin writing a checkpoint to ``path`` in the background (all ranks); see PendingSave.
+
+    ``storage_writer(dcp_dir)`` replaces DCP's file-system writer (tests: slow storage).
+
+    Nothing at ``path`` exists until :meth:`PendingSave.commit`: a crash before then leaves only
+    ``.tmp-<name>/``, which no reader takes for a checkpoint and the next attempt deletes.
+    """
+    started = time.perf_counter()
+    tmp = _prepare(path)
+    model_sd, optim_sd = get_state_dict(model, optimizers)
+    group = _async_group()
+    cuda = torch.cuda.is_available()
+    stager = DefaultStager(StagingOptions(cuda, False, True, cuda))
+    with _quiet_single_process():
+        response = dcp.async_save(
+            {"model": model_sd, "optim": optim_sd},
+            checkpoint_id=str(tmp / "dcp"),
+            storage_writer=storage_writer(tmp / "dcp") if storage_writer else None,
+            process_group=group,
+            async_stager=stager,
+            no_dist=group is None,
+        )
+    response.upload_completion.add_done_callback(lambda _: stager.close())
+    _write_small(tmp, trainer_state, loader_state, model_config, None)
+    pending = PendingSave(Path(path), tmp, response.staging_completion, response.upload_completion)
+    pending.blocked_s = time.perf_counter() - started
+    return pending
 
 
 def prune_checkpoints(out_dir: Path, keep_last: int) -> None:

@@ -5,20 +5,30 @@ newest ``keep_last`` survive); ``final/`` is written at the stage's end and also
 ``model.safetensors``. After each complete checkpoint, rank 0 appends one JSON line to
 ``checkpoints.jsonl`` in the run folder: the launcher watches that file (not the trainer's
 output) to mirror the partial run, so a killed run resumes elsewhere.
+
+With ``checkpoint.async_save`` a step checkpoint is written in the background while training goes
+on: the optimizer's next step waits only for the state to be copied, the checkpoint is committed
+(marked complete, announced) at the first step end after every rank's write has finished, and the
+next save, a rewind or the end of training waits for it. Each notice carries ``blocked_s``, the
+training time that checkpoint held up. ``final/`` is always written synchronously.
 """
 
 from __future__ import annotations
 
 import json
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from llmflow.model.hf import save_model
 from llmflow.tasks.pretrain import checkpoint as ckpt
 from llmflow.tasks.pretrain.callbacks import Callback, append_jsonl
 from llmflow.tasks.pretrain.config import CheckpointConfig
+from llmflow.tasks.pretrain.distributed import all_reduce_sum
 from llmflow.tasks.pretrain.state import StepOutput
 from llmflow.tasks.pretrain.validate import check_source
 
@@ -34,33 +44,94 @@ class Checkpointer(Callback):
     def __init__(self, cfg: CheckpointConfig, out_dir: Path):
         self.cfg, self.out_dir = cfg, Path(out_dir)
         self.resumed_from: Path | None = None
+        self.pending: ckpt.PendingSave | None = None
+        self.pending_step = 0
+        self.hooked = False
+        self.storage_writer: Callable[[Path], Any] | None = None  # tests: slow storage
 
     def latest(self) -> Path | None:
-        """The newest complete checkpoint of this run (``final/`` wins), or None."""
+        """The newest complete checkpoint of this run (``final/`` wins), or None (all ranks).
+
+        A checkpoint still being written is waited for and committed first.
+        """
+        self.finish_pending()
         return ckpt.latest_checkpoint(self.out_dir)
 
     # ------------------------------------------------------------------------- the cadence
     def on_step_end(self, trainer: Trainer, out: StepOutput) -> None:
+        if self.pending is not None and self._written_everywhere(trainer):
+            self.finish_pending()
         if out.step % self.cfg.interval == 0 and out.step < trainer.state.end_step:
             self.save_step(trainer)
 
     def on_train_end(self, trainer: Trainer) -> None:
+        self.finish_pending()
         if self.resumed_from is None or self.resumed_from.name != "final":
             self.save(trainer, self.out_dir / "final", final=True)
 
     # ------------------------------------------------------------------------- saving
     def save_step(self, trainer: Trainer) -> None:
         """Checkpoint the current step under ``checkpoints/`` (all ranks)."""
-        self.save(trainer, self.out_dir / "checkpoints" / ckpt.step_dir_name(trainer.state.step))
+        path = self.out_dir / "checkpoints" / ckpt.step_dir_name(trainer.state.step)
+        if not self.cfg.async_save:
+            self.save(trainer, path)
+            return
+        self.finish_pending()
+        self._hook_optimizers(trainer)
+        self.pending = ckpt.start_async_save(
+            path,
+            trainer.model,
+            trainer.optimizers,
+            self.trainer_state(trainer),
+            trainer.loader.state_dict(),
+            trainer.model_config,
+            self.storage_writer,
+        )
+        self.pending_step = trainer.state.step
 
-    def save(self, trainer: Trainer, path: Path, final: bool = False) -> None:
-        """Write a checkpoint (all ranks); final ones also hold model.safetensors."""
-        trainer_state = {
+    def finish_pending(self) -> None:
+        """Wait for the checkpoint being written, commit it, prune, announce (all ranks)."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        pending.commit()
+        if ckpt.rank_and_world()[0] == 0:
+            ckpt.prune_checkpoints(self.out_dir, self.cfg.keep_last)
+            self.announce(pending.path, self.pending_step, False, pending.blocked_s)
+
+    def _written_everywhere(self, trainer: Trainer) -> bool:
+        """Whether every rank's background write has finished (one small all-reduce)."""
+        done = torch.tensor(
+            [0.0 if self.pending.written_here() else 1.0], device=trainer.runtime.device
+        )
+        return float(all_reduce_sum(done, trainer.runtime)) == 0.0
+
+    def _hook_optimizers(self, trainer: Trainer) -> None:
+        """Make every optimizer step wait until a pending checkpoint's state is copied."""
+        if self.hooked:
+            return
+        for optimizer in trainer.optimizers:
+            optimizer.register_step_pre_hook(lambda *_: self._staged())
+        self.hooked = True
+
+    def _staged(self) -> None:
+        if self.pending is not None:
+            self.pending.wait_staged()
+
+    def trainer_state(self, trainer: Trainer) -> dict[str, Any]:
+        """The run state a checkpoint records besides tensors."""
+        return {
             "train": trainer.state.state_dict(),
             "guard": trainer.guard.state_dict(),
             "optimizer": trainer.cfg.optimizer.name,
             "world_size": trainer.runtime.world_size,
         }
+
+    def save(self, trainer: Trainer, path: Path, final: bool = False) -> None:
+        """Write a checkpoint synchronously (all ranks); final ones also hold model.safetensors."""
+        self.finish_pending()
+        started = time.perf_counter()
+        trainer_state = self.trainer_state(trainer)
         full = None
         if final:  # NOTE: collective: every rank takes part, rank 0 receives the tensors.
             options = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -79,12 +150,16 @@ class Checkpointer(Callback):
         if trainer.runtime.is_main:
             if not final:
                 ckpt.prune_checkpoints(self.out_dir, self.cfg.keep_last)
-            self.announce(path, trainer.state.step, final)
+            self.announce(path, trainer.state.step, final, time.perf_counter() - started)
 
-    def announce(self, path: Path, step: int, final: bool) -> None:
+    def announce(self, path: Path, step: int, final: bool, blocked_s: float) -> None:
         """Append the notice the launcher watches for; echo it for people reading the log."""
-        append_jsonl(self.out_dir / NOTICES, {"path": str(path), "step": step, "final": final})
-        print(f"checkpoint {path.name} complete at step {step}", flush=True)
+        notice = {"path": str(path), "step": step, "final": final, "blocked_s": blocked_s}
+        append_jsonl(self.out_dir / NOTICES, notice)
+        print(
+            f"checkpoint {path.name} complete at step {step} (training blocked {blocked_s:.3f}s)",
+            flush=True,
+        )
 
     # ------------------------------------------------------------------------- loading
     def load(self, trainer: Trainer, path: Path) -> tuple[dict[str, Any], dict[str, Any] | None]:
@@ -93,6 +168,7 @@ class Checkpointer(Callback):
         Returns the checkpoint's ``trainer_state.json`` and this rank's RNG/loader state (None
         when another world size wrote it).
         """
+        self.finish_pending()
         trainer_state, rank_state = ckpt.load_checkpoint(path, trainer.model, trainer.optimizers)
         trainer.reset_base_lrs()
         trainer.state.load_state_dict(trainer_state["train"])

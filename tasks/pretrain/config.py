@@ -179,6 +179,12 @@ class CheckpointConfig(_Section):
         "goes on; a checkpoint is marked complete only once written.",
         json_schema_extra=UNVERSIONED,
     )
+    async_save: bool = Field(
+        False,
+        description="Write step checkpoints in the background (DCP async_save) while training "
+        "goes on; a checkpoint is marked complete only once written.",
+        json_schema_extra=UNVERSIONED,
+    )
 
 
 class GuardConfig(_Section):

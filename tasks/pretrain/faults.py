@@ -3,16 +3,24 @@
 ``LLMFLOW_FAULTS='{"scale_loss_at_steps": [8], "loss_scale": 100}'`` multiplies the loss of
 step 8 (once per process: a rewound or retried step 8 trains normally), so tests can provoke a
 spike or a NaN; ``{"crash_after_step": 6}`` kills the process abruptly (exit code 3) after step 6
-and its checkpoint, as a lost machine would. Unset, the trainer has no such component at all.
+and its checkpoint, as a lost machine would. ``{"slow_storage_after_step": 6}`` makes storage slow
+from then on (each rank's background checkpoint write first sleeps ``checkpoint_write_delay_s``),
+and ``{"sigkill_after_step": 8}`` sends the process SIGKILL after step 8 (with an asynchronous save
+of step 8 in flight, if one was started). Unset, the trainer has no such component at all.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from torch.distributed.checkpoint import FileSystemWriter
 
 from llmflow.tasks.pretrain.callbacks import Callback
 from llmflow.tasks.pretrain.state import StepOutput
@@ -31,6 +39,9 @@ class FaultInjector(Callback):
     scale_loss_at_steps: list[int] = field(default_factory=list)
     loss_scale: float = 100.0
     crash_after_step: int | None = None
+    sigkill_after_step: int | None = None
+    slow_storage_after_step: int | None = None
+    checkpoint_write_delay_s: float = 60.0
     fired: set[int] = field(default_factory=set)
     loss_fn: Callable[..., Any] | None = None
 
@@ -54,6 +65,26 @@ class FaultInjector(Callback):
         return loss * self.loss_scale, parts
 
     def on_step_end(self, trainer: Trainer, out: StepOutput) -> None:
+        if out.step == self.slow_storage_after_step:
+            delay = self.checkpoint_write_delay_s
+            trainer.checkpointer.storage_writer = lambda path: SlowWriter(path, delay)
         if out.step == self.crash_after_step:
             print(f"fault injection: crashing after step {out.step}", flush=True)
             os._exit(CRASH_EXIT_CODE)
+        if out.step == self.sigkill_after_step:
+            pending = trainer.checkpointer.pending
+            busy = f"; {pending.tmp.name} in flight" if pending is not None else ""
+            print(f"fault injection: SIGKILL after step {out.step}{busy}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class SlowWriter(FileSystemWriter):
+    """DCP's file-system writer on slow storage: every write starts after ``delay_s``."""
+
+    def __init__(self, path: Path, delay_s: float) -> None:
+        super().__init__(path)
+        self.delay_s = delay_s
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        time.sleep(self.delay_s)
+        return super().write_data(plan, planner)

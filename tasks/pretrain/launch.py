@@ -210,7 +210,7 @@ def launch_training(
     """Train (or resume training) into ``out_dir``; return headline metrics.
 
     Fails before starting the process when the config does not fit the data or the run
-    (vocab size, sequence length, Muon with several processes, init_from architecture).
+    (vocab size, sequence length, init_from architecture).
 
     Args:
         on_checkpoint: Called once per checkpoint the trainer completes, with its notice

@@ -7,9 +7,11 @@ Each returned optimizer's param groups carry a ``base_lr`` key (the peak LR); th
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from llmflow.tasks.pretrain.config import OptimizerConfig
+from llmflow.tasks.pretrain.muon import Muon, logical_rows
 
 
 def split_parameters(model: nn.Module) -> dict[str, list[tuple[str, nn.Parameter]]]:
@@ -62,17 +64,35 @@ def build_optimizers(model: nn.Module, cfg: OptimizerConfig) -> list[torch.optim
                 [{"params": decay, "weight_decay": cfg.weight_decay, "lr": cfg.lr}, no_decay], cfg
             )
         ]
-    muon = torch.optim.Muon(
+    parts = logical_rows(model)
+    hidden = groups["hidden_matrix"]
+    muon = Muon(
         [{"params": params["hidden_matrix"], "lr": cfg.muon_lr, "base_lr": cfg.muon_lr}],
         lr=cfg.muon_lr,
         weight_decay=cfg.muon_weight_decay,
         momentum=cfg.muon_momentum,
         adjust_lr_fn=cfg.muon_adjust_lr,
+        parts={p: parts[name] for name, p in hidden if name in parts},
     )
     adam = _adamw(
         [{"params": params["decay"], "weight_decay": cfg.weight_decay, "lr": cfg.lr}, no_decay], cfg
     )
+    _say_who_takes_what(groups)
     return [muon, adam]
+
+
+def _say_who_takes_what(groups: dict[str, list[tuple[str, nn.Parameter]]]) -> None:
+    """One log line (rank 0): which parameters Muon takes and which go to AdamW, and why."""
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        return
+    others = groups["decay"] + groups["no_decay"]
+    not_2d = sum(1 for _, p in others if p.ndim != 2)
+    print(
+        f"muon: {len(groups['hidden_matrix'])} hidden 2-D matrices; AdamW takes the other "
+        f"{len(others)} parameters ({not_2d} not 2-D: norms, biases; the rest embeddings or "
+        "the output head)",
+        flush=True,
+    )
 
 
 def set_lr(optimizers: list[torch.optim.Optimizer], multiplier: float) -> None:

@@ -46,7 +46,7 @@ def validate_run(
     init_from: Path | None,
     world_size: int,
 ) -> None:
-    """Fail fast, naming the mismatch: data vs model, Muon under FSDP, init_from architecture."""
+    """Fail fast, naming the mismatch: data vs model, init_from architecture."""
     meta = check_data(cfg, data_dir)
     if val_dir is not None:
         val_meta = check_data(cfg, val_dir, role="val_dir")
@@ -55,18 +55,15 @@ def validate_run(
                 f"val_dir seq_len={val_meta['seq_len']} differs from data_dir seq_len="
                 f"{meta['seq_len']}"
             )
-    check_world_size(cfg, world_size)
     if init_from is not None:
         check_source(cfg, resolve_init_from(init_from))
 
 
 def check_world_size(cfg: TrainConfig, world_size: int) -> None:
-    """Muon needs whole matrices: refuse it under FSDP (more than one process)."""
-    if cfg.optimizer.name == "muon" and world_size > 1:
-        raise BadInputError(
-            f"optimizer.name='muon' with {world_size} processes: Muon needs whole matrices and "
-            "is single-process for now; use optimizer.name='adamw' under FSDP"
-        )
+    """Every optimizer runs at any world size (Muon gathers whole matrices on owner ranks).
+
+    Nothing is refused any more; kept while the trainer still calls it.
+    """
 
 
 def check_source(cfg: TrainConfig, checkpoint: Path) -> None:

@@ -67,11 +67,10 @@ def test_val_dir_checked_too(tmp_path, train_data):
         validate_run(tiny_config(), train_data, other, None, world_size=1)
 
 
-def test_muon_is_single_process_for_now(train_data):
+def test_muon_is_accepted_under_fsdp(train_data):
     cfg = tiny_config(optimizer={"name": "muon"})
     validate_run(cfg, train_data, None, None, world_size=1)
-    with pytest.raises(BadInputError, match="optimizer.name='muon' with 2 processes"):
-        validate_run(cfg, train_data, None, None, world_size=2)
+    validate_run(cfg, train_data, None, None, world_size=2)
 
 
 def test_trainer_process_refuses_mismatched_data(tmp_path, train_data):

@@ -10,6 +10,7 @@ from conftest import TINY_MODEL, run_trainer, tiny_config
 from llmflow.model.config import preset
 from llmflow.model.transformer import Transformer
 from llmflow.tasks.pretrain.config import OptimizerConfig
+from llmflow.tasks.pretrain.muon import Muon
 from llmflow.tasks.pretrain.optim import build_optimizers, set_lr, split_parameters
 
 
@@ -39,7 +40,7 @@ def test_no_weight_decay_on_embeddings_norms_and_biases():
 def test_muon_takes_hidden_matrices_and_adamw_the_rest():
     model = _model()
     muon, adamw = build_optimizers(model, OptimizerConfig(name="muon", muon_lr=0.02, lr=1e-3))
-    assert isinstance(muon, torch.optim.Muon) and isinstance(adamw, torch.optim.AdamW)
+    assert isinstance(muon, Muon) and isinstance(adamw, torch.optim.AdamW)
     muon_params = {id(p) for g in muon.param_groups for p in g["params"]}
     assert id(model.layers[0].mlp.gate_up_proj.weight) in muon_params
     assert id(model.embed.weight) not in muon_params
