@@ -30,6 +30,7 @@ from llmflow.tasks.framework.graph import Graph, Node, Raw
 from llmflow.tasks.ingest.hub import data_sources
 from llmflow.tasks.ingest.ingest import ingest_sources, list_files
 from llmflow.tasks.ingest.sample import sample
+from llmflow.tasks.posttrain.average import average
 from llmflow.tasks.posttrain.dpo import dpo
 from llmflow.tasks.posttrain.grpo import grpo
 from llmflow.tasks.posttrain.merge import merge
@@ -67,6 +68,7 @@ def recipe(config: PipelineConfig) -> Graph:
         tokenize_corpus, config.tokenize, config.name, corpus=curated, tokenizer=tokenizer
     )
     base = curriculum(graph, config, tokenized)
+    averaged = average_checkpoints(graph, config, base) if config.average.enabled else None
     extended = extension(graph, config, tokenized, base)
     graph.add(
         longctx,
@@ -80,6 +82,8 @@ def recipe(config: PipelineConfig) -> Graph:
     )
     models = Models(safety_inputs=safety_inputs(graph, config, curated))
     base_export = export_and_evaluate(graph, config, models, "base", base, tokenizer, tokenized)
+    if averaged is not None:
+        export_and_evaluate(graph, config, models, "averaged", averaged, tokenizer, tokenized)
     long_export = base_export
     if config.extend.stages:
         long_export = export_and_evaluate(
@@ -133,6 +137,20 @@ def curriculum(graph: Graph, config: PipelineConfig, tokenized: Node) -> Node:
             init=checkpoint,
         )
     return checkpoint
+
+
+def average_checkpoints(graph: Graph, config: PipelineConfig, last_stage: Node) -> Node:
+    """The mean of the last stage's newest checkpoints, validated on the curriculum's held-out
+    set against the plain final checkpoint."""
+    held_out = graph.find(step="validation", phase="mixture")[0]
+    return graph.add(
+        average,
+        config.average,
+        f"{config.name}-{config.pretrain.stages[-1].name}",
+        phase="pretrain",
+        run=last_stage,
+        validation=held_out,
+    )
 
 
 def extension(graph: Graph, config: PipelineConfig, tokenized: Node, checkpoint: Node) -> Node:

@@ -22,7 +22,12 @@ from llmflow.tasks.framework.errors import ConfigError
 from llmflow.tasks.framework.resources import data_dir
 from llmflow.tasks.ingest.ingest import IngestConfig
 from llmflow.tasks.ingest.sample import SampleConfig
-from llmflow.tasks.posttrain.config import DPOStepConfig, GRPOStepConfig, SFTStepConfig
+from llmflow.tasks.posttrain.config import (
+    AverageConfig,
+    DPOStepConfig,
+    GRPOStepConfig,
+    SFTStepConfig,
+)
 from llmflow.tasks.posttrain.merge import MergeStepConfig
 from llmflow.tasks.pretrain.curriculum import PretrainConfig
 from llmflow.tasks.safety.config import SafetyConfig
@@ -123,6 +128,7 @@ class PipelineConfig(BaseModel):
     dpo: DPOStepConfig = Field(default_factory=DPOStepConfig)
     grpo: GRPOStepConfig = Field(default_factory=GRPOStepConfig)
     merge: MergeStepConfig = Field(default_factory=MergeStepConfig)
+    average: AverageConfig = Field(default_factory=AverageConfig)
     safety: SafetyConfig = Field(default_factory=SafetyConfig)
 
     @field_validator("until")

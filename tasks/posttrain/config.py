@@ -201,3 +201,16 @@ class GRPOStepConfig(_TrainStepConfig):
                 f"multiple of num_generations={self.num_generations} (whole prompt groups)"
             )
         return self
+
+
+class AverageConfig(BaseModel):
+    """Checkpoint averaging of the last pretraining (decay) stage."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(
+        False, description="Average in the recipe.", json_schema_extra=UNVERSIONED
+    )
+    last_k: int = Field(3, ge=2, description="How many of the newest checkpoints to average.")
+    eval_batches: int = Field(8, gt=0, description="Validation batches for the loss comparison.")
+    micro_batch_size: int = Field(8, gt=0, description="Sequences per validation batch.")
