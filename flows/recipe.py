@@ -20,6 +20,7 @@ from llmflow.tasks.curation.recipe import add_curation
 from llmflow.tasks.dataprep.mixture import mixture, validation
 from llmflow.tasks.dataprep.tokenize import tokenize_corpus
 from llmflow.tasks.decontam.step import add_decontamination
+from llmflow.tasks.evaluation.card import card_config, model_card
 from llmflow.tasks.evaluation.export import ExportConfig, export
 from llmflow.tasks.evaluation.harness import evaluate
 from llmflow.tasks.evaluation.leaderboard import LeaderboardConfig, leaderboard
@@ -53,6 +54,7 @@ class Models:
 
     evaluated: list[tuple[str, Node, Node]] = field(default_factory=list)
     safety: dict[str, Node] = field(default_factory=dict)
+    cards: list[Node] = field(default_factory=list)
     safety_inputs: tuple[Node, Raw] | None = None
 
 
@@ -223,6 +225,16 @@ def evaluate_model(graph, config, models, label, model, tokenized, phase) -> Non
             classifier=classifier,
             data=files,
         )
+    card = graph.add(
+        model_card,
+        card_config(config, label),
+        f"{config.name}-{label}",
+        phase=phase,
+        model=model,
+        evaluation=scores,
+        safety=models.safety.get(label),
+    )
+    models.cards.append(card)
 
 
 def safety_inputs(graph: Graph, config: PipelineConfig, corpus: Node) -> tuple[Node, Raw] | None:
@@ -289,4 +301,5 @@ def add_leaderboard(graph: Graph, name: str, models: Models) -> None:
         name,
         evaluations=[scores for _, _, scores in models.evaluated],
         models=[model for _, model, _ in models.evaluated],
+        cards=models.cards,
     )

@@ -21,7 +21,7 @@ REPORT_FILE = "contamination.json"
 MAX_OUTPUTS = 500  # a recipe has a few dozen outputs upstream of a model
 
 
-def _read_json(uri: str) -> dict[str, Any] | None:
+def read_json(uri: str) -> dict[str, Any] | None:
     try:
         with fsspec.open(uri, "r") as f:
             return json.load(f)
@@ -29,22 +29,27 @@ def _read_json(uri: str) -> dict[str, Any] | None:
         return None
 
 
-def find_upstream(output: Path | str, step: str) -> list[tuple[str, dict[str, Any]]]:
-    """``(uri, lineage record)`` of every output of ``step`` upstream of ``output``, nearest first."""
+def upstream_records(output: Path | str) -> list[tuple[str, dict[str, Any]]]:
+    """``(uri, lineage record)`` of ``output`` and of every output upstream of it, nearest first."""
     start = str(output).rstrip("/")
     queue, seen, found = deque([start]), {start}, []
     while queue and len(seen) <= MAX_OUTPUTS:
         uri = queue.popleft()
-        record = _read_json(f"{uri}/{LINEAGE_FILE}")
+        record = read_json(f"{uri}/{LINEAGE_FILE}")
         if record is None:
             continue
-        if record.get("step") == step and uri != start:
-            found.append((uri, record))
+        found.append((uri, record))
         for upstream in record.get("inputs", []):
             if upstream["uri"] not in seen:
                 seen.add(upstream["uri"])
                 queue.append(upstream["uri"])
     return found
+
+
+def find_upstream(output: Path | str, step: str) -> list[tuple[str, dict[str, Any]]]:
+    """``(uri, lineage record)`` of every output of ``step`` upstream of ``output``, nearest first."""
+    start = str(output).rstrip("/")
+    return [(u, r) for u, r in upstream_records(output) if r.get("step") == step and u != start]
 
 
 def training_contamination(model: Path | str) -> dict[str, Any] | None:
@@ -54,7 +59,7 @@ def training_contamination(model: Path | str) -> dict[str, Any] | None:
     if not found:
         return None
     uri, _ = found[0]
-    report = _read_json(f"{uri}/{REPORT_FILE}")
+    report = read_json(f"{uri}/{REPORT_FILE}")
     if report is not None:
         report["uri"] = uri
     return report

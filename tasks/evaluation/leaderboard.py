@@ -43,7 +43,11 @@ class LeaderboardConfig(BaseModel):
 
 @step("leaderboard")
 def leaderboard(
-    cfg: LeaderboardConfig, evaluations: list[Path], models: list[Path], out: Path
+    cfg: LeaderboardConfig,
+    evaluations: list[Path],
+    models: list[Path],
+    out: Path,
+    cards: list[Path] | None = None,
 ) -> Metrics:
     """Every evaluated model x task in one table, plots against tokens seen, signal quality."""
     if not len(cfg.labels) == len(evaluations) == len(models):
@@ -58,12 +62,31 @@ def leaderboard(
     summary = build_leaderboard(records, out)
     wide = json.loads((out / "leaderboard.json").read_text())
     quality = (out / "signal_quality.md").read_text()
+    trust = markdown_table(model_cards(cfg.labels, records, cards, out))
     report_markdown(
         "leaderboard",
-        f"## Leaderboard\n\n{markdown_table(wide)}\n\n## Signal quality\n\n{quality}",
+        f"## Leaderboard\n\n{markdown_table(wide)}\n\n## Signal quality\n\n{quality}"
+        f"\n\n## Model cards and contamination\n\n{trust}",
         "Every model x task, and which tasks are worth watching",
     )
     return summary
+
+
+def model_cards(
+    labels: list[str], records: list[dict], cards: list[Path] | None, out: Path
+) -> list[dict[str, Any]]:
+    """One row per model: a link to its card and, per task, the share of the task's items seen
+    in its training corpus (``models.json`` / ``models.md``)."""
+    rows = []
+    for index, (label, record) in enumerate(zip(labels, records, strict=True)):
+        card = cards[index] / "hf" / "README.md" if cards and index < len(cards) else None
+        row = {"model": label, "card": f"[README.md]({card})" if card else "not written"}
+        for task, mark in sorted(record.get("contamination", {}).items()):
+            row[f"{task} contamination"] = mark.get("label")
+        rows.append(row)
+    (out / "models.json").write_text(json.dumps(rows, indent=1))
+    (out / "models.md").write_text(markdown_table(rows))
+    return rows
 
 
 def _record(label: str, evaluation: Path, model: Path) -> dict[str, Any]:

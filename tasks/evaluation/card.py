@@ -1,0 +1,386 @@
+"""The ``card`` step: a Hugging Face model card for one model, written after its evaluation.
+
+The export is committed before the model is evaluated and an output never changes, so the card
+is its own step: its output ``hf/`` is the model's Hugging Face folder (hard links to the
+export's files, no bytes copied) plus ``README.md`` (the card) and ``llmflow_config.yaml`` (the
+resolved config that reproduces the run). Everything the card says comes from the lineage of
+the model (sources and their hashes, curation and decontamination counts, tokens per stage, the
+schedule, compute), its evaluation (scores with their contamination shares) and, when given,
+its safety evaluation. A fact that is missing is written "not recorded"; it never fails the card.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from llmflow.tasks.decontam.lineage import read_json, upstream_records
+from llmflow.tasks.decontam.scan import link_or_copy
+from llmflow.tasks.evaluation.harness import RESULTS_FILE
+from llmflow.tasks.evaluation.leaderboard import markdown_table
+from llmflow.tasks.evaluation.models import hf_dir
+from llmflow.tasks.framework.hashing import digest, versioned_fields
+from llmflow.tasks.framework.step import Metrics, report_markdown, step
+
+CARD_FILE = "README.md"
+CONFIG_FILE = "llmflow_config.yaml"
+NOT_RECORDED = "not recorded"
+
+
+class CardConfig(BaseModel):
+    """What the card says that the lineage cannot: names, license, use, how to reproduce."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model_name: str = Field(description="The model's name (the output label).")
+    base_model: str | None = Field(
+        None, description="The model it was fine-tuned from (None: read from the lineage)."
+    )
+    license: str = Field("apache-2.0", description="License of the weights (Hub identifier).")
+    language: list[str] = Field(default_factory=lambda: ["en"], description="ISO 639-1 codes.")
+    intended_use: str = Field(
+        "Research and teaching: studying how data, curriculum and post-training shape a small "
+        "language model trained from scratch. Not for production or for decisions about people.",
+        description="The intended use paragraph.",
+    )
+    run_command: str = Field(
+        f"llmflow run {CONFIG_FILE}", description="The command that reproduces the run."
+    )
+    config_hash: str | None = Field(None, description="Hash of the resolved pipeline config.")
+    config_yaml: str | None = Field(None, description="The resolved pipeline config (YAML).")
+
+
+def card_config(config: BaseModel, label: str) -> CardConfig:
+    """The card config of the recipe's model ``label``: its name, the resolved pipeline config
+    and that config's hash."""
+    import yaml
+
+    name = getattr(config, "name", "llmflow")
+    return CardConfig(
+        model_name=f"{name}-{label}",
+        config_hash=digest(versioned_fields(config)),
+        config_yaml=yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False),
+    )
+
+
+@step("card")
+def model_card(
+    cfg: CardConfig, model: Path, evaluation: Path, out: Path, safety: Path | None = None
+) -> Metrics:
+    """Write the model's Hugging Face folder with its card (README.md) into hf/."""
+    folder = out / "hf"
+    link_folder(hf_dir(model), folder)
+    facts = training_facts(model)
+    if cfg.base_model is None:
+        cfg = cfg.model_copy(update={"base_model": facts["base_model"]})
+    results = _json(evaluation / RESULTS_FILE) or {}
+    text = render_card(cfg, facts, results, safety_metrics(safety))
+    (folder / CARD_FILE).write_text(text, encoding="utf-8")
+    if cfg.config_yaml:
+        (folder / CONFIG_FILE).write_text(cfg.config_yaml, encoding="utf-8")
+    report_markdown("model-card", text, f"Model card of {cfg.model_name}")
+    return {"card": f"hf/{CARD_FILE}", "eval_results": len(eval_results(results))}
+
+
+def link_folder(source: Path, dest: Path) -> None:
+    """Every file of ``source`` under ``dest``, hard-linked (copied across file systems)."""
+    for path in sorted(Path(source).rglob("*")):
+        if path.is_file():
+            target = dest / path.relative_to(source)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            link_or_copy(path, target)
+
+
+def _json(path: Path) -> dict[str, Any] | None:
+    return read_json(str(path)) if Path(path).is_file() else None
+
+
+def safety_metrics(safety: Path | None) -> dict[str, Any] | None:
+    """The safety output's headline metrics (its metrics.json, else its lineage's metrics)."""
+    if safety is None:
+        return None
+    found = _json(safety / "metrics.json")
+    if found is None:
+        found = (_json(safety / "lineage.json") or {}).get("metrics")
+    return found or None
+
+
+# -- facts from the lineage -----------------------------------------------------------------
+def training_facts(model: Path) -> dict[str, Any]:
+    """What the lineage says about how the model was made, by step name."""
+    by_step: dict[str, list[tuple[str, dict]]] = {}
+    for uri, record in upstream_records(model):
+        by_step.setdefault(record.get("step", "?"), []).append((uri, record))
+    for records in by_step.values():
+        records.sort(key=lambda ur: ur[1].get("started_at") or "")
+    return {
+        "sources": data_sources(by_step),
+        "curation": curation_stages(by_step),
+        "decontamination": _metrics_of(by_step, "decontaminate"),
+        "stages": training_stages(by_step),
+        "posttraining": [
+            {"step": s, "name": r.get("name"), **(r.get("metrics") or {})}
+            for s in ("sft", "dpo", "grpo")
+            for _, r in by_step.get(s, [])
+        ],
+        "parameters": _metrics_of(by_step, "export").get("num_parameters"),
+        "base_model": base_model(model),
+    }
+
+
+def base_model(model: Path) -> str | None:
+    """The model a fine-tuned model started from: its ``model`` input, named as the recipe
+    names models (an export by its label, a fine-tuned output by its label and step); None for
+    an export of a pretrained checkpoint."""
+    record = read_json(f"{model}/lineage.json") or {}
+    parent = next((i for i in record.get("inputs", []) if i.get("name") == "model"), None)
+    if record.get("step") == "export" or parent is None:
+        return None
+    upstream = read_json(f"{parent['uri']}/lineage.json") or {}
+    name, step_name = upstream.get("name"), upstream.get("step")
+    if name is None:
+        return None
+    return name if step_name == "export" else f"{name}-{step_name}"
+
+
+def _metrics_of(by_step: dict, name: str) -> dict[str, Any]:
+    records = by_step.get(name, [])
+    return (records[-1][1].get("metrics") or {}) if records else {}
+
+
+def data_sources(by_step: dict) -> list[dict[str, Any]]:
+    """Raw files read (with their sha256) and generated samples (with their output hash)."""
+    sources = []
+    for records in by_step.values():
+        for _, record in records:
+            for raw in record.get("sources", []):
+                sources.append({"source": raw.get("uri"), "sha256": raw.get("sha256")})
+    for _, record in by_step.get("sample", []):
+        sources.append({"source": "generated sample (step 'sample')", "sha256": record["hash"]})
+    return sources
+
+
+def curation_stages(by_step: dict) -> list[dict[str, Any]]:
+    """Documents in and out of each curation stage, and what each removed most."""
+    records = by_step.get("curate", [])
+    if not records:
+        return []
+    report = read_json(f"{records[-1][0]}/curation_report.json") or {}
+    rows = []
+    for stage in report.get("stages", []):
+        removed = ", ".join(
+            f"{reason} {counts.get('docs')}"
+            for reason, counts in list(stage.get("removed", {}).items())[:3]
+        )
+        rows.append(
+            {
+                "stage": stage.get("stage"),
+                "documents in": stage.get("documents_in"),
+                "documents out": stage.get("documents_out"),
+                "removed (top reasons)": removed or "none",
+            }
+        )
+    return rows
+
+
+def training_stages(by_step: dict) -> list[dict[str, Any]]:
+    """Each trainer run in order: tokens, steps, schedule, losses and device time."""
+    rows = []
+    for _, record in by_step.get("pretrain", []):
+        metrics, train = record.get("metrics") or {}, (record.get("config") or {}).get("train", {})
+        tokens, rate = metrics.get("tokens_seen"), metrics.get("tokens_per_s")
+        world = metrics.get("world_size") or 1
+        hours = tokens / rate * world / 3600 if tokens and rate else None
+        rows.append(
+            {
+                "stage": record.get("name"),
+                "tokens": tokens,
+                "steps": metrics.get("stage_steps", metrics.get("steps")),
+                "lr": (train.get("optimizer") or {}).get("lr"),
+                "schedule": _schedule(train.get("schedule") or {}),
+                "final loss": metrics.get("final_loss"),
+                "val loss": metrics.get("val_loss"),
+                "device-hours": hours,
+            }
+        )
+    return rows
+
+
+def _schedule(schedule: dict[str, Any]) -> str:
+    if not schedule:
+        return NOT_RECORDED
+    return ", ".join(f"{k}={v}" for k, v in schedule.items() if not isinstance(v, dict))
+
+
+# -- rendering ------------------------------------------------------------------------------
+def eval_results(results: dict[str, Any]):
+    """The scores as the Hub's ``EvalResult`` entries (numeric values only)."""
+    from huggingface_hub import EvalResult
+
+    entries = []
+    for task, values in sorted(results.get("metrics", {}).items()):
+        for metric, value in sorted(values.items()):
+            if "_stderr" in metric or not isinstance(value, (int, float)):
+                continue
+            entries.append(
+                EvalResult(
+                    task_type="text-generation",
+                    dataset_type=task,
+                    dataset_name=task,
+                    metric_type=metric,
+                    metric_value=value,
+                )
+            )
+    return entries
+
+
+def card_data(cfg: CardConfig, facts: dict[str, Any], results: dict[str, Any]):
+    """The card's YAML metadata as ``huggingface_hub.ModelCardData``."""
+    from huggingface_hub import ModelCardData
+
+    names = [_dataset_name(s["source"]) for s in facts["sources"]]
+    return ModelCardData(
+        license=cfg.license,
+        language=cfg.language,
+        library_name="transformers",
+        pipeline_tag="text-generation",
+        base_model=cfg.base_model,
+        datasets=sorted(set(names)) or [NOT_RECORDED],
+        model_name=cfg.model_name,
+        eval_results=eval_results(results) or None,
+        tags=["llmflow", "from-scratch"],
+    )
+
+
+def _dataset_name(source: str | None) -> str:
+    """A Hub dataset id for a Hub source, else the file's name."""
+    if not source:
+        return NOT_RECORDED
+    if source.startswith("hf://datasets/"):
+        return source.removeprefix("hf://datasets/").split("@")[0].split("?")[0]
+    return source.rstrip("/").rsplit("/", 1)[-1]
+
+
+def render_card(
+    cfg: CardConfig,
+    facts: dict[str, Any],
+    results: dict[str, Any],
+    safety: dict[str, Any] | None,
+) -> str:
+    """The whole README.md: YAML metadata between ``---`` lines, then the sections."""
+    data = card_data(cfg, facts, results)
+    sections = [
+        f"# {cfg.model_name}\n\nA causal language model trained from scratch with llmflow"
+        + (f", fine-tuned from `{cfg.base_model}`." if cfg.base_model else "."),
+        "## How it was trained\n\n" + training_section(facts),
+        "## Evaluation\n\n" + evaluation_section(results),
+        "## Bias and toxicity\n\n" + safety_section(safety),
+        "## Intended use and limitations\n\n" + limitations_section(cfg, facts),
+        "## How to reproduce\n\n" + reproduce_section(cfg),
+    ]
+    return f"---\n{data.to_yaml()}\n---\n\n" + "\n\n".join(sections) + "\n"
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    """A markdown table; an empty cell says "not recorded"."""
+    if not rows:
+        return f"{NOT_RECORDED}\n"
+    return markdown_table(
+        [{k: NOT_RECORDED if v is None else v for k, v in r.items()} for r in rows]
+    )
+
+
+def training_section(facts: dict[str, Any]) -> str:
+    decont = facts["decontamination"]
+    removed = decont.get("documents_removed")
+    contaminated = decont.get("documents_contaminated")
+    decont_line = (
+        f"{contaminated} training documents matched an evaluation set; {removed} removed."
+        if decont
+        else NOT_RECORDED
+    )
+    parts = [
+        "### Data sources\n\n" + _table(facts["sources"]),
+        "### Curation\n\n" + _table(facts["curation"]),
+        "### Decontamination\n\n" + decont_line,
+        "### Tokens per stage and schedule\n\n" + _table(facts["stages"]),
+        "### Post-training\n\n" + _table(_brief(facts["posttraining"])),
+        "### Compute\n\n" + compute_line(facts),
+    ]
+    return "\n\n".join(parts)
+
+
+def _brief(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Post-training runs: examples, steps, losses ("not recorded" where a run lacks one)."""
+    keep = ("num_train_examples", "num_steps", "train_loss", "heldout_loss_before")
+    keep += ("heldout_loss_after",)
+    return [
+        {"step": r["step"], "name": r["name"], **{k: r.get(k, NOT_RECORDED) for k in keep}}
+        for r in rows
+    ]
+
+
+def compute_line(facts: dict[str, Any]) -> str:
+    """Training FLOPs (6·N·D) and device-hours from the trainer's tokens and throughput."""
+    stages, params = facts["stages"], facts["parameters"]
+    tokens = sum(s["tokens"] or 0 for s in stages)
+    hours = [s["device-hours"] for s in stages if s["device-hours"] is not None]
+    flops = f"{6 * params * tokens:.3e}" if params and tokens else NOT_RECORDED
+    device_hours = f"{sum(hours):.4f}" if hours else NOT_RECORDED
+    return (
+        f"- parameters: {params or NOT_RECORDED}\n- pretraining tokens: {tokens or NOT_RECORDED}\n"
+        f"- training FLOPs (6·N·D estimate): {flops}\n"
+        f"- device-hours (pretraining, from tokens/s and world size): {device_hours}"
+    )
+
+
+def evaluation_section(results: dict[str, Any]) -> str:
+    if not results.get("metrics"):
+        return NOT_RECORDED
+    marks = results.get("contamination", {})
+    rows = [
+        {
+            "task": task,
+            "metric": metric,
+            "value": value,
+            "seen in training": (marks.get(task) or {}).get("label", NOT_RECORDED),
+        }
+        for task, values in sorted(results["metrics"].items())
+        for metric, value in sorted(values.items())
+        if "_stderr" not in metric
+    ]
+    return (
+        "Scores from lm-eval; 'seen in training' is the share of the task's items whose "
+        "13-grams occur in the training corpus (the decontaminate step).\n\n" + markdown_table(rows)
+    )
+
+
+def safety_section(safety: dict[str, Any] | None) -> str:
+    if not safety:
+        return NOT_RECORDED
+    rows = [{"metric": k, "value": v} for k, v in sorted(safety.items())]
+    return (
+        "CrowS-Pairs (share preferring the stereotype; 50% is unbiased) and the toxicity of "
+        "continuations.\n\n" + markdown_table(rows)
+    )
+
+
+def limitations_section(cfg: CardConfig, facts: dict[str, Any]) -> str:
+    params = facts["parameters"] or NOT_RECORDED
+    return (
+        f"{cfg.intended_use}\n\nLimitations: a small model ({params} parameters) trained on "
+        "a small corpus; it produces fluent-looking but often wrong text, may repeat biases of "
+        "its training data, and has no safety tuning beyond what the recipe's post-training "
+        "data teaches. Check the bias and toxicity section and the contamination shares before "
+        "trusting any score."
+    )
+
+
+def reproduce_section(cfg: CardConfig) -> str:
+    return (
+        f"```\n{cfg.run_command}\n```\n\n`{CONFIG_FILE}` (beside this card) is the resolved "
+        f"config; its hash is `{cfg.config_hash or NOT_RECORDED}`. Steps already in the "
+        "artifact root are reused."
+    )
