@@ -308,6 +308,17 @@ class _ShardWriter:
             self.num_shards, self.buffer = self.num_shards + 1, []
 
 
+def first_documents(uri: str, cfg: IngestConfig, count: int) -> list[str]:
+    """The first ``count`` usable texts of one file (fewer when it has fewer)."""
+    texts = []
+    for _, record in _records(uri, SUFFIXES[Path(uri).suffix], cfg):
+        if _check(record, cfg) is None:
+            texts.append(record[cfg.text_field])
+            if len(texts) >= count:
+                break
+    return texts
+
+
 def _check(record: Any, cfg: IngestConfig) -> str | None:
     """Why a record is unusable, or None."""
     if isinstance(record, str) and record.startswith("!"):

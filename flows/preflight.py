@@ -1,0 +1,468 @@
+"""Preflight: the checklist to pass before launching a long run, on the machine it runs on.
+
+For a recipe it (1) resolves and validates the config; (2) checks that every data source is
+reachable and yields documents; (3) plans the run on the recipe's declared GPUs; (4) builds the
+model at full shape on the meta device and checks its parameter count against the plan; (5) runs
+a few real optimizer steps at full width and depth through the trainer, with the recipe's
+sharding (FSDP2 over ``processes`` ranks; a short sequence and micro-batch where the machine is
+small), crashes after a checkpoint, resumes, and checks that the loss continues bitwise;
+(6) measures tokens/s and peak memory and compares the memory with the plan's prediction for
+those very settings; (7) writes the first evaluation scores (held-out loss and perplexity of the
+trained model, and the loss at initialisation against ln(vocab)). It prints a go/no-go table and
+publishes it as a Prefect artifact.
+
+    llmflow preflight configs/smollm3-135m.yaml --processes 2 --seq-len 64
+    llmflow preflight configs/smollm3-3b.yaml --no-train     # meta build and memory plan only
+
+Training data for step (5) are uniform random tokens of the model's vocabulary: the steps test
+the machine, the shapes and the sharding, not the corpus (step (2) tests that).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_table_artifact
+from pydantic import BaseModel, ConfigDict, Field
+
+from llmflow.tasks.framework.errors import BadInputError
+
+MEMORY_TOLERANCE = 0.15
+"""Largest relative error of the plan's peak memory against the measured one for a "go"."""
+INIT_LOSS_TOLERANCE = 1.0
+"""A fresh model's loss on uniform random tokens must be within this of ln(vocab) (nats)."""
+
+
+class PreflightOptions(BaseModel):
+    """How much of the checklist to run here, and at what size."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    processes: int = Field(2, ge=1, description="Ranks of the test steps (FSDP2 when > 1).")
+    seq_len: int | None = Field(
+        None, gt=1, description="Sequence length of the test steps (None: the recipe's)."
+    )
+    micro_batch_size: int | None = Field(
+        None, gt=0, description="Sequences per rank per step (None: the recipe's)."
+    )
+    steps: int = Field(4, ge=2, description="Optimizer steps; the crash comes after half of them.")
+    docs_per_source: int = Field(2, ge=1, description="Documents read from each data source.")
+    check_data: bool = Field(True, description="Open every data source and read documents.")
+    train: bool = Field(True, description="Run the test steps (False: plan and meta build only).")
+    timeout_s: float = Field(1800, gt=0, description="Deadline of each trainer launch.")
+
+
+@dataclass
+class Check:
+    """One row of the go/no-go table."""
+
+    check: str
+    go: bool
+    detail: str
+    seconds: float = 0.0
+
+
+@dataclass
+class Report:
+    """Everything preflight found: the table's rows and the numbers behind them."""
+
+    recipe: str
+    checks: list[Check] = field(default_factory=list)
+    numbers: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def go(self) -> bool:
+        return all(c.go for c in self.checks)
+
+    def rows(self) -> list[dict[str, Any]]:
+        return [asdict(c) | {"go": "go" if c.go else "NO-GO"} for c in self.checks]
+
+    def table(self) -> str:
+        """The go/no-go table as text."""
+        width = max(len(c.check) for c in self.checks)
+        lines = [f"{'check':<{width}}  result  seconds  detail"]
+        for c in self.checks:
+            mark = "go" if c.go else "NO-GO"
+            lines.append(f"{c.check:<{width}}  {mark:<6}  {c.seconds:7.1f}  {c.detail}")
+        verdict = "GO" if self.go else "NO-GO"
+        lines.append(
+            f"{self.recipe}: {verdict} ({sum(c.go for c in self.checks)}/{len(self.checks)} checks pass)"
+        )
+        return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def timed(report: Report, name: str) -> Iterator[dict]:
+    """Run a check; its body fills ``row["go"]`` and ``row["detail"]``; a BadInputError is a no-go
+    naming the problem."""
+    row: dict[str, Any] = {"go": True, "detail": ""}
+    started = time.perf_counter()
+    try:
+        yield row
+    except BadInputError as err:
+        row.update(go=False, detail=str(err).splitlines()[0])
+    report.checks.append(Check(name, bool(row["go"]), row["detail"], time.perf_counter() - started))
+
+
+# ----------------------------------------------------------------------------- the checks
+def check_config(report: Report, config_path: str | None, overrides: list[str]):
+    """(1) Resolve and validate the recipe."""
+    from llmflow.tasks.config import load_config
+
+    with timed(report, "config") as row:
+        config = load_config(config_path, overrides)
+        report.recipe = config.name
+        model = config.pretrain.train.model_config_obj()
+        row["detail"] = (
+            f"{config.name}: {model.num_layers} layers x {model.hidden_size}, {len(config.pretrain.stages)} stages"
+        )
+        return config
+    return None
+
+
+def check_sources(report: Report, config, docs: int) -> None:
+    """(2) Every data source is reachable and yields documents; every weighed domain has one."""
+    from llmflow.tasks.ingest import hub
+
+    local, sources = hub.split_sources(config.data)
+    if not config.data:
+        with timed(report, "data: generated sample") as row:
+            row["detail"] = "the quickstart sample (made on this machine)"
+    for source in sources:
+        with timed(report, f"data: {source.dataset}") as row:
+            texts = hub.sample_documents(source, config.ingest.text_field, docs)
+            row["detail"] = (
+                f"{len(texts)} docs, first {len(texts[0])} chars ({source.split}, domain {source.domain})"
+            )
+    if local:
+        with timed(report, "data: local files") as row:
+            row["detail"] = _check_local(local, config.ingest, docs)
+    if sources and not local and all(s.domain for s in sources):
+        with timed(report, "data: domains") as row:
+            weights = {
+                f"pretrain.stages.{s.name}": s.mixture.weights for s in config.pretrain.stages
+            }
+            hub.check_domains(sources, {**weights, "extend.weights": config.extend.weights})
+            row["detail"] = (
+                f"every weighed domain has a source ({len({s.domain for s in sources})} domains)"
+            )
+
+
+def _check_local(paths: list[str], ingest_cfg, docs: int) -> str:
+    from llmflow.tasks.ingest.ingest import first_documents, list_files
+
+    files = list_files(paths)
+    for uri in files:
+        if not first_documents(uri, ingest_cfg, docs):
+            raise BadInputError(f"data file {uri} yields no usable document")
+    return f"{len(files)} files, each yields documents"
+
+
+def check_plan(report: Report, config):
+    """(3) The plan on the declared hardware: a recipe that does not fit is a no-go with fixes."""
+    from llmflow.tasks.pretrain.planner import recipe_plan
+
+    with timed(report, "plan") as row:
+        plan = recipe_plan(config.pretrain, config.hardware)
+        m, hw = plan.memory, config.hardware
+        report.numbers["plan"] = {"num_parameters": plan.num_parameters, "memory_gb": m.total_gb,
+                                  "steps": plan.num_steps, "hours": plan.estimated_hours}  # fmt: skip
+        row["detail"] = (
+            f"{m.total_gb:.1f} GB per GPU of {hw.gpu_mem_gb:g}, {plan.num_steps:,} steps, {plan.estimated_hours:,.1f} h on {hw.gpus} GPUs"
+        )
+        if not plan.fits:
+            row.update(go=False, detail="does not fit: " + "; ".join(plan.warnings))
+        return plan
+    return None
+
+
+def meta_parameter_count(model_cfg) -> int:
+    """Parameters of the model built at full shape on the meta device (no memory allocated)."""
+    import torch
+
+    from llmflow.model.transformer import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(model_cfg)
+    return sum(p.numel() for p in model.parameters())
+
+
+def check_meta_build(report: Report, config, plan) -> None:
+    """(4) The model at full shape on the meta device has the plan's parameter count."""
+    with timed(report, "meta build") as row:
+        count = meta_parameter_count(config.pretrain.train.model_config_obj())
+        report.numbers["meta_parameters"] = count
+        row["go"] = plan is not None and count == plan.num_parameters
+        planned = plan.num_parameters if plan is not None else "?"
+        row["detail"] = (
+            f"{count:,} parameters built, plan counts {planned:,}"
+            if plan
+            else f"{count:,} parameters"
+        )
+
+
+# ----------------------------------------------------------------------------- test steps
+def random_packed(out_dir: Path, *, vocab: int, seq_len: int, rows: int, seed: int) -> Path:
+    """A packed dataset of uniform random tokens (the trainer's input format)."""
+    from llmflow.tasks.dataprep.pack import write_packed
+
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(1, vocab, size=rows * (seq_len + 1), dtype=np.int64)
+    tokens[seq_len :: seq_len + 1] = 0  # one eos per row: every row is one document
+    lengths = np.full(rows, seq_len + 1)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_packed([(tokens, lengths)], out_dir, seq_len=seq_len, vocab_size=vocab, eos_id=0,
+                 pad_id=0, seed=seed, rows_per_shard=max(rows, 1))  # fmt: skip
+    return out_dir
+
+
+def steps_train_config(config, seq_len: int, micro: int, steps: int):
+    """Stage 1's trainer config at full width and depth, cut to ``steps`` short steps."""
+    from llmflow.tasks.pretrain.curriculum import stage_train_config
+
+    train = stage_train_config(config.pretrain, 0)
+    return train.replaced(
+        max_steps=steps, num_tokens=None,
+        batch={"micro_batch_size": micro, "grad_accum_steps": 1, "warmup_start_micro_batch": None},
+        checkpoint={"interval": steps // 2, "keep_last": 2},
+        schedule={"warmup_steps": 0, "total_steps": None},
+        eval_interval=steps, log_interval=1, progress_bar=False, deterministic=True,
+        tracker={"tensorboard": False, "others": []},
+    )  # fmt: skip
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def _peak_memory_gb(run_dir: Path) -> float:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return max(r.get("memory_gib", 0.0) for r in rows) * 2**30 / 1e9
+
+
+@dataclass
+class Launcher:
+    """Starts the trainer (the pipeline's launcher) on this machine's ranks."""
+
+    processes: int
+    timeout_s: float
+    log: Callable[[str], Any]
+
+    def __call__(
+        self, train, data: Path, out: Path, val: Path | None = None, faults: dict | None = None
+    ):
+        from llmflow.tasks.pretrain.faults import ENV
+        from llmflow.tasks.pretrain.launch import launch_training
+
+        previous = os.environ.pop(ENV, None)
+        if faults:
+            os.environ[ENV] = json.dumps(faults)
+        try:
+            return launch_training(train, data, out, val_dir=val, num_processes=self.processes,
+                                   on_line=self.log, timeout_s=self.timeout_s)  # fmt: skip
+        finally:
+            os.environ.pop(ENV, None)
+            if previous is not None:
+                os.environ[ENV] = previous
+
+
+def run_test_steps(report: Report, config, options: PreflightOptions, work: Path, log) -> None:
+    """(5)-(7) Real steps, crash and resume, throughput, memory against plan, first scores."""
+    from llmflow.tasks.pretrain.launch import TrainingFailed
+
+    model_cfg = config.pretrain.train.model_config_obj()
+    seq_len = options.seq_len or max(s.mixture.seq_len for s in config.pretrain.stages)
+    micro = options.micro_batch_size or config.pretrain.train.batch.micro_batch_size
+    steps, ranks = options.steps, options.processes
+    rows = (steps + 2) * micro * ranks * 2
+    data = random_packed(
+        work / "data", vocab=model_cfg.vocab_size, seq_len=seq_len, rows=rows, seed=0
+    )
+    val = random_packed(
+        work / "val", vocab=model_cfg.vocab_size, seq_len=seq_len, rows=micro * ranks * 4, seed=1
+    )
+    train = steps_train_config(config, seq_len, micro, steps)
+    launch = Launcher(ranks, options.timeout_s, log)
+    report.numbers["test_shape"] = {
+        "seq_len": seq_len,
+        "micro_batch_size": micro,
+        "processes": ranks,
+        "steps": steps,
+    }
+
+    with timed(report, f"train {steps} steps") as row:
+        summary = launch(train, data, work / "straight", val)
+        straight = _losses(work / "straight")
+        finite = all(math.isfinite(v) for v in straight.values())
+        row.update(go=finite and len(straight) == steps,
+                   detail=f"{ranks} ranks, seq {seq_len} x micro {micro}: losses " + ", ".join(f"{v:.4f}" for v in straight.values()))  # fmt: skip
+    if not report.checks[-1].go:
+        return
+    with timed(report, "checkpoint, crash, resume") as row:
+        crash_at = steps // 2
+        with contextlib.suppress(TrainingFailed):
+            launch(train, data, work / "resumed", val, faults={"crash_after_step": crash_at})
+        launch(train, data, work / "resumed", val)
+        resumed = _losses(work / "resumed")
+        same = all(resumed.get(s) == straight[s] for s in straight)
+        row.update(go=same, detail=f"crash after step {crash_at}, resumed: steps {crash_at + 1}..{steps} "
+                   + ("bitwise equal" if same else f"DIFFER: {resumed} vs {straight}"))  # fmt: skip
+    throughput(report, summary, model_cfg, seq_len)
+    memory_vs_plan(
+        report, config, model_cfg, work, launch, seq_len=seq_len, micro=micro, ranks=ranks
+    )
+    first_scores(report, straight, summary, model_cfg, work)
+
+
+def throughput(report: Report, summary: dict, model_cfg, seq_len: int) -> None:
+    """Tokens/s measured, and the FLOP/s they mean (the plan's time assumes its MFU x peak)."""
+    from llmflow.tasks.pretrain.planner import flops_per_token
+
+    with timed(report, "throughput") as row:
+        tps = summary["tokens_per_s"]
+        achieved = tps * flops_per_token(model_cfg, seq_len)
+        report.numbers["tokens_per_s"] = tps
+        report.numbers["achieved_tflops"] = achieved / 1e12
+        row["detail"] = (
+            f"{tps:,.0f} tokens/s over all ranks = {achieved / 1e12:.3f} TFLOP/s of model FLOPs"
+        )
+        row["go"] = tps > 0
+
+
+def memory_vs_plan(
+    report: Report, config, model_cfg, work: Path, launch, *, seq_len, micro, ranks
+) -> None:
+    """Peak memory per rank against the plan's prediction for the test steps' own settings.
+
+    On GPU the measure is torch's peak allocation; on CPU it is the peak RSS less that of the
+    same launch with a tiny model (Python, torch, the process group: what no plan counts).
+    """
+    import torch
+
+    from llmflow.tasks.pretrain.planner import memory_per_gpu
+
+    with timed(report, "memory vs plan") as row:
+        cuda = torch.cuda.is_available()
+        predicted = memory_per_gpu(
+            model_cfg, seq_len=seq_len, micro_batch_size=micro, num_gpus=ranks,
+            param_dtype_bytes=2 if cuda else 4, optimizer="adamw", fsdp=ranks > 1,
+            activation_checkpointing=False,
+        ).total_gb  # fmt: skip
+        peak = _peak_memory_gb(work / "straight")
+        baseline = 0.0 if cuda else _runtime_baseline_gb(config, work, launch, seq_len, micro)
+        measured = peak - baseline
+        error = (predicted - measured) / measured
+        report.numbers["memory"] = {"predicted_gb": predicted, "measured_gb": measured,
+                                    "peak_gb": peak, "runtime_baseline_gb": baseline, "error": error}  # fmt: skip
+        row["go"] = abs(error) <= MEMORY_TOLERANCE
+        row["detail"] = (f"plan {predicted:.3f} GB, measured {measured:.3f} GB per rank "
+                         f"(peak {peak:.3f} less runtime {baseline:.3f}): error {error:+.1%}")  # fmt: skip
+
+
+def _runtime_baseline_gb(config, work: Path, launch, seq_len: int, micro: int) -> float:
+    """Peak RSS of the same launch with a tiny model: the runtime's share of the peak."""
+    tiny = {"vocab_size": 256, "hidden_size": 16, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1,
+            "intermediate_size": 32, "max_seq_len": max(seq_len, 16), "nope_interval": 0}  # fmt: skip
+    small = config.pretrain.train.replaced(model={"overrides": tiny})
+    cfg = config.model_copy(
+        update={"pretrain": config.pretrain.model_copy(update={"train": small})}
+    )
+    train = steps_train_config(cfg, seq_len, micro, 2)
+    data = random_packed(
+        work / "tiny-data", vocab=256, seq_len=seq_len, rows=8 * micro * launch.processes, seed=0
+    )
+    launch(train, data, work / "tiny")
+    return _peak_memory_gb(work / "tiny")
+
+
+def first_scores(
+    report: Report, losses: dict[int, float], summary: dict, model_cfg, work: Path
+) -> None:
+    """The evaluation suite's first scores: held-out loss and perplexity, and the initial loss."""
+    with timed(report, "first scores") as row:
+        init_loss, uniform = losses[min(losses)], math.log(model_cfg.vocab_size)
+        val_loss = summary.get("val_loss")
+        scores = {"init_loss": init_loss, "ln_vocab": uniform, "heldout_loss": val_loss,
+                  "heldout_ppl": math.exp(val_loss) if val_loss is not None else None}  # fmt: skip
+        (work / "scores.json").write_text(json.dumps(scores, indent=1))
+        report.numbers["scores"] = scores
+        row["go"] = abs(init_loss - uniform) <= INIT_LOSS_TOLERANCE and val_loss is not None
+        row["detail"] = (f"init loss {init_loss:.3f} vs ln(vocab) {uniform:.3f}; held-out loss "
+                         f"{val_loss:.3f}, ppl {scores['heldout_ppl']:,.0f}")  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- the whole
+def preflight(
+    config_path: str | None,
+    overrides: list[str] | None = None,
+    options: PreflightOptions | None = None,
+    work_dir: Path | None = None,
+    log: Callable[[str], Any] = lambda _: None,
+) -> Report:
+    """Run the checklist; return the report (``report.go`` is the verdict)."""
+    options = options or PreflightOptions()
+    report = Report(recipe=str(config_path or "quickstart"))
+    config = check_config(report, config_path, overrides or [])
+    if config is None:
+        return report
+    if options.check_data:
+        check_sources(report, config, options.docs_per_source)
+    plan = check_plan(report, config)
+    check_meta_build(report, config, plan)
+    if options.train:
+        work = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="llmflow-preflight-"))
+        try:
+            run_test_steps(report, config, options, work, log)
+        finally:
+            if work_dir is None:
+                shutil.rmtree(work, ignore_errors=True)
+    return report
+
+
+class PreflightRun(BaseModel):
+    """A preflight as the Prefect UI asks for it: a recipe, overrides, and how much to run."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    preset: str = Field("smollm3-1.7b", description="A recipe in configs/ or a YAML path.")
+    overrides: list[str] = Field(default_factory=list, description="Dotted overrides (a.b=value).")
+    options: PreflightOptions = Field(default_factory=PreflightOptions)
+
+    def path(self) -> str:
+        """The recipe file: a path as given when it exists, else a preset shipped in configs/."""
+        from llmflow.flows.deploy import PRESET_ROOT
+
+        path = self.preset if self.preset.endswith(".yaml") else f"configs/{self.preset}.yaml"
+        return path if Path(path).is_file() else str(PRESET_ROOT / path)
+
+    def config(self):
+        """The resolved recipe (a bad value fails here, before any compute)."""
+        from llmflow.tasks.config import load_config
+
+        return load_config(self.path(), self.overrides)
+
+
+@flow(name="llmflow-preflight", log_prints=False)
+def preflight_flow(run: PreflightRun = PreflightRun()) -> dict[str, Any]:  # noqa: B008
+    """Preflight a recipe: the go/no-go table as an artifact; the report's numbers returned."""
+    logger = get_run_logger()
+    report = preflight(run.path(), run.overrides, run.options, log=logger.debug)
+    verdict = "GO" if report.go else "NO-GO"
+    create_table_artifact(
+        report.rows(), key="preflight", description=f"Preflight of {report.recipe}: {verdict}"
+    )
+    logger.info("preflight of %s\n%s", report.recipe, report.table())
+    return {"go": report.go, "table": report.table(), "numbers": report.numbers}

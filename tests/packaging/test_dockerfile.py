@@ -1,0 +1,140 @@
+"""The Dockerfile parses, names its stages, and copies only paths that exist and are not ignored.
+
+No Docker daemon or registry is needed: the instructions are parsed here (line continuations,
+comments, ARG defaults substituted into FROM), as `docker build` would read them.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+import shlex
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+INSTRUCTIONS = {
+    "FROM", "RUN", "CMD", "LABEL", "EXPOSE", "ENV", "ADD", "COPY", "ENTRYPOINT", "VOLUME",
+    "USER", "WORKDIR", "ARG", "ONBUILD", "STOPSIGNAL", "HEALTHCHECK", "SHELL", "MAINTAINER",
+}  # fmt: skip
+
+
+def parse(text: str) -> list[tuple[str, str]]:
+    """(instruction, arguments) pairs, continuations joined, comments and blank lines dropped."""
+    parsed, pending = [], ""
+    for line in text.splitlines():
+        stripped = line.strip()
+        if not pending and (not stripped or stripped.startswith("#")):
+            continue
+        if pending and stripped.startswith("#"):
+            continue  # a comment inside a continued instruction
+        if stripped.endswith("\\"):
+            pending += stripped[:-1] + " "
+            continue
+        full = (pending + stripped).strip()
+        pending = ""
+        keyword, _, args = full.partition(" ")
+        parsed.append((keyword.upper(), args.strip()))
+    assert not pending, "the Dockerfile ends inside a continued instruction"
+    return parsed
+
+
+def stages(parsed: list[tuple[str, str]]) -> dict[str, str]:
+    """Stage name -> base image, with global ARG defaults substituted."""
+    args, found = {}, {}
+    for keyword, rest in parsed:
+        if keyword == "ARG" and not found:
+            name, _, default = rest.partition("=")
+            args[name] = default.strip('"')
+        if keyword == "FROM":
+            words = rest.split()
+            image = re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], words[0])
+            assert len(words) == 3 and words[1].upper() == "AS", f"unnamed stage: FROM {rest}"
+            found[words[2]] = image
+    return found
+
+
+def ignored(path: str, patterns: list[str]) -> bool:
+    """Whether .dockerignore (simple globs, ** anywhere, no ! exceptions) excludes ``path``."""
+    parts = Path(path).parts
+    prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+    for pattern in (p.rstrip("/") for p in patterns):
+        plain = pattern.removeprefix("**/")
+        if any(
+            fnmatch.fnmatch(p, pattern) or fnmatch.fnmatch(p.split("/")[-1], plain)
+            for p in prefixes
+        ):
+            return True
+    return False
+
+
+def dockerfile() -> list[tuple[str, str]]:
+    return parse((REPO / "Dockerfile").read_text())
+
+
+def test_every_line_is_a_known_instruction_and_stages_are_named():
+    parsed = dockerfile()
+    assert all(keyword in INSTRUCTIONS for keyword, _ in parsed), [
+        k for k, _ in parsed if k not in INSTRUCTIONS
+    ]
+    assert parsed[0][0] in ("ARG", "FROM")
+    found = stages(parsed)
+    assert set(found) == {"build", "cpu", "gpu"}
+    assert found["gpu"].startswith("nvidia/cuda:") and "runtime" in found["gpu"]
+    assert found["cpu"].startswith("python:") and found["cpu"].endswith("-slim")
+
+
+def test_both_targets_install_llmflow_as_a_package_in_opt_llmflow():
+    parsed, current, seen = dockerfile(), None, {None: []}  # None: global ARGs
+    for keyword, rest in parsed:
+        if keyword == "FROM":
+            current = rest.split()[-1]
+            seen[current] = []
+        else:
+            seen[current].append((keyword, rest))
+    for target in ("cpu", "gpu"):
+        steps = seen[target]
+        assert ("WORKDIR", "/opt/llmflow") in steps, target
+        runs = " && ".join(rest for keyword, rest in steps if keyword == "RUN")
+        assert "pip install /wheels/llmflow-" in runs and "llmflow --help" in runs, target
+        copied = [rest for keyword, rest in steps if keyword == "COPY"]
+        assert "--from=build /wheels /wheels" in copied and "flows/ flows/" in copied, target
+    assert any("pip wheel" in rest for keyword, rest in seen["build"] if keyword == "RUN")
+
+
+def test_every_copied_path_exists_and_is_in_the_build_context():
+    parsed = dockerfile()
+    names = set(stages(parsed))
+    patterns = [
+        line.strip() for line in (REPO / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]  # fmt: skip
+    checked = 0
+    for keyword, rest in parsed:
+        if keyword not in ("COPY", "ADD"):
+            continue
+        words = shlex.split(rest)
+        flags = [w for w in words if w.startswith("--")]
+        sources = [w for w in words if not w.startswith("--")][:-1]
+        stage = next((f.split("=", 1)[1] for f in flags if f.startswith("--from=")), None)
+        if stage is not None:
+            assert stage in names, f"COPY --from={stage}: no such stage"
+            continue
+        for source in sources:
+            assert (REPO / source).exists(), f"COPY {source}: missing from the repository"
+            assert not ignored(source.rstrip("/"), patterns), (
+                f"COPY {source}: excluded by .dockerignore"
+            )
+            checked += 1
+    assert checked >= 8
+
+
+def test_dockerignore_keeps_the_context_small_but_not_the_sources():
+    patterns = [
+        line.strip()
+        for line in (REPO / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    for heavy in (".git", ".venv", "runs", "tests", "tasks/x/__pycache__"):
+        assert ignored(heavy, patterns), heavy
+    for needed in ("tasks/ingest/ingest.py", "configs/smollm3-1.7b.yaml", "setup.py", "README.md"):
+        assert not ignored(needed, patterns), needed
