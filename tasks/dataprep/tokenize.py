@@ -25,6 +25,7 @@ import pyarrow.parquet as pq
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
+from llmflow.tasks.dataprep.bytelevel import ByteLevelEncoder
 from llmflow.tasks.dataprep.config import TokenizeConfig
 from llmflow.tasks.dataprep.pack import token_dtype
 from llmflow.tasks.framework.errors import BadInputError
@@ -148,6 +149,7 @@ def tokenize_corpus(cfg: TokenizeConfig, corpus: Path, tokenizer: Path, out: Pat
     """
     out_dir, files = Path(out), corpus_files(corpus)
     bpe = load_tokenizer(tokenizer)
+    encoder = _Encoder(bpe)
     special = _special_ids(bpe)
     vocab_size = bpe.get_vocab_size()
     dtype = token_dtype(vocab_size)
@@ -160,7 +162,7 @@ def tokenize_corpus(cfg: TokenizeConfig, corpus: Path, tokenizer: Path, out: Pat
         for batch in tqdm(iter_batches(files, cfg.read_batch_rows), desc="tokenize", unit="batch"):
             cols, rejected = valid_rows(batch)
             rejects.write(rejected)
-            _tokenize_batch(cfg, bpe, cols, writer, holdout, dtype)
+            _tokenize_batch(cfg, encoder, cols, writer, holdout, dtype)
     seconds = time.perf_counter() - start
     summary = writer.close()
     if not summary["train"]:
@@ -192,13 +194,25 @@ def _corpus_schema() -> pa.Schema:
     return pa.schema([(c, pa.string()) for c in CORPUS_COLUMNS])
 
 
-def _tokenize_batch(cfg, tokenizer, cols, writer, holdout, dtype) -> None:
-    """Encode one record batch in large Rust-parallel calls and route documents to writers."""
+class _Encoder:
+    """`ByteLevelEncoder` for the layout `train_tokenizer` writes, else `tokenizers` itself."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.fast = ByteLevelEncoder.for_tokenizer(tokenizer)
+
+    def encode_batch(self, texts: list[str], dtype: np.dtype) -> list[np.ndarray]:
+        if self.fast is not None:
+            return self.fast.encode_batch(texts, dtype)
+        return [np.array(e.ids, dtype) for e in self.tokenizer.encode_batch_fast(texts)]
+
+
+def _tokenize_batch(cfg, encoder, cols, writer, holdout, dtype) -> None:
+    """Encode one record batch in large calls and route documents to writers."""
     texts = cols["text"]
     arrays = []
     for begin in range(0, len(texts), cfg.encode_batch_size):
-        encodings = tokenizer.encode_batch_fast(texts[begin : begin + cfg.encode_batch_size])
-        arrays += [np.array(e.ids, dtype=dtype) for e in encodings]
+        arrays += encoder.encode_batch(texts[begin : begin + cfg.encode_batch_size], dtype)
     held = holdout_mask(cols["id"], cfg.validation_fraction)
     writer.write("train", cols, arrays, np.flatnonzero(~held))
     if held.any():
