@@ -138,3 +138,21 @@ def test_missing_facts_write_not_recorded_and_never_fail(tmp_path):
     for section in ("Data sources", "Curation", "Decontamination", "Evaluation", "toxicity"):
         after = card.text.split(section, 1)[1]
         assert after.lstrip("#\n ").startswith(NOT_RECORDED), section
+
+
+def test_the_leaderboard_links_each_card_and_shows_contamination(tmp_path):
+    from llmflow.tasks.evaluation.leaderboard import model_cards
+
+    marks = {"gsm8k_local": {"label": "2.5% (3/120 items)"}, "cf_arith": {"label": "not checked"}}
+    records = [{"contamination": marks}, {}]
+    cards = [tmp_path / "card-base", tmp_path / "card-sft"]
+    rows = model_cards(["base", "sft"], records, cards, tmp_path)
+    assert rows[0] == {
+        "model": "base",
+        "card": f"[README.md]({cards[0] / 'hf' / 'README.md'})",
+        "cf_arith contamination": "not checked",
+        "gsm8k_local contamination": "2.5% (3/120 items)",
+    }
+    assert rows[1]["card"].endswith("card-sft/hf/README.md)")
+    assert json.loads((tmp_path / "models.json").read_text()) == rows
+    assert model_cards(["base"], records[:1], None, tmp_path)[0]["card"] == "not written"
