@@ -96,7 +96,7 @@ def open_study(config: PipelineConfig, space: SweepSpace):
     return optuna.create_study(
         study_name=space.study,
         storage=storage,
-        sampler=space.sampler.build(),
+        sampler=space.sampler.build(space.params),
         pruner=space.pruner.build(space.segments),
         direction="minimize",
         load_if_exists=True,

@@ -99,7 +99,7 @@ def _grid_objective(grid: np.ndarray, log_n, log_d, log_l, delta: float) -> np.n
 
 
 def fit_law(
-    n: list[float], d: list[float], loss: list[float], delta: float = 1e-3, top_k: int = 10
+    n: list[float], d: list[float], loss: list[float], delta: float = 1e-3, top_k: int = 4
 ) -> ScalingLaw:
     """Fit the law to runs (``n`` non-embedding parameters, ``d`` tokens, ``loss``).
 

@@ -73,15 +73,18 @@ class Param(_Strict):
 
 
 class SamplerSpec(_Strict):
-    """Optuna's sampler: TPE (default) or random search."""
+    """Optuna's sampler: TPE (default), random search, or the full grid of categorical choices."""
 
-    name: Literal["tpe", "random"] = "tpe"
+    name: Literal["tpe", "random", "grid"] = "tpe"
     seed: int = Field(0, description="Seed of the sampler.")
     n_startup_trials: int = Field(3, ge=0, description="TPE: random trials before modelling.")
 
-    def build(self) -> Any:
+    def build(self, params: dict[str, Param]) -> Any:
         import optuna
 
+        if self.name == "grid":
+            grid = {path: p.choices for path, p in params.items()}
+            return optuna.samplers.GridSampler(grid, seed=self.seed)
         if self.name == "random":
             return optuna.samplers.RandomSampler(seed=self.seed)
         return optuna.samplers.TPESampler(seed=self.seed, n_startup_trials=self.n_startup_trials)
@@ -145,6 +148,14 @@ class SweepSpace(_Strict):
             )
         if not self.params:
             raise ValueError("params is empty: name at least one config field to search")
+        return self
+
+    @model_validator(mode="after")
+    def _grid_is_categorical(self) -> SweepSpace:
+        if self.sampler.name == "grid":
+            ranges = [k for k, p in self.params.items() if p.type != "categorical"]
+            if ranges:
+                raise ValueError(f"sampler grid needs categorical params; {ranges} are ranges")
         return self
 
     @property

@@ -85,7 +85,8 @@ def run_trial(
         runs: The segments' configs (``segment_runs``).
         train_segment: Trains one segment from the previous segment's URI (None first); returns
             the step's ``StepResult``.
-        report: Called with the segment number (1-based) and its validation loss; True prunes.
+        report: Called with the segment number (1-based) and its validation loss after every
+            segment; True prunes (after the last segment the trial is complete anyway).
     """
     outcome = TrialOutcome("complete")
     previous = None
@@ -98,7 +99,7 @@ def run_trial(
         value = float(result.metrics["val_loss"])
         outcome.reports.append(value)
         outcome.value = value
-        if k < len(runs) and report(k, value):
+        if report(k, value) and k < len(runs):
             outcome.state = "pruned"
             break
     return outcome

@@ -1,0 +1,204 @@
+"""Scaling ladder: isoflop runs, a fitted Chinchilla law, a held-out prediction, rank consistency.
+
+For each compute budget C (in 6·N·D FLOPs, N the non-embedding parameters) every model size of
+the ladder trains on D = C / 6N tokens (isoflop curves). The ``scaling-fit`` step fits
+L(N, D) = E + A/N^alpha + B/D^beta to those runs; then a larger held-out model trains and the
+flow reports how far the law's prediction was from its real validation loss. Two recipe variants
+(cosine vs WSD by default) also train at three sizes to check that their ranking holds across
+scales. Every run is a cached pretrain step on the recipe's first-stage mixture.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from prefect import flow
+from prefect.artifacts import create_table_artifact
+from pydantic import BaseModel, ConfigDict, Field
+
+from llmflow.flows.recipe import recipe, stage_run
+from llmflow.tasks.config import PipelineConfig
+from llmflow.tasks.framework.executor import PrefectExecutor
+from llmflow.tasks.framework.graph import Graph, Node
+from llmflow.tasks.pretrain.config import TrainConfig
+from llmflow.tasks.pretrain.step import pretrain
+from llmflow.tasks.scaling.fit import LAW_FILE, ScalingFitConfig, ScalingLaw, scaling_fit
+
+
+class Size(BaseModel):
+    """One model of the ladder: width and depth (heads of 16 dims, a 3x MLP)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    hidden_size: int = Field(gt=0, multiple_of=16)
+    num_layers: int = Field(gt=0)
+
+    def overrides(self) -> dict[str, int]:
+        heads = self.hidden_size // 16
+        return {
+            "hidden_size": self.hidden_size,
+            "num_layers": self.num_layers,
+            "num_heads": heads,
+            "num_kv_heads": heads,
+            "intermediate_size": 3 * self.hidden_size,
+        }
+
+
+def _sizes(*shapes: tuple[int, int]) -> list[Size]:
+    return [Size(hidden_size=h, num_layers=n) for h, n in shapes]
+
+
+class LadderConfig(BaseModel):
+    """The ladder's sizes and budgets, the held-out model and the ranking check."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    sizes: list[Size] = Field(
+        default_factory=lambda: _sizes((32, 2), (48, 2), (64, 3), (96, 3)),
+        description="Models of the fitted ladder.",
+    )
+    flops: list[float] = Field(
+        default_factory=lambda: [2e10, 6e10, 1.8e11],
+        description="Compute budgets, 6·N·D with N non-embedding parameters.",
+    )
+    min_tokens: int = Field(8192, gt=0, description="Skip ladder points below this many tokens.")
+    max_tokens: int = Field(600_000, gt=0, description="Skip ladder points above this.")
+    heldout: Size = Field(
+        default_factory=lambda: Size(hidden_size=128, num_layers=4),
+        description="The larger model whose loss the law predicts.",
+    )
+    heldout_tokens: int = Field(300_000, gt=0, description="Tokens of the held-out run.")
+    warmup_steps: int = Field(5, ge=0, description="LR warmup of every ladder run.")
+    variants: dict[str, dict[str, Any]] = Field(
+        default_factory=lambda: {
+            "cosine": {"schedule.name": "cosine"},
+            "wsd": {"schedule.name": "wsd"},
+        },
+        description="Two trainer variants (dotted TrainConfig fields) ranked at three sizes.",
+    )
+    ranking_sizes: list[Size] = Field(
+        default_factory=lambda: _sizes((32, 2), (64, 3), (128, 4)),
+        description="Sizes at which the variants are ranked.",
+    )
+    ranking_tokens: int = Field(200_000, gt=0, description="Tokens of each ranking run.")
+
+
+@dataclass
+class LadderResult:
+    """The law, the held-out prediction and its error, the ranking table."""
+
+    law: dict[str, float]
+    predicted: float
+    actual: float
+    error: float
+    points: list[dict[str, Any]]
+    ranking: list[dict[str, Any]]
+    consistent: bool
+
+
+def ladder_train(base: TrainConfig, size: Size, tokens: int, warmup: int, **changes) -> TrainConfig:
+    """The trainer config of one ladder run: ``size`` on ``tokens`` tokens, cosine to the floor."""
+    overrides = {**base.model.overrides.model_dump(exclude_none=True), **size.overrides()}
+    return base.replaced(
+        model={"preset": base.model.preset, "overrides": overrides},
+        max_steps=None,
+        num_tokens=tokens,
+        schedule={"name": "cosine", "warmup_steps": warmup, "total_steps": None},
+        checkpoint={"interval": 10**6, "keep_last": 1},
+        eval_interval=10**6,
+        **changes,
+    )
+
+
+def isoflop_points(ladder: LadderConfig) -> list[tuple[Size, int]]:
+    """(size, tokens) of every ladder run: D = C / 6N for each budget, within the token bounds."""
+    points = []
+    for budget in ladder.flops:
+        for size in ladder.sizes:
+            n = _non_embedding(size)
+            tokens = int(budget / (6 * n))
+            if ladder.min_tokens <= tokens <= ladder.max_tokens:
+                points.append((size, tokens))
+    return points
+
+
+def _non_embedding(size: Size) -> int:
+    from llmflow.model.config import preset
+
+    return preset("debug", **size.overrides()).num_parameters(non_embedding=True)
+
+
+@dataclass
+class LadderGraph:
+    graph: Graph
+    points: list[Node]
+    fit: Node
+    heldout: Node
+    ranking: dict[tuple[str, int], Node]
+
+
+def ladder_graph(config: PipelineConfig, ladder: LadderConfig) -> LadderGraph:
+    """Data and held-out set of the recipe's first stage, the ladder, the fit, the checks."""
+    full = recipe(config)
+    data, held_out = full.find(step="mixture")[0], full.find(step="validation")[0]
+    graph = full.closure([data, held_out])
+    base, name = config.pretrain.train, f"{config.name}-ladder"
+
+    def add(train: TrainConfig) -> Node:
+        run = stage_run(config, train)
+        return graph.add(pretrain, run, name, phase="pretrain", data=data, validation=held_out)
+
+    warm = ladder.warmup_steps
+    points = [add(ladder_train(base, s, d, warm)) for s, d in isoflop_points(ladder)]
+    fit = graph.add(scaling_fit, ScalingFitConfig(), config.name, phase="pretrain", runs=points)
+    heldout = add(ladder_train(base, ladder.heldout, ladder.heldout_tokens, warm))
+    ranking = {}
+    for label, changes in ladder.variants.items():
+        for size in ladder.ranking_sizes:
+            train = ladder_train(base, size, ladder.ranking_tokens, warm).replaced(**changes)
+            ranking[(label, size.hidden_size)] = add(train)
+    return LadderGraph(graph, points, fit, heldout, ranking)
+
+
+def rank_table(losses: dict[tuple[str, int], float]) -> tuple[list[dict[str, Any]], bool]:
+    """Per size: each variant's loss and the order; consistent when the order never changes."""
+    sizes = sorted({size for _, size in losses})
+    rows, orders = [], set()
+    for size in sizes:
+        here = {label: loss for (label, s), loss in losses.items() if s == size}
+        order = tuple(sorted(here, key=here.get))
+        orders.add(order)
+        rows.append({"hidden_size": size, **here, "order": " < ".join(order)})
+    return rows, len(orders) <= 1
+
+
+@flow(name="llmflow-scaling-ladder", log_prints=True)
+def scaling_ladder(config: PipelineConfig, ladder: LadderConfig) -> LadderResult:
+    """Train the ladder, fit the law, check it on a larger model, rank two variants by size."""
+    planned = ladder_graph(config, ladder)
+    outcome = PrefectExecutor(config.root).run(planned.graph)
+    fitted = json.loads((Path(outcome[planned.fit].uri) / LAW_FILE).read_text())
+    law = ScalingLaw(**fitted["law"])
+    heldout = Path(outcome[planned.heldout].uri)
+    actual = json.loads((heldout / "summary.json").read_text())
+    size = _non_embedding(ladder.heldout)
+    predicted = law.predict(size, actual["total_tokens_seen"])
+    error = abs(predicted - actual["val_loss"]) / actual["val_loss"]
+    losses = {key: outcome[node].metrics["val_loss"] for key, node in planned.ranking.items()}
+    ranking, consistent = rank_table(losses)
+    check = {"n": size, "d": actual["total_tokens_seen"], "predicted": predicted}
+    check.update(actual=actual["val_loss"], relative_error=error)
+    create_table_artifact(fitted["points"] + [check], key="scaling-ladder", description=(
+        f"Ladder runs and the held-out model: L = {law.E:.3g} + {law.A:.3g}/N^{law.alpha:.3g} "
+        f"+ {law.B:.3g}/D^{law.beta:.3g}; prediction error {error:.2%}"
+    ))  # fmt: skip
+    create_table_artifact(ranking, key="scaling-ranking", description=(
+        f"Validation loss of {' vs '.join(ladder.variants)} by size: "
+        + ("the ranking holds" if consistent else "the ranking changes with size")
+    ))  # fmt: skip
+    return LadderResult(
+        asdict(law), predicted, actual["val_loss"], error, fitted["points"], ranking, consistent
+    )

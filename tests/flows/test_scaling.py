@@ -1,0 +1,156 @@
+"""Scaling ladder: the Chinchilla fit against known constants, isoflop points, ranking, plan."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from pydantic import BaseModel
+from scipy.optimize import check_grad
+
+from llmflow.flows.cli import main
+from llmflow.flows.scaling import LadderConfig, Size, isoflop_points, ladder_graph, rank_table
+from llmflow.model.config import preset
+from llmflow.tasks.config import load_config
+from llmflow.tasks.framework.errors import BadInputError
+from llmflow.tasks.framework.executor import Executor
+from llmflow.tasks.framework.graph import Graph
+from llmflow.tasks.framework.step import Metrics, step
+from llmflow.tasks.pretrain.config import TrainConfig
+from llmflow.tasks.scaling.fit import (
+    ScalingFitConfig,
+    ScalingLaw,
+    _objective,
+    find_law,
+    fit_law,
+    scaling_fit,
+)
+
+TRUE = ScalingLaw(E=1.7, A=400.0, alpha=0.34, B=410.0, beta=0.28)  # Chinchilla's constants
+GRID = [(n, d) for n in (1e5, 3e5, 1e6, 3e6) for d in (1e6, 3e6, 1e7)]
+
+
+def test_fit_recovers_a_known_law_and_predicts_a_larger_model():
+    n, d = zip(*GRID, strict=True)
+    law = fit_law(list(n), list(d), [TRUE.predict(*p) for p in GRID])
+    assert law.alpha == pytest.approx(TRUE.alpha, rel=1e-3)
+    assert law.beta == pytest.approx(TRUE.beta, rel=1e-3)
+    assert law.E == pytest.approx(TRUE.E, rel=1e-3)
+    assert law.predict(3e7, 3e8) == pytest.approx(TRUE.predict(3e7, 3e8), rel=1e-4)
+
+
+def test_huber_fit_shrugs_off_one_bad_run():
+    n, d = zip(*GRID, strict=True)
+    loss = [TRUE.predict(*p) for p in GRID]
+    loss[4] *= 1.3  # one diverged run
+    law = fit_law(list(n), list(d), loss)
+    assert law.predict(1e7, 1e8) == pytest.approx(TRUE.predict(1e7, 1e8), rel=0.01)
+
+
+def test_objective_gradient_matches_finite_differences():
+    rng = np.random.default_rng(0)
+    log_n, log_d = np.log([1e5, 1e6, 3e6]), np.log([1e6, 1e7, 2e6])
+    log_l = np.log([3.0, 2.5, 2.6])
+    for _ in range(3):
+        theta = rng.uniform([2, 2, 0, 0.2, 0.2], [8, 8, 1, 0.8, 0.8])
+        err = check_grad(
+            lambda t: _objective(t, log_n, log_d, log_l, 0.1)[0],
+            lambda t: _objective(t, log_n, log_d, log_l, 0.1)[1],
+            theta,
+        )
+        assert err < 1e-5
+
+
+def test_compute_optimal_split_is_the_argmin_on_the_isoflop_curve():
+    flops = 1e20
+    n_opt, d_opt = TRUE.optimal_split(flops)
+    sizes = np.geomspace(n_opt / 10, n_opt * 10, 2001)
+    losses = [TRUE.predict(s, flops / (6 * s)) for s in sizes]
+    assert sizes[int(np.argmin(losses))] == pytest.approx(n_opt, rel=0.01)
+    assert 6 * n_opt * d_opt == pytest.approx(flops)
+
+
+def test_isoflop_points_spend_the_budget():
+    ladder = LadderConfig(sizes=[Size(hidden_size=32, num_layers=2)], flops=[1e10, 1e13])
+    n = preset("debug", **Size(hidden_size=32, num_layers=2).overrides()).num_parameters(
+        non_embedding=True
+    )
+    ((size, tokens),) = isoflop_points(ladder)  # 1e13 is past max_tokens: skipped
+    assert tokens == int(1e10 / (6 * n)) and size.hidden_size == 32
+
+
+def test_ladder_graph_builds_every_run_on_the_first_stage(tmp_path):
+    cfg = load_config(None, [f"root={tmp_path}"])
+    planned = ladder_graph(cfg, LadderConfig())
+    ladder_runs = [n.config.train for n in planned.points]
+    assert len(ladder_runs) == len(isoflop_points(LadderConfig()))
+    assert {t.num_tokens for t in ladder_runs} == {d for _, d in isoflop_points(LadderConfig())}
+    wsd = [
+        planned.ranking[("wsd", s.hidden_size)].config.train for s in LadderConfig().ranking_sizes
+    ]
+    assert {t.schedule.name for t in wsd} == {"wsd"}
+    assert planned.fit.inputs["runs"] == planned.points
+
+
+def test_rank_table_flags_a_flip():
+    same = {("cosine", 32): 3.0, ("wsd", 32): 2.9, ("cosine", 64): 2.5, ("wsd", 64): 2.4}
+    rows, consistent = rank_table(same)
+    assert consistent and rows[0]["order"] == "wsd < cosine"
+    flipped = {**same, ("wsd", 64): 2.6}
+    assert not rank_table(flipped)[1]
+
+
+class FakeRun(BaseModel):
+    hidden_size: int
+    tokens: int
+
+
+@step("test-ladder-run")
+def ladder_run(cfg: FakeRun, out: Path) -> Metrics:
+    """A pretrain-shaped output (config + summary) whose loss follows TRUE exactly."""
+    heads = cfg.hidden_size // 16
+    train = TrainConfig.model_validate(
+        {
+            "model": {
+                "overrides": {
+                    "hidden_size": cfg.hidden_size,
+                    "num_heads": heads,
+                    "num_kv_heads": heads,
+                }
+            },
+            "max_steps": 1,
+        }
+    )
+    train.save(out / "train_config.json")
+    n = train.model_config_obj().num_parameters(non_embedding=True)
+    summary = {"val_loss": TRUE.predict(n, cfg.tokens), "total_tokens_seen": cfg.tokens}
+    (out / "summary.json").write_text(json.dumps(summary))
+    return {}
+
+
+def test_fit_step_is_found_by_plan(tmp_path, capsys):
+    graph = Graph()
+    runs = [
+        graph.add(ladder_run, FakeRun(hidden_size=h, tokens=t), "fake")
+        for h in (32, 64, 128, 256)
+        for t in (10**6, 10**7)
+    ]
+    fit = graph.add(scaling_fit, ScalingFitConfig(), "quickstart", runs=runs)
+    outcome = Executor(str(tmp_path)).run(graph)
+    assert outcome[fit].metrics["max_fit_error"] < 1e-3
+    law = find_law(str(tmp_path), "quickstart")
+    assert law.alpha == pytest.approx(TRUE.alpha, rel=1e-2)
+    assert find_law(str(tmp_path), "another-recipe") is None
+    main(["plan", "--set", f"root={tmp_path}"])
+    printed = capsys.readouterr().out
+    cfg = load_config(None, []).pretrain
+    n = cfg.train.model_config_obj().num_parameters(non_embedding=True)
+    tokens = sum(s.mixture.num_tokens for s in cfg.stages)
+    assert f"predicted val loss   {law.predict(n, tokens):.4f}" in printed
+
+
+def test_too_few_runs_to_fit_is_bad_input():
+    with pytest.raises(BadInputError, match="at least 5 runs"):
+        fit_law([1e5, 1e6], [1e6, 1e7], [3.0, 2.5])
