@@ -4,24 +4,28 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
+import re
 
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from llmflow.tasks.framework.errors import BadInputError
 from llmflow.tasks.framework.step import RawFiles
+from llmflow.tasks.posttrain.common import split_heldout
 from llmflow.tasks.posttrain.config import DPOStepConfig, SFTStepConfig
 from llmflow.tasks.posttrain.dpo import (
     build_dpo_trainer,
     dpo,
     heldout_rows,
     preference_accuracy,
+    prepare_pairs,
     response_logps,
     tokenize_pair,
 )
-from llmflow.tasks.posttrain.formats import read_records, write_jsonl
+from llmflow.tasks.posttrain.formats import load_preference_pairs, read_records, write_jsonl
 from llmflow.tasks.posttrain.quickstart import quickstart_preference_pairs
 from llmflow.tasks.posttrain.sft import sft
 
@@ -163,3 +167,50 @@ def test_dpo_on_real_hh_rlhf_transcripts(tiny_model_output, tmp_path, shared_dat
     assert metrics["num_pairs"] + metrics["num_rejected"] == 40
     assert metrics["num_pairs"] >= 8
     assert (out / "hf" / "config.json").exists()
+    # Before training the policy is the reference: every margin 0, TRL's loss exactly ln 2.
+    assert metrics["heldout_rewards_margins_before"] == 0.0
+    assert metrics["heldout_loss_before"] == pytest.approx(math.log(2), abs=1e-6)
+    # The policy's held-out preference accuracy, by hand from per-token log-probs.
+    pairs, _ = prepare_pairs(cfg, tiny_model_output / "hf", data)
+    _, heldout = split_heldout(pairs, cfg.num_heldout, cfg.seed)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_output / "hf")
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_output / "hf").eval()
+    margins = [_margin_by_hand(model, tokenize_pair(tokenizer, p), cfg.max_length) for p in heldout]
+    wins = sum(m > 0 for m in margins) / len(margins)
+    assert metrics["heldout_preference_accuracy_before"] == pytest.approx(wins)
+    assert metrics["heldout_logp_margin_before"] == pytest.approx(
+        sum(margins) / len(margins), rel=1e-4
+    )
+
+
+def _margin_by_hand(model, ids: dict[str, list[int]], max_length: int) -> float:
+    """Summed log P(chosen | prompt) minus summed log P(rejected | prompt), token by token, on
+    sequences cut to their first ``max_length`` tokens (as TRL's collator cuts them)."""
+    totals = {}
+    for side in ("chosen", "rejected"):
+        full = (ids["prompt_ids"] + ids[f"{side}_ids"])[:max_length]
+        with torch.no_grad():
+            logprobs = torch.log_softmax(model(torch.tensor([full])).logits[0].double(), -1)
+        totals[side] = sum(
+            logprobs[t - 1, full[t]].item() for t in range(len(ids["prompt_ids"]), len(full))
+        )
+    return totals["chosen"] - totals["rejected"]
+
+
+def test_real_hh_rlhf_transcripts_split_at_the_last_assistant_turn(shared_data):
+    """Prompt, chosen and rejected of real hh-rlhf records, against a split by hand."""
+    path = shared_data / "dpo" / "hh_rlhf_harmless_base_test.jsonl.gz"
+    records = read_records(path)[:20]
+    pairs, rejects = load_preference_pairs(path)
+    assert not any(r["index"] < 20 for r in rejects)
+    for record, pair in zip(records, pairs, strict=False):
+        head, chosen = record["chosen"].rsplit("\n\nAssistant:", 1)
+        assert pair["chosen"] == [{"role": "assistant", "content": chosen.strip()}]
+        rejected = record["rejected"].rsplit("\n\nAssistant:", 1)[1]
+        assert pair["rejected"] == [{"role": "assistant", "content": rejected.strip()}]
+        turns = re.split(r"\n\n(Human|Assistant): ", head)[1:]
+        roles = {"Human": "user", "Assistant": "assistant"}
+        assert pair["prompt"] == [
+            {"role": roles[who], "content": text.strip()}
+            for who, text in zip(turns[::2], turns[1::2], strict=True)
+        ]

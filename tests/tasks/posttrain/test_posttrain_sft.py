@@ -12,7 +12,7 @@ from llmflow.tasks.evaluation.models import read_progress
 from llmflow.tasks.framework.errors import BadInputError
 from llmflow.tasks.framework.step import RawFiles
 from llmflow.tasks.posttrain.config import SFTStepConfig
-from llmflow.tasks.posttrain.formats import write_jsonl
+from llmflow.tasks.posttrain.formats import load_sft_examples, write_jsonl
 from llmflow.tasks.posttrain.quickstart import quickstart_sft_examples
 from llmflow.tasks.posttrain.sft import build_sft_trainer, sft
 from llmflow.tasks.tokenizer.train import CHAT_TEMPLATE
@@ -149,6 +149,33 @@ def test_sft_on_real_sharegpt_file(tiny_model_output, tmp_path, shared_data):
     assert metrics["num_steps"] == 2
     assert metrics["num_examples"] + metrics["num_rejected"] == 500
     assert (tmp_path / "hf" / "config.json").exists()
+
+
+def test_real_sharegpt_conversations_map_and_mask_exactly(
+    tiny_model_dir, tokenizer, shared_data, tmp_path
+):
+    """ShareGPT turns become user/assistant messages word for word, and SFT labels cover
+    exactly the assistant tokens (a hand computation from character spans)."""
+    path = shared_data / "sft" / "fastchat_dummy_conversation.json"
+    raw = json.loads(path.read_text())[:8]
+    roles = {"human": "user", "gpt": "assistant"}
+    by_hand = [
+        {
+            "messages": [
+                {"role": roles[t["from"]], "content": t["value"]} for t in r["conversations"]
+            ]
+        }
+        for r in raw
+    ]
+    examples, rejects = load_sft_examples(path)
+    assert examples[:8] == by_hand and not rejects
+    cfg = SFTStepConfig(**{**FAST, "packing": False, "max_length": 512})
+    trainer = build_sft_trainer(cfg, tiny_model_dir, tmp_path, by_hand, [])
+    for example, row in zip(by_hand, trainer.train_dataset, strict=True):
+        input_ids, labels = _expected_labels(tokenizer, example["messages"])
+        assert row["input_ids"] == input_ids
+        assert row["labels"] == labels
+        assert sum(label != -100 for label in labels) >= 2  # two assistant turns
 
 
 def test_fixture_template_matches_the_project_tokenizer(tokenizer):
