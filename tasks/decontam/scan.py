@@ -62,9 +62,11 @@ def scan_shard(
     index: NGramIndex, table: pa.Table, shard: str, mode: str, result: ScanResult
 ) -> np.ndarray:
     """A mask of the shard's contaminated rows; their matches are appended to ``result``."""
+    mask = np.zeros(table.num_rows, dtype=bool)
+    if not len(index.hashes):  # no eval item is long enough: nothing can match
+        return mask
     texts = [t if isinstance(t, str) else "" for t in table.column("text").to_pylist()]
     ids, domains = table.column("id").to_pylist(), table.column("domain").to_pylist()
-    mask = np.zeros(len(texts), dtype=bool)
     action = "removed" if mode == "remove" else "flagged"
     for start in range(0, len(texts), BATCH_DOCS):
         seen: dict[tuple[int, str, int], str] = {}
