@@ -11,6 +11,7 @@ scheduled evaluation build their own graphs from the same steps.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -278,6 +279,10 @@ def posttraining(
             source = "grpo" if "grpo" in trained else "dpo"
         if source not in trained:
             raise BadInputError(f"merge.source={source!r}, but grpo.enabled is false")
+        if importlib.util.find_spec("mergekit") is None:
+            raise BadInputError(
+                "merge.enabled needs mergekit: pip install 'llmflow[merge]' (or merge.enabled=false)"
+            )
         merged = graph.add(
             merge, config.merge, config.name, phase="merge", models=[trained[source], base]
         )
