@@ -33,6 +33,7 @@ class ScanResult:
     documents: int = 0
     contaminated: int = 0
     removed: int = 0
+    scan_seconds: float = 0.0
 
 
 def corpus_files(corpus: Path) -> list[Path]:

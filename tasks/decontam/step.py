@@ -33,7 +33,7 @@ CARRIED_FILES = ("curation_report.json", "summary.md")  # the curated output's r
 log = logging.getLogger("llmflow.decontam")
 
 
-@step("decontaminate", version=1)
+@step("decontaminate", version=2)
 def decontaminate(
     cfg: DecontamConfig, corpus: Path, out: Path, eval_files: RawFiles | None = None
 ) -> Metrics:
@@ -43,7 +43,9 @@ def decontaminate(
         items, skipped = eval_items(cfg, _local_files(eval_files, Path(tmp)))
     flat = [item for task_items in items.values() for item in task_items]
     index = build_index(flat, cfg.n, cfg.query_ngrams, cfg.overlap_ngrams)
+    indexed = time.perf_counter()
     result = scan_corpus(index, corpus, out, cfg.mode)
+    result.scan_seconds = time.perf_counter() - indexed
     carry_reports(corpus, out)
     rows = task_counts(index, items, result.matches)
     write_matches(result.matches, out / MATCHES_FILE)
@@ -97,7 +99,8 @@ def contamination_report(
         "documents_contaminated": result.contaminated,
         "documents_removed": result.removed,
         "seconds": round(seconds, 3),
-        "docs_per_second": round(result.documents / seconds, 1) if seconds > 0 else None,
+        "scan_seconds": round(result.scan_seconds, 3),
+        "docs_per_second": round(result.documents / max(result.scan_seconds, 1e-9), 1),
     }
 
 
