@@ -78,7 +78,15 @@ class _ReferenceMuon:
 
 
 def _reference(cfg: OptimizerConfig) -> tuple[dict[str, torch.Tensor], list[float]]:
-    torch.set_num_threads(1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the spawned ranks: the same matmul kernels, the same sums
+    try:
+        return _reference_run(cfg)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _reference_run(cfg: OptimizerConfig) -> tuple[dict[str, torch.Tensor], list[float]]:
     model = _model()
     groups = split_parameters(model)
     adamw = torch.optim.AdamW(
@@ -161,6 +169,25 @@ def test_two_ranks_match_single_process_muon(tmp_path):
         # The run moved the weights far more than the tolerance: the comparison is not vacuous.
         moved = max((expected[k] - v).abs().max().item() for k, v in start.items())
         assert moved > 1e-2
+
+
+def test_one_process_matches_torch_muon():
+    """Unsharded, the trainer's Muon is torch.optim.Muon on the logical matrices, bit for bit."""
+    from llmflow.tasks.pretrain.optim import build_optimizers
+
+    cfg = OptimizerConfig(**OPTIM, muon_adjust_lr="match_rms_adamw")
+    expected, expected_losses = _reference_run(cfg)
+    model = _model()
+    optimizers = build_optimizers(model, cfg)
+    for step in range(STEPS):
+        loss = _loss(model, step)
+        loss.backward()
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        assert loss.item() == expected_losses[step], step
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, expected[name]), name
 
 
 def test_logical_matrices_of_fused_projections():
