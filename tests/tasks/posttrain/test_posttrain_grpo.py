@@ -159,3 +159,31 @@ def test_grpo_step_writes_model_metrics_and_leaderboard_record(
     assert values["exact_match_before"] == metrics["heldout_exact_match_before"]
     assert 0 < values["completion_length"] <= cfg.max_completion_length
     assert_chats(tmp_path / "hf")
+
+
+def test_grpo_metrics_join_the_models_leaderboard_row(tmp_path):
+    from llmflow.tasks.evaluation.leaderboard import _record, leaderboard_rows, wide_table
+    from llmflow.tasks.posttrain.grpo import write_leaderboard_metrics
+
+    evaluation, model = tmp_path / "eval", tmp_path / "model"
+    evaluation.mkdir(), model.mkdir()
+    results = {"suite_key": "s", "metrics": {"gen_arith": {"exact_match": 0.25}}}
+    (evaluation / "results.json").write_text(json.dumps(results))
+    before = {
+        "exact_match": 0.1,
+        "mean_reward": 0.2,
+        "completion_length": 9.0,
+        "kl_to_reference": 0.0,
+    }
+    after = {
+        "exact_match": 0.5,
+        "mean_reward": 0.9,
+        "completion_length": 7.0,
+        "kl_to_reference": 0.3,
+    }
+    write_leaderboard_metrics(model, before, after)
+    row = wide_table(leaderboard_rows([_record("grpo", evaluation, model)]))[0]
+    assert row["gen_arith/exact_match"] == 0.25
+    assert row["verifiable_rewards/exact_match"] == 0.5
+    assert row["verifiable_rewards/exact_match_before"] == 0.1
+    assert row["verifiable_rewards/kl_to_reference"] == 0.3
