@@ -182,6 +182,7 @@ def test_share_label():
     assert share_label(None) == "not checked"
 
 
+@pytest.mark.slow  # imports the whole recipe (torch, transformers, lm-eval, TRL): ~20-60 s
 def test_the_tokenizer_and_tokenize_read_the_decontaminated_corpus():
     from llmflow.flows.recipe import recipe
     from llmflow.tasks.config import load_config
