@@ -107,7 +107,8 @@ def memory_per_gpu(
 
     Optimizer states are float32; with 16-bit parameters a float32 master copy is added to them.
     FSDP (ZeRO-3) divides weights, gradients and optimizer states by `num_gpus` and adds the two
-    unsharded blocks it holds while gathering (the current one and the prefetched next one).
+    unsharded blocks it holds while gathering (the current one and the prefetched next one), and
+    the root unit (embeddings, final norm) with its gradient, which FSDP2 keeps whole.
     """
     if optimizer not in OPTIMIZER_STATES:
         raise BadInputError(f"optimizer={optimizer!r} must be one of {sorted(OPTIMIZER_STATES)}")
@@ -115,13 +116,19 @@ def memory_per_gpu(
     shards = num_gpus if fsdp else 1
     states = OPTIMIZER_STATES[optimizer] + (1 if param_dtype_bytes < 4 else 0)
     weights = params * param_dtype_bytes / shards
+    gradients = params * param_dtype_bytes / shards
     if fsdp and num_gpus > 1:
         per_block = (cfg.num_parameters(non_embedding=True) - cfg.hidden_size) / cfg.num_layers
         weights += 2 * per_block * param_dtype_bytes
+        # NOTE: FSDP2 keeps the root unit (embedding, output projection, final norm) gathered
+        # from forward to backward, and its gradient is whole until reduce-scattered.
+        root = params - cfg.num_layers * per_block
+        weights += root * param_dtype_bytes
+        gradients += root * param_dtype_bytes
     per_token = activation_bytes_per_token(cfg, param_dtype_bytes, activation_checkpointing)
     return MemoryEstimate(
         weights_gb=weights / GB,
-        gradients_gb=params * param_dtype_bytes / shards / GB,
+        gradients_gb=gradients / GB,
         optimizer_gb=params * 4 * states / shards / GB,
         activations_gb=micro_batch_size * seq_len * per_token / GB,
     )

@@ -79,8 +79,12 @@ def test_fsdp_shards_states_and_adds_gathered_blocks():
     sharded, replicated = plan(cfg, **kwargs), plan(cfg, fsdp=False, **kwargs)
     per_layer = (cfg.num_parameters(non_embedding=True) - cfg.hidden_size) / cfg.num_layers
     assert sharded.memory.optimizer_gb == pytest.approx(replicated.memory.optimizer_gb / 8)
+    root = cfg.num_parameters() - cfg.num_layers * per_layer  # embedding + final norm, whole
     assert sharded.memory.weights_gb == pytest.approx(
-        replicated.memory.weights_gb / 8 + 2 * per_layer * 2 / GB
+        replicated.memory.weights_gb / 8 + (2 * per_layer + root) * 2 / GB
+    )
+    assert sharded.memory.gradients_gb == pytest.approx(
+        replicated.memory.gradients_gb / 8 + root * 2 / GB
     )
     assert sharded.memory.activations_gb == replicated.memory.activations_gb
 
