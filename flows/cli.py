@@ -151,7 +151,14 @@ def cmd_critical_batch(args: argparse.Namespace) -> int:
     from llmflow.flows.critical_batch import CriticalBatchConfig, critical_batch
 
     config = _load(args)
-    cb = CriticalBatchConfig(lr_scaling=args.lr_scaling, tolerance=args.tolerance)
+    cb = CriticalBatchConfig(
+        base_batch=args.base_batch,
+        factors=args.factors,
+        points=args.points,
+        branch_tokens=args.branch_tokens,
+        lr_scaling=args.lr_scaling,
+        tolerance=args.tolerance,
+    )
     result = critical_batch(config, cb)
     for row in result["rows"]:
         print("  ".join(f"{k}={v}" for k, v in row.items()))
@@ -245,6 +252,12 @@ def build_parser() -> argparse.ArgumentParser:
     crit.add_argument("--root", help="Artifact root.")
     crit.add_argument("--lr-scaling", choices=["sqrt", "linear"], default="sqrt")
     crit.add_argument("--tolerance", type=float, default=0.01, help="Relative loss tolerance.")
+    crit.add_argument("--base-batch", type=int, default=4, help="Base batch B (sequences).")
+    crit.add_argument("--factors", type=int, nargs="+", default=[1, 2, 4, 8], help="k of k*B.")
+    crit.add_argument(
+        "--points", type=int, nargs="+", default=[40_000, 200_000], help="Trunk tokens, 2 points."
+    )
+    crit.add_argument("--branch-tokens", type=int, default=65_536, help="Tokens of each branch.")
     crit.set_defaults(func=cmd_critical_batch)
     lad = sub.add_parser("ladder", help="Isoflop ladder, fitted scaling law, held-out check.")
     _add_config_args(lad)
