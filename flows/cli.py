@@ -94,7 +94,7 @@ def cmd_lineage(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from llmflow.tasks.pretrain.planner import format_plan, recipe_plan
+    from llmflow.tasks.pretrain.planner import extension_memory, format_plan, recipe_plan
 
     config = _load(args)
     result = recipe_plan(
@@ -108,6 +108,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         result.predicted_loss = law.predict(result.num_non_embedding_parameters, result.num_tokens)
     print(f"{config.name} on {gpus} GPU(s)")
     print(format_plan(result))
+    for line in extension_memory(config.pretrain, config.extend, config.hardware, args.gpus):
+        print(line)
     if not result.fits:
         print(
             "llmflow: error: the recipe does not fit its GPUs; see the fixes above", file=sys.stderr

@@ -309,3 +309,28 @@ def recipe_plan(
         peak_tflops=hardware.peak_tflops,
         micro_batch_size=batch.micro_batch_size,
     )
+
+
+def extension_memory(pretrain, extend, hardware, num_gpus: int | None = None) -> list[str]:
+    """One line per context-extension stage: its memory per GPU at its length and micro-batch.
+
+    ``extend`` is an ``ExtendConfig``. A stage over the usable memory gets a warning: long
+    sequences need activation checkpointing or context parallelism the plan above does not use.
+    """
+    model = pretrain.train.model_config_obj()
+    num_gpus = num_gpus or hardware.gpus
+    lines = []
+    for stage in extend.stages:
+        memory = memory_per_gpu(
+            model, seq_len=stage.seq_len, micro_batch_size=stage.micro_batch_size,
+            num_gpus=num_gpus, param_dtype_bytes=2, optimizer="adamw", fsdp=True,
+            activation_checkpointing=False,
+        )  # fmt: skip
+        fits = memory.total_gb <= HEADROOM * hardware.gpu_mem_gb
+        lines.append(
+            f"extension ctx{stage.seq_len:<7} {memory.total_gb:,.1f} GB per GPU "
+            f"(activations {memory.activations_gb:,.1f}): "
+            + ("fits" if fits else "does NOT fit: needs activation checkpointing or context "
+               "parallelism, or a shorter seq_len")
+        )  # fmt: skip
+    return lines
