@@ -3,30 +3,34 @@
 Corpus: the quickstart sample (`tasks.ingest.sample`), plus, with ``--text-dir DIR`` (a folder
 holding ``wikitext2_valid.txt`` and ``tinyshakespeare.txt``), WikiText-2 validation articles and
 tinyshakespeare in 2,000-character chunks, plus planted near copies (1-3 words replaced) of those
-real documents.
+real documents. Both sides read the same Parquet file, written before the clocks start.
 
 1. Filter chain, one process, in memory, same thresholds: datatrove GopherRepetition ->
    GopherQuality -> C4QualityFilter(filter_no_terminal_punct=False) -> FineWebQuality, against
-   ours (`apply_filters`, C4 rewriting on as datatrove does it, no domain skipped). Reports
-   docs/s, the ratio, the fraction of identical keep/remove decisions and each disagreement,
+   ours (`apply_filters`, C4 rewriting on as datatrove does it, no domain skipped). The keep /
+   remove agreement is reported twice: with ``alpha_ratio_skips_punctuation`` false (datatrove's
+   rule) and true (what configs/quickstart.yaml runs); each disagreement of the first is
    re-run with spaCy's words to tell tokenization differences from rule differences.
-2. MinHash near dedup (5-grams, 14 bands x 8): datatrove's four stages in a one-task
-   LocalPipelineExecutor against the steps `minhash_signatures` + `near_dedup` (called as plain
-   functions); docs/s, ratio, recall/precision on the planted copies, index bytes per document.
+2. MinHash near dedup (5-grams, 14 bands x 8), from the Parquet file to the kept documents
+   written as Parquet: datatrove's whole pipeline (signatures, buckets, cluster, then reader +
+   MinhashDedupFilter + ParquetWriter) in a one-worker LocalPipelineExecutor, against our steps
+   `minhash_signatures` + `near_dedup` plus writing the kept rows. Recall and precision on the
+   planted near copies are reported for both.
 
-Throughput is documents per CPU second of one process (per core), so a busy machine does not
-skew the ratio. Prints ONE JSON line. Without datatrove installed, only our half runs (with a message).
+Each comparison runs once untimed, then in alternating wall-time rounds (A B B A ...); the
+ratio is datatrove's median over ours. Prints ONE JSON line. Without datatrove installed, it
+stops with a message (``pip install -e ".[bench]"``).
 
-    pip install "datatrove==0.10.*" spacy regex "xxhash<4"
-    python benchmarks/bench_curation.py [--near-copies 200] [--text-dir DIR]
+    python benchmarks/bench_curation.py [--near-copies 200] [--rounds 2] [--text-dir DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
-import resource
+import shutil
 import sys
 import tempfile
 from collections import Counter
@@ -35,8 +39,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import pyarrow.compute as pc  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 
+from benchmarks.common import alternate, emit, ratio  # noqa: E402
 from llmflow.tasks.curation.config import FiltersConfig, MinhashConfig  # noqa: E402
 from llmflow.tasks.curation.filters import (  # noqa: E402
     Doc,
@@ -48,13 +54,6 @@ from llmflow.tasks.curation.filters import (  # noqa: E402
 from llmflow.tasks.curation.heuristics import apply_filters  # noqa: E402
 from llmflow.tasks.curation.minhash import minhash_signatures, near_dedup  # noqa: E402
 from tests.tasks.curation.helpers import near_copy, real_documents, write_shards  # noqa: E402
-
-try:
-    import datatrove  # noqa: F401
-
-    HAVE_DATATROVE = True
-except ImportError:
-    HAVE_DATATROVE = False
 
 
 def build_corpus(
@@ -90,27 +89,28 @@ def build_corpus(
     return records, planted
 
 
-def bench_config() -> FiltersConfig:
+def bench_config(skip_punctuation: bool = False) -> FiltersConfig:
     """datatrove's FineWeb chain: default thresholds, C4 rewrites lines, no domain skipped."""
     return FiltersConfig.model_validate(
         {
             "gopher_repetition": {"skip_domains": []},
-            "gopher_quality": {"skip_domains": []},
+            "gopher_quality": {
+                "skip_domains": [],
+                "alpha_ratio_skips_punctuation": skip_punctuation,
+            },
             "c4": {"skip_domains": [], "rewrite_lines": True},
             "fineweb": {"skip_domains": []},
         }
     )
 
 
-def run_ours_filters(records: list[dict]) -> tuple[list[str | None], float]:
-    cfg = bench_config()
-    start = _cpu()
-    reasons = [apply_filters(cfg, r["text"], r["domain"])[1] or None for r in records]
-    return reasons, _cpu() - start
+def ours_filters(records: list[dict], skip_punctuation: bool = False) -> list[str | None]:
+    """Our removal reason per record (None: kept)."""
+    cfg = bench_config(skip_punctuation)
+    return [apply_filters(cfg, r["text"], r["domain"])[1] or None for r in records]
 
 
-def run_datatrove_filters(records: list[dict]) -> tuple[list[str | None], float]:
-    from datatrove.data import Document
+def datatrove_chain():
     from datatrove.pipeline.filters import (
         C4QualityFilter,
         FineWebQualityFilter,
@@ -120,14 +120,19 @@ def run_datatrove_filters(records: list[dict]) -> tuple[list[str | None], float]
     from datatrove.utils.text import split_into_words
 
     split_into_words("warm up spaCy.")  # model load is not part of the timing
-    chain = [
+    return [
         GopherRepetitionFilter(),
         GopherQualityFilter(),
         C4QualityFilter(filter_no_terminal_punct=False),
         FineWebQualityFilter(),
     ]
+
+
+def datatrove_filters(records: list[dict], chain) -> list[str | None]:
+    """datatrove's removal reason per record (None: kept)."""
+    from datatrove.data import Document
+
     reasons: list[str | None] = []
-    start = _cpu()
     for r in records:
         doc, reason = Document(text=r["text"], id=r["id"]), None
         for f in chain:
@@ -136,7 +141,7 @@ def run_datatrove_filters(records: list[dict]) -> tuple[list[str | None], float]
                 reason = out[1] if isinstance(out, tuple) else "removed"
                 break
         reasons.append(reason)
-    return reasons, _cpu() - start
+    return reasons
 
 
 def _with_spacy_words(text: str) -> str | None:
@@ -202,36 +207,34 @@ def _scores(removed: set[str], planted: dict[str, str], sets: dict[str, set[int]
     }
 
 
-def _cpu() -> float:
-    """CPU seconds of this process and its finished children (per-core throughput)."""
-    own, children = (
-        resource.getrusage(resource.RUSAGE_SELF),
-        resource.getrusage(resource.RUSAGE_CHILDREN),
-    )
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+def agreement(ours: list, theirs: list) -> float:
+    same = sum((a is None) == (b is None) for a, b in zip(ours, theirs, strict=True))
+    return round(same / max(1, len(ours)), 4)
 
 
-def run_ours_minhash(tmp: Path, records: list[dict]) -> tuple[set[str], dict]:
+def write_kept(in_dir: Path, drops: Path, out_dir: Path) -> None:
+    """Our glue after near_dedup: the input rows not dropped, written as Parquet."""
+    dropped = pq.read_table(drops / "drops.parquet", columns=["id"]).column("id")
+    out_dir.mkdir(parents=True)
+    for shard in sorted((in_dir / "shards").glob("*.parquet")):
+        table = pq.read_table(shard)
+        kept = table.filter(pc.invert(pc.is_in(table.column("id"), value_set=dropped)))
+        pq.write_table(kept, out_dir / shard.name)
+
+
+def run_ours_minhash(in_dir: Path, work: Path) -> None:
+    """Signatures, clustering, then the kept documents written, under a fresh ``work``."""
     cfg = MinhashConfig()
-    write_shards(tmp / "ours_in", records, num_shards=1)
-    sigs, out = tmp / "ours_sigs", tmp / "ours_near"
-    sigs.mkdir()
-    out.mkdir()
-    start = _cpu()
-    minhash_signatures(cfg.signature_config(), tmp / "ours_in", sigs)
-    signed = _cpu()
-    near_dedup(cfg, [sigs], out)
-    done = _cpu()
-    removed = set(pq.read_table(out / "drops.parquet").column("id").to_pylist())
-    index_bytes = sum(p.stat().st_size for p in sigs.iterdir())
-    return removed, {
-        "signature_s": signed - start,
-        "total_s": done - start,
-        "index_bytes_per_doc": index_bytes / len(records),
-    }
+    sigs, near = work / "sigs", work / "near"
+    sigs.mkdir(parents=True)
+    near.mkdir()
+    minhash_signatures(cfg.signature_config(), in_dir, sigs)
+    near_dedup(cfg, [sigs], near)
+    write_kept(in_dir, near, work / "kept")
 
 
-def run_datatrove_minhash(tmp: Path, records: list[dict]) -> tuple[set[str], dict]:
+def run_datatrove_minhash(in_dir: Path, work: Path) -> None:
+    """datatrove's four stages, the last writing the kept documents as Parquet."""
     from datatrove.executor import LocalPipelineExecutor
     from datatrove.pipeline.dedup import (
         MinhashDedupBuckets,
@@ -239,121 +242,133 @@ def run_datatrove_minhash(tmp: Path, records: list[dict]) -> tuple[set[str], dic
         MinhashDedupFilter,
         MinhashDedupSignature,
     )
-    from datatrove.pipeline.dedup.minhash import MinhashConfig
-    from datatrove.pipeline.readers import JsonlReader
-    from datatrove.pipeline.writers import JsonlWriter
+    from datatrove.pipeline.dedup.minhash import MinhashConfig as DatatroveMinhashConfig
+    from datatrove.pipeline.readers import ParquetReader
+    from datatrove.pipeline.writers import ParquetWriter
 
-    (tmp / "dt_in").mkdir()
-    with open(tmp / "dt_in" / "docs.jsonl", "w") as f:
-        for r in records:
-            f.write(json.dumps({"id": r["id"], "text": r["text"]}) + "\n")
-    cfg, logs = MinhashConfig(), tmp / "dt_logs"
+    cfg, shards = DatatroveMinhashConfig(), str(in_dir / "shards")
 
     def run(name, pipeline, tasks=1):
-        LocalPipelineExecutor(
-            pipeline=pipeline, tasks=tasks, workers=1, logging_dir=str(logs / name)
-        ).run()
+        logs = str(work / "logs" / name)
+        LocalPipelineExecutor(pipeline=pipeline, tasks=tasks, workers=1, logging_dir=logs).run()
 
-    start = _cpu()
-    run(
-        "sig",
-        [JsonlReader(str(tmp / "dt_in")), MinhashDedupSignature(str(tmp / "dt_sigs"), config=cfg)],
-    )
-    signed = _cpu()
-    run(
-        "buckets",
-        [MinhashDedupBuckets(str(tmp / "dt_sigs"), str(tmp / "dt_buckets"), config=cfg)],
-        tasks=cfg.num_buckets,
-    )
-    run(
-        "cluster",
-        [MinhashDedupCluster(str(tmp / "dt_buckets"), str(tmp / "dt_remove"), config=cfg)],
-    )
+    sigs, buckets, remove = (str(work / n) for n in ("sigs", "buckets", "remove"))
+    run("sig", [ParquetReader(shards), MinhashDedupSignature(sigs, config=cfg)])
+    run("buckets", [MinhashDedupBuckets(sigs, buckets, config=cfg)], tasks=cfg.num_buckets)
+    run("cluster", [MinhashDedupCluster(buckets, remove, config=cfg)])
     run(
         "filter",
-        [
-            JsonlReader(str(tmp / "dt_in")),
-            MinhashDedupFilter(
-                str(tmp / "dt_remove"),
-                exclusion_writer=JsonlWriter(str(tmp / "dt_removed"), compression=None),
-            ),
-        ],
+        [ParquetReader(shards), MinhashDedupFilter(remove), ParquetWriter(str(work / "kept"))],
     )
-    done = _cpu()
-    removed = {
-        json.loads(line)["id"]
-        for p in (tmp / "dt_removed").glob("*.jsonl")
-        for line in p.read_text().splitlines()
+
+
+def kept_ids(folder: Path) -> set[str]:
+    return {i for p in folder.rglob("*.parquet") for i in pq.read_table(p).column("id").to_pylist()}
+
+
+def fresh(work: Path, name: str):
+    """A callable running ``name``'s pipeline into a new folder each call; keeps the last."""
+    counter, runner = (
+        itertools.count(),
+        {"ours": run_ours_minhash, "datatrove": run_datatrove_minhash},
+    )
+
+    def call() -> None:
+        folder = work / f"{name}-{next(counter)}"
+        runner[name](work / "in", folder)
+        shutil.rmtree(work / f"{name}-last", ignore_errors=True)
+        folder.rename(work / f"{name}-last")
+
+    return call
+
+
+def bench_filters(records: list[dict], rounds: int) -> dict:
+    chain = datatrove_chain()
+    results: dict = {}
+    times = alternate(
+        {
+            "datatrove": lambda: results.__setitem__(
+                "datatrove", datatrove_filters(records, chain)
+            ),
+            "ours": lambda: results.__setitem__("ours", ours_filters(records)),
+        },
+        rounds,
+        warmup=True,
+    )
+    ours, theirs = results["ours"], results["datatrove"]
+    quickstart = ours_filters(records, skip_punctuation=True)
+    diff = disagreements(records, ours, theirs)
+    return {
+        "ratio": ratio(times, "datatrove", "ours"),
+        "identical_work": not diff,
+        "seconds": times,
+        "agreement_alpha_ratio_skips_punctuation_false": agreement(ours, theirs),
+        "agreement_alpha_ratio_skips_punctuation_true": agreement(quickstart, theirs),
+        "quickstart_extra_kept": sum(
+            a is None and b is not None for a, b in zip(quickstart, theirs, strict=True)
+        ),
+        "ours_removed": dict(Counter(r for r in ours if r).most_common()),
+        "disagreement_causes": dict(Counter(d["cause"] for d in diff)),
+        "disagreements": diff,
     }
-    index_bytes = sum(p.stat().st_size for p in (tmp / "dt_sigs").rglob("*.sig"))
-    return removed, {
-        "signature_s": signed - start,
-        "total_s": done - start,
-        "index_bytes_per_doc": index_bytes / len(records),
+
+
+def bench_minhash(work: Path, records: list[dict], planted: dict, rounds: int) -> dict:
+    write_shards(work / "in", records, num_shards=1)
+    times = alternate(
+        {"datatrove": fresh(work, "datatrove"), "ours": fresh(work, "ours")}, rounds, warmup=True
+    )
+    every = {r["id"] for r in records}
+    sets = _shingle_sets(records)
+    removed = {
+        name: every - kept_ids(work / f"{name}-last" / "kept") for name in ("ours", "datatrove")
+    }
+    same = removed["ours"] == removed["datatrove"]
+    union = removed["ours"] | removed["datatrove"]
+    return {
+        "ratio": ratio(times, "datatrove", "ours"),
+        "identical_work": same,
+        "identical_work_means": "same documents in, same kept documents written",
+        "seconds": times,
+        "same_removals_jaccard": round(
+            len(removed["ours"] & removed["datatrove"]) / max(1, len(union)), 4
+        ),
+        **{
+            name: {**_scores(removed[name], planted, sets), "removed": len(removed[name])}
+            for name in removed
+        },
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--near-copies", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=2, help="alternating rounds per side")
     parser.add_argument(
         "--text-dir", type=Path, help="Folder with wikitext2_valid.txt and tinyshakespeare.txt."
     )
     args = parser.parse_args()
-    if not HAVE_DATATROVE:
-        print(
-            "datatrove is not installed: running our half only "
-            '(pip install "datatrove==0.10.*" spacy regex "xxhash<4")',
-            file=sys.stderr,
-        )
-    result: dict = {"datatrove": HAVE_DATATROVE}
+    try:
+        import datatrove  # noqa: F401
+    except ImportError:
+        sys.exit('datatrove is not installed: pip install -e ".[bench]"')
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         records, planted = build_corpus(tmp, args.near_copies, args.text_dir)
-        words = sum(len(r["text"].split()) for r in records)
-        result.update(
-            {"documents": len(records), "words": words, "planted_near_copies": args.near_copies}
-        )
-        ours, ours_s = run_ours_filters(records)
-        result["filters_ours_docs_per_s"] = round(len(records) / ours_s, 1)
-        result["filters_ours_removed"] = dict(Counter(r for r in ours if r).most_common())
-        if HAVE_DATATROVE:
-            theirs, theirs_s = run_datatrove_filters(records)
-            result["filters_datatrove_docs_per_s"] = round(len(records) / theirs_s, 1)
-            result["filters_speedup"] = round(theirs_s / ours_s, 2)
-            diff = disagreements(records, ours, theirs)
-            result["filters_decision_agreement"] = round(1 - len(diff) / len(records), 4)
-            result["filters_disagreements"] = diff
-            result["filters_disagreement_causes"] = dict(Counter(d["cause"] for d in diff))
-        removed, stats = run_ours_minhash(tmp, records)
-        result["minhash_ours_docs_per_s"] = round(len(records) / stats["total_s"], 1)
-        result["minhash_ours_signature_docs_per_s"] = round(len(records) / stats["signature_s"], 1)
-        sets = _shingle_sets(records)
-        result["minhash_ours"] = {
-            **_scores(removed, planted, sets),
-            "removed": len(removed),
-            "index_bytes_per_doc": round(stats["index_bytes_per_doc"], 1),
-        }
-        if HAVE_DATATROVE:
-            removed_dt, stats_dt = run_datatrove_minhash(tmp, records)
-            result["minhash_datatrove_docs_per_s"] = round(len(records) / stats_dt["total_s"], 1)
-            result["minhash_datatrove_signature_docs_per_s"] = round(
-                len(records) / stats_dt["signature_s"], 1
-            )
-            result["minhash_speedup"] = round(stats_dt["total_s"] / stats["total_s"], 2)
-            result["minhash_signature_speedup"] = round(
-                stats_dt["signature_s"] / stats["signature_s"], 2
-            )
-            result["minhash_datatrove"] = {
-                **_scores(removed_dt, planted, sets),
-                "removed": len(removed_dt),
-                "index_bytes_per_doc": round(stats_dt["index_bytes_per_doc"], 1),
-            }
-            result["minhash_same_removals"] = round(
-                len(removed & removed_dt) / max(1, len(removed | removed_dt)), 4
-            )
-    result["peak_rss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
-    print(json.dumps(result))
+        filters = bench_filters(records, args.rounds)
+        minhash = bench_minhash(tmp, records, planted, args.rounds)
+    emit(
+        "curation",
+        ratio={"filters": filters["ratio"], "minhash": minhash["ratio"]},
+        ratio_means="datatrove median wall s / ours median wall s (above 1: ours faster)",
+        rounds=args.rounds,
+        identical_work={"filters": filters["identical_work"], "minhash": minhash["identical_work"]},
+        documents=len(records),
+        words=sum(len(r["text"].split()) for r in records),
+        planted_near_copies=sum(1 for k in planted if k.startswith("planted-")),
+        filters=filters,
+        minhash=minhash,
+    )
 
 
 if __name__ == "__main__":
