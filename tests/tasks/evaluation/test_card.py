@@ -7,10 +7,28 @@ import os
 from pathlib import Path
 
 import pytest
+from eval_fixtures import (
+    CheckpointFixture,
+    TokenizerFixture,
+    fixture_checkpoint,
+    fixture_tokenize,
+    fixture_tokenizer,
+)
 from huggingface_hub import ModelCard, metadata_load
 from huggingface_hub.repocard_data import model_index_to_eval_results
+from pydantic import BaseModel
 
+from llmflow.tasks.curation.shards import ShardWriter
+from llmflow.tasks.decontam.config import DecontamConfig
+from llmflow.tasks.decontam.step import decontaminate
 from llmflow.tasks.evaluation.card import NOT_RECORDED, CardConfig, card_config, model_card
+from llmflow.tasks.evaluation.config import EvalConfig
+from llmflow.tasks.evaluation.export import ExportConfig, export
+from llmflow.tasks.evaluation.harness import evaluate
+from llmflow.tasks.evaluation.leaderboard import LeaderboardConfig, leaderboard
+from llmflow.tasks.framework.executor import Executor
+from llmflow.tasks.framework.graph import Graph
+from llmflow.tasks.framework.step import Metrics, step
 
 
 def output(root: Path, name: str, step: str, inputs=(), **fields) -> Path:
@@ -156,3 +174,61 @@ def test_the_leaderboard_links_each_card_and_shows_contamination(tmp_path):
     assert rows[1]["card"].endswith("card-sft/hf/README.md)")
     assert json.loads((tmp_path / "models.json").read_text()) == rows
     assert model_cards(["base"], records[:1], None, tmp_path)[0]["card"] == "not written"
+
+
+class TinyCorpus(BaseModel):
+    text: str = "Homework. What is 12 + 5? 17. What is 9 - 4? 5. " + "Plain words follow. " * 20
+
+
+@step("fixture-curated")
+def fixture_curated(cfg: TinyCorpus, out: Path) -> Metrics:
+    """A curated corpus (shards/<domain>/*.parquet) of two documents, one with arithmetic."""
+    (out / "shards" / "prose").mkdir(parents=True)
+    with ShardWriter(out / "shards" / "prose" / "part-00000.parquet") as writer:
+        writer.write({"id": "math", "text": cfg.text, "domain": "prose", "source": "t"})
+        writer.write({"id": "clean", "text": "Nothing to see. " * 10, "domain": "prose"})
+    return {}
+
+
+@step("fixture-trained")
+def fixture_trained(cfg: CheckpointFixture, data: Path, out: Path) -> Metrics:
+    """A checkpoint 'trained' on ``data`` (so its lineage leads to the corpus)."""
+    return fixture_checkpoint.fn(cfg, out)
+
+
+@pytest.mark.slow  # evaluates a model with lm-eval through the executor (~30 s on a busy box)
+def test_decontaminate_evaluate_card_and_leaderboard_through_the_executor(tmp_path):
+    cfg = EvalConfig(tasks=["cf_arith", "heldout_ppl"], limit=4, num_items=4, device="cpu")
+    # 4-grams: "What is 3 + 4? 7" normalizes to "what is 0 0 0", which the corpus holds
+    decont_cfg = DecontamConfig(tasks=cfg.tasks, num_items=4, n=4)
+    graph = Graph()
+    corpus = graph.add(fixture_curated, TinyCorpus(), "tiny")
+    decont = graph.add(decontaminate, decont_cfg, "tiny", corpus=corpus)
+    tok = graph.add(fixture_tokenizer, TokenizerFixture(), "tiny")
+    heldout = graph.add(fixture_tokenize, TokenizerFixture(), "tiny")
+    ckpt = graph.add(fixture_trained, CheckpointFixture(), "tiny", data=decont)
+    model = graph.add(export, ExportConfig(label="base"), "q-base", checkpoint=ckpt, tokenizer=tok)
+    score = graph.add(evaluate, cfg, "q-base", model=model, heldout=heldout)
+    card = graph.add(
+        model_card, CardConfig(model_name="q-base"), "q-base", model=model, evaluation=score
+    )
+    graph.add(
+        leaderboard,
+        LeaderboardConfig(labels=["base"]),
+        "board",
+        evaluations=[score],
+        models=[model],
+        cards=[card],
+    )
+    executor = Executor(str(tmp_path / "runs"), audit=True)
+    outcome = executor.run(graph)
+    assert executor.unhashed_reads(graph) == {}
+    results = json.loads((Path(outcome[score].uri) / "results.json").read_text())
+    assert results["contamination"]["cf_arith"]["label"] == "100.0% (4/4 items)"
+    assert results["contamination"]["ppl_prose"]["label"].startswith("held out")
+    assert results["contamination_source"] == outcome[decont].uri
+    assert outcome[score].metrics["cf_arith/contamination"] == 1.0
+    readme = Path(outcome[card].uri) / "hf" / "README.md"
+    assert "100.0% (4/4 items)" in ModelCard.load(readme).text
+    board = Path(outcome[graph.find(step="leaderboard")[0]].uri)
+    assert str(readme) in (board / "models.md").read_text()
