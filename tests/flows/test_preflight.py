@@ -94,3 +94,17 @@ def test_preflight_passes_with_two_gloo_ranks(shape, tmp_path):
     scores = report.numbers["scores"]
     assert abs(scores["init_loss"] - math.log(49152)) < 1.0 and scores["heldout_ppl"] > 1
     assert (tmp_path / "scores.json").exists()
+
+
+@pytest.mark.slow
+def test_flow_publishes_the_go_no_go_table_as_an_artifact(prefect_harness):
+    from prefect.artifacts import Artifact
+
+    from llmflow.flows.preflight import preflight_flow
+
+    run = PreflightRun(preset="smollm3-3b", options=PLAN_ONLY)
+    result = preflight_flow(run)
+    assert result["go"] and "smollm3-3b: GO" in result["table"]
+    artifact = Artifact.get("preflight")
+    assert artifact is not None and artifact.description.endswith(": GO")
+    assert "meta build" in str(artifact.data) and "plan" in str(artifact.data)
