@@ -8,11 +8,14 @@ depends only on stages 1..k, so changing the last stage re-runs the last stage o
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from llmflow.tasks.dataprep.config import StageMixture
 from llmflow.tasks.pretrain.config import UNVERSIONED as EXEC
 from llmflow.tasks.pretrain.config import TrainConfig
+from llmflow.tasks.pretrain.ray_launch import RaySettings
 from llmflow.tasks.pretrain.schedule import steps_for_tokens
 
 
@@ -45,6 +48,12 @@ class PretrainConfig(BaseModel):
         description="Deadline per stage (the process group is killed).",
         json_schema_extra=EXEC,
     )
+    launcher: Literal["local", "ray"] = Field(
+        "local",
+        description="local: this machine (torchrun/accelerate); ray: Ray Train workers.",
+        json_schema_extra=EXEC,
+    )
+    ray: RaySettings = Field(default_factory=RaySettings, json_schema_extra=EXEC)
 
     @field_validator("stages")
     @classmethod

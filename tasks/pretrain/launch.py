@@ -24,6 +24,12 @@ from typing import Any
 
 from llmflow.tasks.pretrain.checkpointer import NOTICES
 from llmflow.tasks.pretrain.config import TrainConfig
+from llmflow.tasks.pretrain.ray_launch import (
+    RayLines,
+    RaySettings,
+    build_ray_command,
+    check_reachable,
+)
 
 TRAIN_MODULE = "llmflow.tasks.pretrain.train"
 
@@ -203,6 +209,7 @@ def launch_training(
     init_from: Path | None = None,
     num_processes: int = 1,
     accelerate_config: Path | None = None,
+    ray: RaySettings | None = None,
     on_line: Callable[[str], Any] = print,
     on_checkpoint: Callable[[dict[str, Any]], Any] = lambda _: None,
     timeout_s: float | None = None,
@@ -213,6 +220,7 @@ def launch_training(
     (vocab size, sequence length, init_from architecture).
 
     Args:
+        ray: Run the trainer on a Ray cluster with these settings instead of on this machine.
         on_checkpoint: Called once per checkpoint the trainer completes, with its notice
             (``{"path", "step", "final"}``), while the trainer runs.
 
@@ -224,11 +232,20 @@ def launch_training(
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    validate_run(cfg, Path(data_dir), val_dir, init_from, world_size=num_processes)
+    workers = ray.workers if ray is not None else num_processes
+    if ray is not None:
+        check_reachable(ray.address)
+    validate_run(cfg, Path(data_dir), val_dir, init_from, world_size=workers)
     config_path = out_dir / "train_config.json"
     cfg.save(config_path)
     args = train_arguments(config_path, data_dir, out_dir, val_dir, init_from)
-    command = build_command(args, num_processes=num_processes, accelerate_config=accelerate_config)
+    command = (
+        build_ray_command(args, ray)
+        if ray is not None
+        else build_command(args, num_processes=num_processes, accelerate_config=accelerate_config)
+    )
+    if ray is not None:
+        on_line = RayLines(on_line)
     on_line("launching: " + " ".join(command))
     run_streaming(
         command,
@@ -238,10 +255,10 @@ def launch_training(
         on_notice=on_checkpoint,
     )
     summary = json.loads((out_dir / "summary.json").read_text())
-    if num_processes > 1 and summary.get("world_size") != num_processes:
+    if workers > 1 and summary.get("world_size") != workers:
         # NOTE: accelerate's MULTI_CPU launch needs mpirun; on CPU use torchrun (no config).
         on_line(
-            f"warning: asked for {num_processes} processes, the run used "
+            f"warning: asked for {workers} processes, the run used "
             f"{summary.get('world_size')}"
         )
     return summary

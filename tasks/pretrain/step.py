@@ -34,7 +34,6 @@ EXECUTION = (
     "ray",
     "train.deterministic",
     "train.checkpoint.async_save",
-    "train.checkpoint.async_save",
     "train.activation_checkpointing",
     "train.activation_checkpointing_every_k",
     "train.log_interval",

@@ -1,0 +1,174 @@
+"""Run the trainer on a Ray cluster: Ray Train's ``TorchTrainer`` with N workers, each running
+the same ``llmflow.tasks.pretrain.train`` entry that torchrun runs.
+
+The pretrain step starts this module as its process (``launcher: ray``), exactly as it starts
+torchrun: the driver's output, worker lines included (Ray forwards them), streams into the step's
+log; checkpoints land in the run folder and are announced through ``checkpoints.jsonl``; the
+deadline kills the driver, whose job's workers Ray then stops. Ray Train sets up the process group
+(gloo on CPU, NCCL on GPU) and the torchrun environment variables, so the trainer joins it as it
+joins torchrun's. A worker that dies fails the attempt; Ray restarts the worker group up to
+``max_failures`` times, and each start resumes from the run folder's latest checkpoint, as a
+retried step does.
+
+Workers must see the run folder: one machine, or a volume shared by the nodes (see
+docs/CLUSTER.md).
+
+    python -m llmflow.tasks.pretrain.ray_launch --address auto --workers 2 -- <trainer args>
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import socket
+import sys
+import tempfile
+from collections.abc import Callable
+from typing import Any, Literal
+from urllib.parse import urlparse
+
+from pydantic import BaseModel, ConfigDict, Field
+
+CONNECT_TIMEOUT_S = 5.0
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+class RayClusterUnreachable(RuntimeError):
+    """The configured Ray address does not answer."""
+
+
+class RaySettings(BaseModel):
+    """Where and how wide the trainer runs on Ray (execution-only: never in a hash)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    address: str = Field(
+        "local",
+        description=(
+            "'local' starts a Ray cluster on this machine for the run; 'auto' joins the cluster "
+            "this machine belongs to; 'HOST:PORT' (the head's GCS) or 'ray://HOST:PORT' (Ray "
+            "Client) joins that one."
+        ),
+    )
+    workers: int = Field(2, ge=1, description="Training workers (data-parallel ranks).")
+    cpus_per_worker: float = Field(1.0, gt=0, description="CPUs each worker reserves.")
+    gpus_per_worker: float = Field(0.0, ge=0, description="GPUs each worker reserves.")
+    max_failures: int = Field(
+        1, ge=0, description="Worker-group restarts (each resumes from the latest checkpoint)."
+    )
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="Process-group backend; auto: NCCL with GPUs, else gloo."
+    )
+
+    def arguments(self) -> list[str]:
+        """This module's command-line flags for these settings."""
+        return [
+            f"--address={self.address}",
+            f"--workers={self.workers}",
+            f"--cpus-per-worker={self.cpus_per_worker}",
+            f"--gpus-per-worker={self.gpus_per_worker}",
+            f"--max-failures={self.max_failures}",
+            f"--backend={self.backend}",
+        ]
+
+
+def build_ray_command(train_args: list[str], settings: RaySettings) -> list[str]:
+    """The argv of a driver that runs the trainer on Ray."""
+    return [sys.executable, "-m", __name__, *settings.arguments(), "--", *train_args]
+
+
+def check_reachable(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+    """Fail in seconds, naming the address, when a HOST:PORT or ray:// head does not answer."""
+    if address in ("local", "auto"):
+        return
+    parsed = urlparse(address if "://" in address else f"tcp://{address}")
+    if parsed.hostname is None or parsed.port is None:
+        raise RayClusterUnreachable(f"ray address {address!r} is not HOST:PORT or ray://HOST:PORT")
+    try:
+        socket.create_connection((parsed.hostname, parsed.port), timeout=timeout_s).close()
+    except OSError as exc:
+        raise RayClusterUnreachable(
+            f"no Ray cluster answers at {address!r} ({exc}); start one (`ray start --head`) or "
+            "set pretrain.ray.address"
+        ) from exc
+
+
+class RayLines:
+    """The driver's output for people: worker lines once, without Ray's colour codes and its
+    controller's state-API chatter (no dashboard runs)."""
+
+    NOISE = ("PlacementGroupCleaner", "State API may be temporarily unavailable")
+
+    def __init__(self, on_line: Callable[[str], Any]):
+        self.on_line = on_line
+        self.last: str | None = None
+
+    def __call__(self, line: str) -> None:
+        line = ANSI.sub("", line)
+        if line == self.last or any(noise in line for noise in self.NOISE):
+            return
+        self.last = line
+        self.on_line(line)
+
+
+def _train_worker(config: dict) -> None:
+    """One Ray Train worker: the trainer's own entry, in the process group Ray set up."""
+    from llmflow.tasks.pretrain.train import main
+
+    main(config["argv"])
+
+
+def run_on_ray(settings: RaySettings, train_args: list[str]) -> None:
+    """Connect (or start a local cluster), run the workers, raise if the run failed."""
+    import ray
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    check_reachable(settings.address)
+    # The run's own settings (LLMFLOW_*) reach the workers on every node, as torchrun's children
+    # inherit them.
+    env = {k: v for k, v in os.environ.items() if k.startswith("LLMFLOW_")}
+    options: dict[str, Any] = {"log_to_driver": True, "runtime_env": {"env_vars": env}}
+    if settings.address == "local":
+        cpus = int(settings.workers * settings.cpus_per_worker) + 1
+        ray.init(num_cpus=cpus, include_dashboard=False, **options)
+    else:
+        ray.init(address=settings.address, **options)
+    use_gpu = settings.gpus_per_worker > 0
+    resources = {"CPU": settings.cpus_per_worker}
+    if use_gpu:
+        resources["GPU"] = settings.gpus_per_worker
+    trainer = TorchTrainer(
+        _train_worker,
+        train_loop_config={"argv": train_args},
+        scaling_config=ScalingConfig(
+            num_workers=settings.workers, use_gpu=use_gpu, resources_per_worker=resources
+        ),
+        torch_config=TorchConfig(backend=None if settings.backend == "auto" else settings.backend),
+        run_config=RunConfig(
+            name="llmflow-pretrain",
+            storage_path=tempfile.mkdtemp(prefix="llmflow-ray-"),
+            failure_config=FailureConfig(max_failures=settings.max_failures),
+        ),
+    )
+    trainer.fit()
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    split = argv.index("--") if "--" in argv else len(argv)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--address", default="local")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--cpus-per-worker", type=float, default=1.0)
+    parser.add_argument("--gpus-per-worker", type=float, default=0.0)
+    parser.add_argument("--max-failures", type=int, default=1)
+    parser.add_argument("--backend", default="auto")
+    args = parser.parse_args(argv[:split])
+    settings = RaySettings(**{k: v for k, v in vars(args).items()})
+    run_on_ray(settings, argv[split + 1 :])
+
+
+if __name__ == "__main__":
+    main()
