@@ -186,6 +186,8 @@ def stage_run(config: PipelineConfig, train) -> StageRun:
         num_processes=pretrain_cfg.num_processes,
         accelerate_config=pretrain_cfg.accelerate_config,
         timeout_s=pretrain_cfg.timeout_s,
+        launcher=pretrain_cfg.launcher,
+        ray=pretrain_cfg.ray,
     )
 
 
