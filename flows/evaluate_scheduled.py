@@ -7,10 +7,20 @@ suite has the same address, so a later run finds it (Cached) instead of scoring 
 that fails to evaluate (a truncated safetensors, say) fails alone: the others are scored, the
 leaderboard is built over them, then the run ends Failed naming it. Deploy it with a cron
 schedule (``deployments/prefect.yaml``).
+
+Two runs that overlap (a slow run and the next scheduled one, or a manual run) never evaluate one
+model output twice: a run holds the one slot of a Prefect global concurrency limit named after
+its store root (``store_lock``) while it evaluates, so the second waits, then finds every
+evaluation the first made in the store. The store's own file lock covers runs on one machine;
+this limit covers workers on different machines sharing one store (S3) and one Prefect server.
+The deployments also set ``concurrency_limit: 1``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+from collections.abc import Iterator
 from typing import Any
 
 from prefect import flow
@@ -26,6 +36,7 @@ from llmflow.tasks.framework.store import Store
 
 MODEL_STEPS = ("export", "sft", "dpo")  # the steps whose outputs hold a model in hf/
 LEADERBOARD_NAME = "scheduled"
+LOCK_PREFIX = "llmflow-scheduled-evaluation"
 
 
 class ScheduledEvaluationConfig(BaseModel):
@@ -133,15 +144,49 @@ def build_leaderboard(executor: PrefectExecutor, rows: list[dict[str, Any]]) -> 
     ]  # fmt: skip
 
 
+def lock_name(root: str) -> str:
+    """The global concurrency limit of one store root (runs on other roots don't wait)."""
+    return f"{LOCK_PREFIX}-{hashlib.sha256(root.encode()).hexdigest()[:16]}"
+
+
+def _ensure_limit(name: str) -> None:
+    """Create the one-slot limit ``name`` unless it exists (a concurrent creator may win)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_global_concurrency_limit_by_name(name)
+        except ObjectNotFound:
+            with contextlib.suppress(ObjectAlreadyExists):
+                client.create_global_concurrency_limit(
+                    GlobalConcurrencyLimitCreate(name=name, limit=1)
+                )
+
+
+@contextlib.contextmanager
+def store_lock(root: str) -> Iterator[None]:
+    """Hold the one slot of the store root's limit: one scheduled evaluation per store at once."""
+    from prefect.concurrency.sync import concurrency
+
+    name = lock_name(root)
+    _ensure_limit(name)
+    # NOTE: strict: without the limit two runs could both evaluate; a missing one is an error.
+    with concurrency(name, occupy=1, strict=True):
+        yield
+
+
 @flow(name="llmflow-scheduled-evaluation", log_prints=True)
 def scheduled_evaluation(
     config: ScheduledEvaluationConfig = ScheduledEvaluationConfig(),  # noqa: B008
 ) -> list[dict[str, Any]]:
     """Evaluate model outputs not yet scored, rebuild the leaderboard, fail naming failures."""
     executor = PrefectExecutor(config.root, keep_going=True)
-    graph = evaluation_graph(config, model_outputs(executor.store))
-    rows = statuses(graph, executor.run(graph))
-    rows += build_leaderboard(executor, rows)
+    with store_lock(executor.store.root):
+        graph = evaluation_graph(config, model_outputs(executor.store))
+        rows = statuses(graph, executor.run(graph))
+        rows += build_leaderboard(executor, rows)
     create_table_artifact(
         rows or [{"checkpoint": "(no model outputs yet)", "status": "", "error": ""}],
         key="llmflow-scheduled-evaluation",

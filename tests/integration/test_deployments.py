@@ -38,3 +38,12 @@ def test_multinode_job_gives_each_node_its_rank_and_a_shared_rendezvous():
     assert f"--main_process_ip {job['metadata']['name']}-0.{pod['subdomain']}" in command
     config = command.split("--config_file ")[1].split()[0]
     assert (PREFECT_FILE.parents[1] / config).exists()
+
+
+def test_prefect_file_validates_and_scheduled_evaluations_run_one_at_a_time():
+    """``prefect deploy`` reads the file with this model; overlapping scheduled runs wait."""
+    from prefect.cli.deploy._models import PrefectYamlModel
+
+    model = PrefectYamlModel.model_validate(yaml.safe_load(PREFECT_FILE.read_text()))
+    limits = {d.name: d.concurrency_limit for d in model.deployments}
+    assert limits["scheduled-evaluation"] == 1 and limits["cluster-evaluation"] == 1
