@@ -45,6 +45,9 @@ from llmflow.tasks.scaling.trial import TrialOutcome, run_trial, segment_runs, t
 log = logging.getLogger("llmflow.sweep")
 # NOTE: heartbeats are documented with Study.optimize; the ask/tell loop here records them itself.
 warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used")
+warnings.filterwarnings(
+    "ignore", message=r".*experimental", module=r"(optuna|llmflow\.flows\.sweep)"
+)
 
 SEGMENT = dataclasses.replace(pretrain, retries=0)
 """The pretrain step without retries: a sweep records a crashed trial and moves on."""
@@ -84,14 +87,19 @@ def storage_url(config: PipelineConfig, space: SweepSpace) -> str:
 def open_study(config: PipelineConfig, space: SweepSpace):
     """Create or load the study; stale RUNNING trials (a killed driver) are re-queued."""
     import optuna
-    from optuna.storages import RDBStorage, RetryFailedTrialCallback
+    from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    url = storage_url(config, space)
+    # NOTE: the driver, each trial and its heartbeat write to one SQLite file; wait for the
+    # lock (60 s) rather than fail on a busy machine.
+    engine = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else None
     storage = RDBStorage(
-        storage_url(config, space),
+        url,
+        engine_kwargs=engine,
         heartbeat_interval=heartbeat_s(space),
         grace_period=space.grace_s,
-        heartbeat_stale_trial_callback=RetryFailedTrialCallback(max_retry=3),
+        heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=3),
     )
     return optuna.create_study(
         study_name=space.study,
