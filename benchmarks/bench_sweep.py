@@ -48,7 +48,7 @@ SMALL_MODEL = [  # seconds per trial on 2 CPU cores: the embedding is most of th
 
 def spaces(args: argparse.Namespace) -> tuple[SweepSpace, SweepSpace]:
     """The grid study and the pruned TPE study over the same range and trial length."""
-    common = {"max_steps": args.steps, "segments": args.segments}
+    common = {"max_steps": args.steps, "segments": args.segments, "concurrency": args.concurrency}
     grid = [float(f"{x:.3g}") for x in np.geomspace(args.lo, args.hi, args.grid)]
     grid_space = SweepSpace.model_validate(
         {
@@ -108,6 +108,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=36, help="Steps of a full trial.")
     parser.add_argument("--segments", type=int, default=3, help="Report points of a trial.")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--concurrency", type=int, default=1, help="Trials training at once.")
     parser.add_argument("--skip-ladder", action="store_true", help="Only the searches.")
     parser.add_argument("--ladder-only", action="store_true", help="Only the ladder.")
     args = parser.parse_args()
