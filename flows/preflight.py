@@ -191,6 +191,17 @@ def check_plan(report: Report, config):
     return None
 
 
+def check_extension_plan(report: Report, config) -> None:
+    """(3b) Each context-extension stage's memory on the declared GPUs."""
+    from llmflow.tasks.pretrain.planner import extension_memory
+
+    if not config.extend.stages:
+        return
+    with timed(report, "plan: extension") as row:
+        lines = extension_memory(config.pretrain, config.extend, config.hardware)
+        row.update(go=not any("NOT fit" in line for line in lines), detail="; ".join(lines))
+
+
 def meta_parameter_count(model_cfg) -> int:
     """Parameters of the model built at full shape on the meta device (no memory allocated)."""
     import torch
@@ -444,6 +455,7 @@ def preflight(
     if options.check_data:
         check_sources(report, config, options.docs_per_source)
     plan = check_plan(report, config)
+    check_extension_plan(report, config)
     check_meta_build(report, config, plan)
     if options.train:
         work = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="llmflow-preflight-"))
@@ -487,5 +499,5 @@ def preflight_flow(run: PreflightRun = PreflightRun()) -> dict[str, Any]:  # noq
     create_table_artifact(
         report.rows(), key="preflight", description=f"Preflight of {report.recipe}: {verdict}"
     )
-    logger.info("preflight of %s\n%s", report.recipe, report.table())
+    logger.info(report.table().splitlines()[-1])  # the verdict; the table is the artifact
     return {"go": report.go, "table": report.table(), "numbers": report.numbers}
