@@ -1,19 +1,33 @@
-"""Quality per compute on CPU: our trainer (Transformer + WSD) against GPT-2 + AdamW + cosine.
+"""Quality per compute on CPU: our trainer (WSD; AdamW, and Muon) against GPT-2 + AdamW + cosine.
 
-Both models see the same packed tokens (WikiText-2 valid + tinyshakespeare from ``--text-dir``,
-byte-level BPE with 4,096 ids trained here), the same number of steps and batch, the same width
-and depth, and are scored on the same held-out rows. Training FLOPs are reported (6 N D) so the
-comparison can be read per FLOP. Ours attends within documents (packed rows, cu_seqlens);
-GPT-2 attends across document boundaries like a plain causal LM. Prints ONE JSON line.
+Data (``--text-dir``): WikiText-2 validation split into its articles (an article starts at a
+`` = Title = `` line; section titles are `` = = ... = = ``), and tinyshakespeare in
+2,000-character chunks. 10% of the articles (seeded) and the last 10% of the Shakespeare chunks
+are held out; the rest is packed for training with a byte-level BPE of 4,096 ids trained here on
+the training documents only.
 
-    python benchmarks/bench_quality_per_compute.py --text-dir DIR [--steps 200]
+Arms, same width and depth, same tokens, steps and batch, same LR floor (``MIN_LR_RATIO`` of the
+peak), each for ``--seeds`` seeds:
+
+- ``ours_adamw``: `Transformer` through our `Trainer`, AdamW, WSD;
+- ``ours_muon``: the same with ``optimizer.name: muon`` (Muon on hidden matrices, AdamW else);
+- ``gpt2_adamw``: transformers' GPT-2 (learned positions, GELU MLP, LayerNorm), AdamW, cosine.
+
+Attention scope: document masking on every arm, in training and evaluation (ours through
+``cu_seqlens``; GPT-2 through a 4-D block-diagonal causal mask and positions restarting at
+each document). Validation loss (token mean) on the held-out articles and on the held-out
+Shakespeare, mean and std over seeds. The arms run in rotating order per seed. Prints ONE JSON line.
+
+    python benchmarks/bench_quality_per_compute.py --text-dir DIR [--steps 120] [--seeds 3]
+    python benchmarks/bench_quality_per_compute.py --text-dir DIR --quick   # seconds, for tests
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
+import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -21,157 +35,263 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from llmflow.model.loss import IGNORE_INDEX, causal_lm_loss
-from llmflow.tasks.dataprep.loader import PackedLoader
-from llmflow.tasks.dataprep.pack import write_packed
-from llmflow.tasks.pretrain.config import ScheduleConfig, TrainConfig
-from llmflow.tasks.pretrain.schedule import lr_multiplier
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
-VOCAB, SEQ, BATCH, LR = 4096, 128, 16, 3e-3
-WIDTH = dict(hidden_size=256, num_layers=6, num_heads=8, num_kv_heads=2, intermediate_size=768)
+from benchmarks.common import emit  # noqa: E402
+from llmflow.model.loss import IGNORE_INDEX, causal_lm_loss  # noqa: E402
+from llmflow.tasks.dataprep.loader import PackedLoader  # noqa: E402
+from llmflow.tasks.dataprep.pack import write_packed  # noqa: E402
+from llmflow.tasks.pretrain.config import ScheduleConfig, TrainConfig  # noqa: E402
+from llmflow.tasks.pretrain.schedule import lr_multiplier  # noqa: E402
+
+VOCAB, SEQ, BATCH, LR, MIN_LR_RATIO, CHUNK = 4096, 128, 16, 3e-3, 0.1, 2000
+FULL = dict(hidden_size=192, num_layers=4, num_heads=6, num_kv_heads=2, intermediate_size=576)
+QUICK = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=192)
+ARMS = ("ours_adamw", "ours_muon", "gpt2_adamw")
 
 
-def build_data(work: Path, text_dir: Path) -> tuple[Path, Path]:
-    """Tokenize the texts with a fresh BPE; pack 95% of documents for training, 5% held out."""
+def wiki_articles(text: str) -> list[str]:
+    """WikiText articles: a new one starts at each `` = Title = `` line (not `` = = ``)."""
+    articles, current = [], []
+    for line in text.splitlines(keepends=True):
+        if line.startswith(" = ") and not line.startswith(" = = ") and current:
+            articles.append("".join(current))
+            current = []
+        current.append(line)
+    articles.append("".join(current))
+    return [a for a in articles if a.strip()]
+
+
+def split_documents(text_dir: Path, seed: int = 0) -> dict[str, list[str]]:
+    """Training documents and the two held-out sets (whole articles, the Shakespeare tail)."""
+    articles = wiki_articles((text_dir / "wikitext2_valid.txt").read_text())
+    play = (text_dir / "tinyshakespeare.txt").read_text()
+    chunks = [play[i : i + CHUNK] for i in range(0, len(play), CHUNK)]
+    order_ = np.random.default_rng(seed).permutation(len(articles))
+    cut_wiki, cut_play = int(0.9 * len(articles)), int(0.9 * len(chunks))
+    return {
+        "train": [articles[i] for i in sorted(order_[:cut_wiki])] + chunks[:cut_play],
+        "val_wiki": [articles[i] for i in sorted(order_[cut_wiki:])],
+        "val_shakespeare": chunks[cut_play:],
+    }
+
+
+def _tokenizer(docs: list[str]):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    text = (text_dir / "wikitext2_valid.txt").read_text()
-    text += (text_dir / "tinyshakespeare.txt").read_text()
-    docs = [d for d in text.split("\n\n") if len(d.strip()) > 20]
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<eos>"])
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<eos>"], show_progress=False)
     tokenizer.train_from_iterator(docs, trainer)
-    encoded = [np.array(e.ids + [0], np.int64) for e in tokenizer.encode_batch(docs)]
-    order = np.random.default_rng(0).permutation(len(encoded))
-    cut = int(0.95 * len(order))
-    dirs = []
-    for name, idx in (("train", order[:cut]), ("val", order[cut:])):
+    return tokenizer
+
+
+def build_data(work: Path, text_dir: Path) -> dict[str, Path]:
+    """Pack each split (documents + eos) with a BPE trained on the training split."""
+    splits = split_documents(text_dir)
+    tokenizer = _tokenizer(splits["train"])
+    dirs = {}
+    for name, docs in splits.items():
+        encoded = [np.array(e.ids + [0], np.int64) for e in tokenizer.encode_batch(docs)]
         out = work / name
         out.mkdir(parents=True)
-        chosen = [encoded[i] for i in sorted(idx)]
-        lengths = np.array([len(d) for d in chosen])
-        write_packed([(np.concatenate(chosen), lengths)], out, seq_len=SEQ, vocab_size=VOCAB,
+        lengths = np.array([len(d) for d in encoded])
+        write_packed([(np.concatenate(encoded), lengths)], out, seq_len=SEQ, vocab_size=VOCAB,
                      eos_id=0, pad_id=0, seed=0, rows_per_shard=4096)  # fmt: skip
-        dirs.append(out)
-    return dirs[0], dirs[1]
+        dirs[name] = out
+    return dirs
 
 
-def train_ours(train: Path, val: Path, out: Path, steps: int, val_batches: int) -> dict:
-    from llmflow.tasks.pretrain.train import run
-
-    cfg = TrainConfig.model_validate({
-        "model": {"preset": "debug", "overrides": {**WIDTH, "vocab_size": VOCAB,
+def _train_config(width: dict, steps: int, seed: int, optimizer: str) -> TrainConfig:
+    return TrainConfig.model_validate({
+        "model": {"preset": "debug", "overrides": {**width, "vocab_size": VOCAB,
                                                    "max_seq_len": SEQ}},
-        "optimizer": {"lr": LR, "weight_decay": 0.1, "fused": True},
-        "schedule": {"name": "wsd", "warmup_steps": steps // 20, "decay_fraction": 0.2,
-                     "min_lr_ratio": 0.0},
-        "batch": {"micro_batch_size": BATCH}, "max_steps": steps,
-        "checkpoint": {"interval": steps, "keep_last": 1}, "eval_batches": val_batches,
-        "eval_interval": steps, "log_interval": max(steps // 10, 1), "progress_bar": False,
+        "optimizer": {"name": optimizer, "lr": LR, "weight_decay": 0.1},
+        "schedule": {"name": "wsd", "warmup_steps": max(steps // 20, 1), "decay_fraction": 0.2,
+                     "min_lr_ratio": MIN_LR_RATIO},
+        "batch": {"micro_batch_size": BATCH}, "max_steps": steps, "seed": seed,
+        "checkpoint": {"interval": steps, "keep_last": 1}, "eval_batches": 1,
+        "eval_interval": steps, "log_interval": max(steps // 4, 1), "progress_bar": False,
         "tracker": {"tensorboard": False}, "deterministic": False,
     })  # fmt: skip
+
+
+def train_ours(data: dict, out: Path, width: dict, steps: int, seed: int, optimizer: str) -> dict:
+    """Our Trainer on the training split; the trained model scored on both held-out sets."""
+    from llmflow.tasks.pretrain.distributed import teardown_runtime
+    from llmflow.tasks.pretrain.train import Trainer
+
+    cfg = _train_config(width, steps, seed, optimizer)
     start = time.perf_counter()
-    summary = run(cfg, train, out, val)
-    n = cfg.model_config_obj().num_parameters(non_embedding=True)
-    return {"val_loss": summary["val_loss"], "wall_s": time.perf_counter() - start,
-            "tokens_per_s": summary["tokens_per_s"],
-            "non_embedding_params": n, "final_train_loss": summary["final_loss"]}  # fmt: skip
+    try:
+        trainer = Trainer(cfg, data["train"], out, data["val_wiki"])
+        summary = trainer.fit()
+        model = trainer.model
+    finally:
+        teardown_runtime()
+    seconds = time.perf_counter() - start
+
+    def forward(batch):
+        return model(batch["input_ids"], batch["position_ids"], batch["cu_seqlens"])
+
+    losses = {
+        name: evaluate(forward, model, data[name]) for name in ("val_wiki", "val_shakespeare")
+    }
+    return {**losses, "wall_s": seconds, "final_train_loss": summary["final_loss"],
+            "non_embedding_params": cfg.model_config_obj().num_parameters(non_embedding=True)}  # fmt: skip
 
 
-def train_gpt2(train: Path, val: Path, steps: int, val_batches: int) -> dict:
-    """GPT-2 (learned positions, GELU MLP, LayerNorm) with AdamW and warmup + cosine.
+def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """(B, 1, T, T) boolean causal mask within documents (a document starts at position 0)."""
+    doc = torch.cumsum(position_ids == 0, dim=1)
+    seq = position_ids.shape[1]
+    causal = torch.ones(seq, seq, dtype=torch.bool).tril()
+    return ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]
 
-    # NOTE: n_inner=960 gives GPT-2 the same non-embedding parameters per layer as ours
-    # (4*256^2 + 2*256*960 = 12*32*256 + 256^2 + 3*256*768), so equal tokens are equal FLOPs.
+
+def _gpt2(width: dict, seed: int):
+    """GPT-2 with the same width and depth.
+
+    # NOTE: n_inner is chosen so GPT-2 has the same non-embedding parameters per layer as ours
+    # (4 d^2 + 2 d n_inner = attention with GQA + 3 d i), so equal tokens are equal FLOPs.
     """
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=WIDTH["hidden_size"],
-                        n_layer=WIDTH["num_layers"], n_head=WIDTH["num_heads"],
-                        n_inner=960, resid_pdrop=0.0,
-                        embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa",
-                        bos_token_id=0, eos_token_id=0, pad_token_id=0)  # fmt: skip
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(config).train()
+    d, heads, kv = width["hidden_size"], width["num_heads"], width["num_kv_heads"]
+    ours_per_layer = 2 * d * d + 2 * d * (d // heads) * kv + 3 * d * width["intermediate_size"]
+    n_inner = (ours_per_layer - 4 * d * d) // (2 * d)
+    config = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=d, n_layer=width["num_layers"],
+                        n_head=heads, n_inner=n_inner, resid_pdrop=0.0, embd_pdrop=0.0,
+                        attn_pdrop=0.0, attn_implementation="sdpa", bos_token_id=0,
+                        eos_token_id=0, pad_token_id=0)  # fmt: skip
+    torch.manual_seed(seed)
+    return GPT2LMHeadModel(config).train()
+
+
+def train_gpt2(data: dict, width: dict, steps: int, seed: int) -> dict:
+    """GPT-2 with AdamW and warmup + cosine to the same floor, document-masked."""
+    model = _gpt2(width, seed)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "wte" not in n]
     rest = [p for n, p in model.named_parameters() if p.ndim < 2 or "wte" in n]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
                                    {"params": rest, "weight_decay": 0.0}], lr=LR,
-                                  betas=(0.9, 0.95), fused=True)  # fmt: skip
-    schedule = ScheduleConfig(name="cosine", warmup_steps=steps // 20, min_lr_ratio=0.1)
-    loader = PackedLoader(train, BATCH, seed=0)
+                                  betas=(0.9, 0.95))  # fmt: skip
+    schedule = ScheduleConfig(
+        name="cosine", warmup_steps=max(steps // 20, 1), min_lr_ratio=MIN_LR_RATIO
+    )
+    loader = PackedLoader(data["train"], BATCH, seed=seed)
+
+    def forward(batch):
+        pos = batch["position_ids"]
+        return model(input_ids=batch["input_ids"], position_ids=pos,
+                     attention_mask=document_mask(pos)).logits  # fmt: skip
+
     start = time.perf_counter()
     for step in range(steps):
         for group in optimizer.param_groups:
             group["lr"] = LR * lr_multiplier(step, schedule, steps)
         batch = loader.next_batch()
-        ids = batch["input_ids"]
-        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
-        loss, _ = causal_lm_loss(logits, batch["labels"])
+        loss, _ = causal_lm_loss(forward(batch), batch["labels"])
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    train_s = time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    losses = {
+        name: evaluate(forward, model, data[name]) for name in ("val_wiki", "val_shakespeare")
+    }
     n = sum(p.numel() for n_, p in model.named_parameters() if "wte" not in n_ and "wpe" not in n_)
-    tokens_per_s = steps * BATCH * SEQ / train_s
-    return {"val_loss": evaluate_gpt2(model, val, val_batches), "tokens_per_s": tokens_per_s,
-            "non_embedding_params": n, "final_train_loss": loss.item()}  # fmt: skip
+    return {**losses, "wall_s": seconds, "final_train_loss": loss.item(),
+            "non_embedding_params": n}  # fmt: skip
 
 
 @torch.no_grad()
-def evaluate_gpt2(model: torch.nn.Module, val: Path, val_batches: int) -> float:
-    """Token-mean loss on the same rows the trainer's evaluate() reads (same loader, seed 0)."""
+def evaluate(forward, model: torch.nn.Module, val: Path) -> float:
+    """Token-mean loss over every held-out row (one pass, fixed order)."""
     model.eval()
     loader = PackedLoader(val, BATCH, seed=0)
+    batches = -(-loader.num_sequences // BATCH)
     total = count = 0.0
-    for _ in range(val_batches):
+    for _ in range(batches):
         batch = loader.next_batch()
-        ids = batch["input_ids"]
-        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
-        loss, _ = causal_lm_loss(logits, batch["labels"])
+        loss, _ = causal_lm_loss(forward(batch), batch["labels"])
         n = float((batch["labels"] != IGNORE_INDEX).sum())
         total, count = total + loss.item() * n, count + n
+    model.train()
     return total / count
+
+
+def mean_std(values: list[float]) -> dict:
+    std = statistics.stdev(values) if len(values) > 1 else 0.0
+    return {"mean": round(statistics.mean(values), 4), "std": round(std, 4)}
+
+
+def run_arm(arm: str, data: dict, work: Path, width: dict, steps: int, seed: int) -> dict:
+    if arm == "gpt2_adamw":
+        return train_gpt2(data, width, steps, seed)
+    optimizer = "muon" if arm == "ours_muon" else "adamw"
+    return train_ours(data, work / f"{arm}-{seed}", width, steps, seed, optimizer)
+
+
+def summarize(results: dict[str, list[dict]], steps: int) -> dict:
+    tokens = steps * BATCH * SEQ
+    out = {}
+    for arm, runs in results.items():
+        out[arm] = {
+            "val_wiki": mean_std([r["val_wiki"] for r in runs]),
+            "val_shakespeare": mean_std([r["val_shakespeare"] for r in runs]),
+            "train_wall_s": mean_std([r["wall_s"] for r in runs]),
+            "train_flops": 6 * runs[0]["non_embedding_params"] * tokens,
+        }
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="tiny model, 8 steps (for tests)")
     parser.add_argument(
-        "--text-dir",
-        type=Path,
-        required=True,
+        "--text-dir", type=Path, required=True,
         help="Folder with wikitext2_valid.txt and tinyshakespeare.txt.",
-    )
+    )  # fmt: skip
     args = parser.parse_args()
     if not args.text_dir.is_dir():
         parser.error(f"--text-dir {args.text_dir} is not a folder")
+    width, steps = (QUICK, 8) if args.quick else (FULL, args.steps)
     torch.set_num_threads(2)
+    results: dict[str, list[dict]] = {arm: [] for arm in ARMS}
     with tempfile.TemporaryDirectory() as tmp:
-        train, val = build_data(Path(tmp), args.text_dir)
-        num_val = json.loads((val / "meta.json").read_text())["num_sequences"]
-        val_batches = max(num_val // BATCH, 1)
-        ours = train_ours(train, val, Path(tmp) / "ours", args.steps, val_batches)
-        gpt2 = train_gpt2(train, val, args.steps, val_batches)
-    tokens = args.steps * BATCH * SEQ
-    for result in (ours, gpt2):
-        result["train_flops"] = 6 * result["non_embedding_params"] * tokens
-    print(json.dumps({
-        "benchmark": "quality_per_compute",
-        "setup": f"{args.steps} steps x {BATCH}x{SEQ} tokens, BPE {VOCAB}, width 256, 6 layers",
-        "ours_wsd_val_loss": round(ours["val_loss"], 4),
-        "gpt2_cosine_val_loss": round(gpt2["val_loss"], 4),
-        "val_loss_ratio": round(ours["val_loss"] / gpt2["val_loss"], 4),
-        "ours_val_ppl": round(math.exp(ours["val_loss"]), 2),
-        "gpt2_val_ppl": round(math.exp(gpt2["val_loss"]), 2),
-        "ours_train_flops": ours["train_flops"], "gpt2_train_flops": gpt2["train_flops"],
-        "ours_train_tokens_per_s": round(ours["tokens_per_s"], 1),
-        "gpt2_train_tokens_per_s": round(gpt2["tokens_per_s"], 1),
-        "tokens": tokens, "val_rows": val_batches * BATCH,
-    }))  # fmt: skip
+        data = build_data(Path(tmp), args.text_dir)
+        for seed in range(args.seeds):
+            for arm in ARMS[seed % len(ARMS) :] + ARMS[: seed % len(ARMS)]:  # rotate the order
+                results[arm].append(run_arm(arm, data, Path(tmp), width, steps, seed))
+        rows = {
+            n: json.loads((d / "meta.json").read_text())["num_sequences"] for n, d in data.items()
+        }
+    summary = summarize(results, steps)
+    wiki = {arm: s["val_wiki"]["mean"] for arm, s in summary.items()}
+    emit(
+        "quality_per_compute",
+        ratio=round(wiki["gpt2_adamw"] / wiki["ours_adamw"], 4),
+        ratio_means="GPT-2 mean held-out WikiText loss / ours (AdamW); above 1: ours better",
+        wall_time_ratio=round(
+            summary["gpt2_adamw"]["train_wall_s"]["mean"]
+            / summary["ours_adamw"]["train_wall_s"]["mean"],
+            3,
+        ),  # fmt: skip
+        rounds=args.seeds,
+        identical_work=True,
+        identical_work_means="same tokens, steps, batch, width, depth, LR floor, attention scope",
+        attention_scope="document masking on every arm (training and evaluation)",
+        lr_floor=MIN_LR_RATIO,
+        setup=f"{steps} steps x {BATCH}x{SEQ} tokens, BPE {VOCAB}, width {width['hidden_size']}, "
+        f"{width['num_layers']} layers, seeds 0..{args.seeds - 1}",
+        rows=rows,
+        arms=summary,
+    )
 
 
 if __name__ == "__main__":
