@@ -151,3 +151,23 @@ def test_ray_workers_match_torchrun_and_resume_after_a_killed_worker(
     assert expected.keys() == got.keys()
     for name, tensor in expected.items():
         assert (got[name] - tensor).abs().max().item() <= 1e-5, name
+
+
+def test_kuberay_manifest_is_a_raycluster_with_a_gpu_worker_group():
+    import string
+
+    import yaml
+
+    from llmflow.tasks.framework.resources import data_dir
+
+    text = (data_dir("deployments") / "kubernetes" / "kuberay-cluster.yaml").read_text()
+    values = {"NUM_NODES": "4", "GPUS_PER_NODE": "8", "IMAGE": "llmflow:gpu", "PVC": "shared"}
+    cluster = yaml.safe_load(string.Template(text).substitute(values))
+    assert cluster["kind"] == "RayCluster"
+    (group,) = cluster["spec"]["workerGroupSpecs"]
+    assert group["replicas"] == 4
+    (worker,) = group["template"]["spec"]["containers"]
+    assert worker["resources"]["limits"]["nvidia.com/gpu"] == "8"
+    assert worker["workingDir"] == "/opt/llmflow"
+    mounts = {m["mountPath"] for m in worker["volumeMounts"]}
+    assert "/shared" in mounts
