@@ -195,6 +195,7 @@ def _orphans(marker: str) -> list[int]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)
 def test_sweep_killed_with_sigkill_resumes_and_finishes(prefect_harness, tmp_path):
     import optuna
 
