@@ -89,9 +89,10 @@ def test_deployment_parameters_resolve_the_recipe():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # 135m took 729 s at load 30 on 2 cores; 360m about twice that
 @pytest.mark.parametrize("shape", ["135m", "360m"])
 def test_preflight_passes_with_two_gloo_ranks(shape, tmp_path):
-    """Real steps at full width and depth (short sequences), FSDP2 over 2 ranks, crash, resume."""
+    """Real steps at full width and depth (short sequences), FSDP2 over 2 ranks, and a resume."""
     options = PreflightOptions(
         processes=2, seq_len=32, micro_batch_size=1, steps=4, check_data=False
     )
