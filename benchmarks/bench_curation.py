@@ -55,6 +55,8 @@ from llmflow.tasks.curation.heuristics import apply_filters  # noqa: E402
 from llmflow.tasks.curation.minhash import minhash_signatures, near_dedup  # noqa: E402
 from tests.tasks.curation.helpers import near_copy, real_documents, write_shards  # noqa: E402
 
+NEAR_PREFIXES = ("planted-", "near-")  # our planted copies, the sample's near copies
+
 
 def build_corpus(
     tmp: Path, num_near: int, text_dir: Path | None, seed: int = 0
@@ -193,10 +195,10 @@ def _max_jaccard(doc_id: str, sets: dict[str, set[int]]) -> float:
 
 
 def _scores(removed: set[str], planted: dict[str, str], sets: dict[str, set[int]]) -> dict:
-    """Recall on our planted near copies (a pair counts when one of the two is removed);
-    precision: removed documents that are planted copies/originals (ours or the sample's) or
+    """Recall on the planted near copies, ours and the sample's (a pair counts when one of
+    the two is removed); precision: removed documents that are planted copies/originals (ours or the sample's) or
     have a true 5-gram Jaccard >= 0.5 with some other document."""
-    ours = {c: o for c, o in planted.items() if c.startswith("planted-")}
+    ours = {c: o for c, o in planted.items() if c.startswith(NEAR_PREFIXES)}
     caught = sum(1 for c, o in ours.items() if c in removed or o in removed)
     linked = set(planted) | set(planted.values())
     false = [i for i in removed if i not in linked and _max_jaccard(i, sets) < 0.5]
@@ -365,7 +367,7 @@ def main() -> None:
         identical_work={"filters": filters["identical_work"], "minhash": minhash["identical_work"]},
         documents=len(records),
         words=sum(len(r["text"].split()) for r in records),
-        planted_near_copies=sum(1 for k in planted if k.startswith("planted-")),
+        planted_near_copies=sum(1 for k in planted if k.startswith(NEAR_PREFIXES)),
         filters=filters,
         minhash=minhash,
     )
