@@ -6,14 +6,12 @@ theirs; every filter can be switched off and scoped to domains.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-PROSE_ONLY = ["code", "math"]
-"""Domains the prose heuristics skip by default: Python source fails Gopher's stop-word and
-alpha-word rules and C4's curly-bracket rule, and templated arithmetic fails Gopher's repeated
-n-gram and alpha-word rules, so applying them would drop every code and math document."""
+PROSE_SECTIONS = ("gopher_repetition", "gopher_quality", "c4", "fineweb")
+"""The filters written for prose: a recipe's ``curate.skip_domains`` reaches each of them."""
 
 
 class _Strict(BaseModel):
@@ -122,7 +120,10 @@ class GopherQualityConfig(_Strict):
     """Gopher quality rules (Rae et al. 2021, table A1), datatrove thresholds."""
 
     enabled: bool = True
-    skip_domains: list[str] = Field(default_factory=lambda: list(PROSE_ONLY))
+    skip_domains: list[str] = Field(
+        default_factory=list,
+        description="Domains this rule leaves alone; in a recipe, curate.skip_domains unless set.",
+    )
     min_doc_words: int | None = 50
     max_doc_words: int | None = 100_000
     min_avg_word_length: float | None = 3
@@ -148,7 +149,10 @@ class GopherRepetitionConfig(_Strict):
     """Gopher repetition rules, datatrove thresholds."""
 
     enabled: bool = True
-    skip_domains: list[str] = Field(default_factory=lambda: list(PROSE_ONLY))
+    skip_domains: list[str] = Field(
+        default_factory=list,
+        description="Domains this rule leaves alone; in a recipe, curate.skip_domains unless set.",
+    )
     dup_line_frac: float | None = 0.3
     dup_para_frac: float | None = 0.3
     dup_line_char_frac: float | None = 0.2
@@ -165,7 +169,10 @@ class C4Config(_Strict):
     """C4 rules as a document filter; line rewriting (dropping failing lines) is optional."""
 
     enabled: bool = True
-    skip_domains: list[str] = Field(default_factory=lambda: list(PROSE_ONLY))
+    skip_domains: list[str] = Field(
+        default_factory=list,
+        description="Domains this rule leaves alone; in a recipe, curate.skip_domains unless set.",
+    )
     rewrite_lines: bool = Field(False, description="Replace the text by its kept lines.")
     remove_citations: bool = True
     filter_no_terminal_punct: bool = Field(
@@ -184,7 +191,10 @@ class FineWebQualityConfig(_Strict):
     """FineWeb's own quality rules, datatrove thresholds."""
 
     enabled: bool = True
-    skip_domains: list[str] = Field(default_factory=lambda: list(PROSE_ONLY))
+    skip_domains: list[str] = Field(
+        default_factory=list,
+        description="Domains this rule leaves alone; in a recipe, curate.skip_domains unless set.",
+    )
     line_punct_thr: float = 0.12
     line_punct_exclude_zero: bool = False
     short_line_thr: float = 0.67
@@ -231,7 +241,10 @@ class QualityModelConfig(_Strict):
     threshold: float = Field(
         0.5, description="Drop documents whose predicted good-probability is below this."
     )
-    skip_domains: list[str] = Field(default_factory=lambda: list(PROSE_ONLY))
+    skip_domains: list[str] = Field(
+        default_factory=list,
+        description="Domains this rule leaves alone; in a recipe, curate.skip_domains unless set.",
+    )
     seed: int = 0
 
     @field_validator("holdout_fraction", "threshold")
@@ -257,6 +270,13 @@ class CorpusConfig(_Strict):
     """The final ``curate`` step reads no setting: its corpus follows from its inputs alone."""
 
 
+def _with_skip(section: Any, skip: list[str]) -> Any:
+    """A section's raw fields with ``skip_domains`` filled in, unless it gives its own."""
+    if not isinstance(section, dict) or "skip_domains" in section:
+        return section
+    return {**section, "skip_domains": skip}
+
+
 class CurateConfig(_Strict):
     """The whole curate step; each stage's step gets only the part it reads (see `recipe.py`)."""
 
@@ -266,6 +286,27 @@ class CurateConfig(_Strict):
     filters: FiltersConfig = Field(default_factory=FiltersConfig)
     quality_model: QualityModelConfig = Field(default_factory=QualityModelConfig)
     pii: PIIConfig = Field(default_factory=PIIConfig)
+    skip_domains: list[str] = Field(
+        default_factory=list,
+        description="Domains the prose filters and the quality model leave alone (e.g. code, "
+        "math: Python fails Gopher's stop-word and C4's curly-bracket rules, templated "
+        "arithmetic Gopher's n-gram rules). Each of them inherits it unless it sets its own.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _inherit_skip_domains(cls, data: Any) -> Any:
+        """Give each prose filter and the quality model ``skip_domains`` where they set none."""
+        if not isinstance(data, dict) or not data.get("skip_domains"):
+            return data
+        skip = list(data["skip_domains"])
+        filters = data.get("filters", {})
+        if isinstance(filters, dict):
+            filters = {s: _with_skip(filters.get(s, {}), skip) for s in PROSE_SECTIONS} | {
+                k: v for k, v in filters.items() if k not in PROSE_SECTIONS
+            }
+        quality = _with_skip(data.get("quality_model", {}), skip)
+        return {**data, "filters": filters, "quality_model": quality}
 
     def filter_config(self) -> FilterStepConfig:
         """The heuristic filters and PII settings, what the filter step reads."""

@@ -2,7 +2,8 @@
 
 Filters run in datatrove's FineWeb order: Gopher repetition, Gopher quality, C4, FineWeb
 quality; the first that fails names the removal reason. Each filter skips the domains in its
-`skip_domains` (code by default: prose rules would remove every Python file). The step,
+`skip_domains` (in a recipe, `curate.skip_domains`: the quickstart skips code and math, which
+prose rules would remove whole). The step,
 `filter_shards`, runs on one normalized output.
 """
 

@@ -6,8 +6,10 @@ import random
 
 import pytest
 
+from llmflow.tasks.config import load_config
 from llmflow.tasks.curation.config import (
     C4Config,
+    CurateConfig,
     FiltersConfig,
     FineWebQualityConfig,
     GopherQualityConfig,
@@ -97,8 +99,27 @@ def test_fineweb_rules():
 
 def test_code_is_not_filtered_as_prose():
     code = "def f(x):\n    return {x: 1}\n\n\nclass A:\n    pass\n"
-    assert apply_filters(FiltersConfig(), code, "code")[0] is None
-    assert apply_filters(FiltersConfig(), code, "web")[0] is not None
+    filters = CurateConfig(skip_domains=["code", "math"]).filters
+    assert apply_filters(filters, code, "code")[0] is None
+    assert apply_filters(filters, code, "web")[0] is not None
+    # No domain name is built in: without the recipe's setting, code is prose like any text.
+    assert apply_filters(FiltersConfig(), code, "code")[0] is not None
+
+
+def test_recipe_skip_domains_reach_every_prose_filter_and_the_quality_model():
+    cfg = CurateConfig.model_validate(
+        {"skip_domains": ["code"], "filters": {"c4": {"skip_domains": ["math"]}}}
+    )
+    sections = ["gopher_repetition", "gopher_quality", "fineweb"]
+    assert all(getattr(cfg.filters, s).skip_domains == ["code"] for s in sections)
+    assert cfg.filters.c4.skip_domains == ["math"]  # its own setting wins
+    assert cfg.quality_model.skip_domains == ["code"]
+    assert cfg.filter_config().filters == cfg.filters  # what the filter step hashes
+    default = CurateConfig()
+    assert default.skip_domains == [] and default.filters.gopher_quality.skip_domains == []
+    quickstart = load_config(None, []).curate
+    assert quickstart.filters.gopher_quality.skip_domains == ["code", "math"]
+    assert quickstart.quality_model.skip_domains == ["code", "math"]
 
 
 def test_disabled_filter_is_skipped():

@@ -64,7 +64,7 @@ def test_quality_model_stage_drops_low_scores(tmp_path):
     write_shards(tmp_path / "in", records)
     out = tmp_path / "q"
     out.mkdir()
-    metrics = quality_model(QualityModelConfig(), [tmp_path / "in"], out)
+    metrics = quality_model(QualityModelConfig(skip_domains=["code"]), [tmp_path / "in"], out)
     dropped = set(pq.read_table(out / "drops.parquet").column("id").to_pylist())
     assert dropped == {f"s{i}" for i in range(40)}
     assert metrics["holdout_precision"] == 1.0 and metrics["holdout_recall"] == 1.0
