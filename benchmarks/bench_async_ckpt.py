@@ -9,6 +9,8 @@ RNG/loader files), any wait of the next optimizer step for the state copy, the w
 write at the next save, and the commit. ``final/`` is synchronous in both and left out.
 
 The headline ``ratio`` is the median async blocked time over the median sync one (goal <= 0.2).
+An asynchronous write hides only behind the steps until the next save: with ``--interval 1`` and a
+write slower than a step, the next save waits for it and async blocks about as long as sync.
 ``identical_work``: both settings ended on the same loss, bit for bit. The runs' wall times are
 reported too (the background write shares the CPU with training). Prints ONE JSON line.
 
