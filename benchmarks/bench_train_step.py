@@ -1,10 +1,22 @@
-"""Train-step throughput on CPU: our Transformer against transformers' SmolLM3ForCausalLM.
+"""Train-step throughput on CPU: our Transformer against transformers' SmolLM3ForCausalLM, like for
+like.
 
 Same shapes (hidden 256, 6 layers, 8 heads / 2 KV heads, intermediate 768, vocab 8192, tied
-embeddings, NoPE every 4th layer as SmolLM3 does), batch 8 x 256, fp32, sdpa, AdamW, gradient
-clipping at 1.0, ``torch.set_num_threads(2)``. Both step the same way: forward, loss, backward,
-clip, optimizer step, zero_grad. Rounds alternate between the two so machine load hits both
-alike; the figure is the median over rounds. Prints ONE JSON line.
+embeddings, NoPE every 4th layer as SmolLM3 does), batch 8 x 256, fp32, sdpa, gradient clipping
+at 1.0, ``torch.set_num_threads(2)``, the same starting weights (ours exported to the HF layout)
+and the same targets (the last position of each row takes no loss on either side). Each side
+steps the way its users do: ours through the trainer's loss (``model(..., labels=...)``, the output
+projection fused into the loss) and its optimizer groups; SmolLM3 through ``model(input_ids,
+labels=...).loss``. Both use AdamW with the same hyperparameters and the same no-decay groups
+(embeddings and norms). Three pairs, each compared with itself only:
+
+- ``eager`` (the headline ``ratio``): no compile, torch's default AdamW on both;
+- ``fused_adamw``: no compile, ``AdamW(fused=True)`` on both;
+- ``compiled``: each decoder layer ``torch.compile``d (as our trainer does), default AdamW, both.
+
+Rounds alternate over all variants (each round rotates the order) so machine load hits each alike;
+a variant's figure is the median over rounds of its tokens per second. ``identical_work`` says
+that both sides' first-step losses from the same weights agree within 1e-4. Prints ONE JSON line.
 
     python benchmarks/bench_train_step.py [--rounds 5] [--steps 4] [--no-compile]
 """
@@ -12,14 +24,14 @@ alike; the figure is the median over rounds. Prints ONE JSON line.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import time
 
 import torch
+from common import alternate, emit
 
 from llmflow.model.config import ModelConfig
-from llmflow.model.loss import causal_lm_loss
+from llmflow.model.hf import to_hf_state_dict
+from llmflow.model.loss import IGNORE_INDEX
 from llmflow.model.transformer import Transformer
 from llmflow.tasks.pretrain.config import OptimizerConfig
 from llmflow.tasks.pretrain.optim import build_optimizers
@@ -27,17 +39,53 @@ from llmflow.tasks.pretrain.optim import build_optimizers
 SHAPES = dict(vocab_size=8192, hidden_size=256, num_layers=6, num_heads=8, num_kv_heads=2,
               intermediate_size=768, max_seq_len=256, tie_embeddings=True, nope_interval=4)  # fmt: skip
 BATCH, SEQ = 8, 256
+OPTIM = OptimizerConfig(lr=1e-3)
 
 
 def ours(compile_blocks: bool, fused: bool):
-    """Our model with the trainer's optimizer groups; returns a step function."""
+    """Our model with the trainer's loss and optimizer groups; returns (model, step)."""
     model = Transformer(ModelConfig(**SHAPES))
     model.init_weights(seed=0)
     if compile_blocks:  # NOTE: per block, as the trainer does (cfg.compile)
         for block in model.layers:
             block.compile()
-    (optimizer,) = build_optimizers(model, OptimizerConfig(lr=1e-3, fused=fused))
-    return train_step(model, optimizer, lambda ids, labels: causal_lm_loss(model(ids), labels)[0])
+    (optimizer,) = build_optimizers(model, OPTIM.model_copy(update={"fused": fused}))
+
+    def loss_of(ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return model(ids, labels=labels)[0]
+
+    return model, train_step(model, optimizer, loss_of)
+
+
+def smollm3(compile_layers: bool, fused: bool, weights: dict[str, torch.Tensor]):
+    """transformers' SmolLM3ForCausalLM with the same shapes and weights; returns (model, step)."""
+    from transformers import SmolLM3Config, SmolLM3ForCausalLM
+
+    config = SmolLM3Config(
+        vocab_size=SHAPES["vocab_size"], hidden_size=SHAPES["hidden_size"],
+        intermediate_size=SHAPES["intermediate_size"], num_hidden_layers=SHAPES["num_layers"],
+        num_attention_heads=SHAPES["num_heads"], num_key_value_heads=SHAPES["num_kv_heads"],
+        max_position_embeddings=SEQ, tie_word_embeddings=True, no_rope_layer_interval=4,
+        # NOTE: SmolLM3Config's default pad id 128004 is outside a small vocab.
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, attn_implementation="sdpa",
+    )  # fmt: skip
+    model = SmolLM3ForCausalLM(config).train()
+    model.load_state_dict(weights, strict=False)  # lm_head.weight is the tied embedding
+    if compile_layers:
+        for layer in model.model.layers:
+            layer.compile()
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2 or "embed" in n]
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
+    groups = [{"params": decay, "weight_decay": OPTIM.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]  # fmt: skip
+    optimizer = torch.optim.AdamW(
+        groups, lr=OPTIM.lr, betas=OPTIM.betas, eps=OPTIM.eps, fused=fused or None
+    )
+
+    def loss_of(ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return model(input_ids=ids, labels=ids).loss  # shifted inside, as HF users call it
+
+    return model, train_step(model, optimizer, loss_of)
 
 
 def train_step(model, optimizer, loss_of):
@@ -54,65 +102,55 @@ def train_step(model, optimizer, loss_of):
     return step
 
 
-def smollm3():
-    """transformers' SmolLM3ForCausalLM with the same shapes, torch AdamW (HF Trainer default)."""
-    from transformers import SmolLM3Config, SmolLM3ForCausalLM
-
-    config = SmolLM3Config(
-        vocab_size=SHAPES["vocab_size"], hidden_size=SHAPES["hidden_size"],
-        intermediate_size=SHAPES["intermediate_size"], num_hidden_layers=SHAPES["num_layers"],
-        num_attention_heads=SHAPES["num_heads"], num_key_value_heads=SHAPES["num_kv_heads"],
-        max_position_embeddings=SEQ, tie_word_embeddings=True, no_rope_layer_interval=4,
-        # NOTE: SmolLM3Config's default pad id 128004 is outside a small vocab.
-        pad_token_id=0, bos_token_id=1, eos_token_id=2, attn_implementation="sdpa",
-    )  # fmt: skip
-    model = SmolLM3ForCausalLM(config).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-    return train_step(model, optimizer, lambda ids, labels: model(input_ids=ids, labels=ids).loss)
-
-
-def timed(step, ids, labels, steps: int) -> float:
-    """Tokens per second over ``steps`` steps."""
-    start = time.perf_counter()
-    for _ in range(steps):
-        step(ids, labels)
-    return steps * ids.numel() / (time.perf_counter() - start)
+def build(compile_: bool) -> dict[str, tuple]:
+    """Every (side, variant) -> (model, step)."""
+    variants = {"eager": (False, False), "fused_adamw": (False, True)}
+    if compile_:
+        variants["compiled"] = (True, False)
+    steps = {}
+    for name, (compiled, fused) in variants.items():
+        model, steps[f"ours_{name}"] = ours(compiled, fused)
+        weights = to_hf_state_dict(model.state_dict(), model.cfg)
+        steps[f"smollm3_{name}"] = smollm3(compiled, fused, weights)[1]
+    return steps
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=4, help="train steps per timed call")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps (and compilation)")
     parser.add_argument("--no-compile", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(2)
-    torch.manual_seed(0)
-    ids = torch.randint(0, SHAPES["vocab_size"], (BATCH, SEQ + 1))
-    inputs, labels = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
-    steps = {"ours_eager": ours(False, fused=False), "ours_fused_adamw": ours(False, fused=True),
-             "smollm3": smollm3()}  # fmt: skip
-    if not args.no_compile:
-        steps["ours_compiled"] = ours(True, fused=True)
-    for step in steps.values():  # warmup (and compilation)
-        for _ in range(args.warmup):
-            step(inputs, labels)
-    results: dict[str, list[float]] = {name: [] for name in steps}
-    for _ in range(args.rounds):
-        for name, step in steps.items():
-            results[name].append(timed(step, inputs, labels, args.steps))
-    median = {name: statistics.median(v) for name, v in results.items()}
-    best = max((n for n in median if n.startswith("ours")), key=median.get)
-    print(json.dumps({
-        "benchmark": "train_step_cpu",
-        "shape": f"h256 L6 H8/2 I768 V8192 tied, batch {BATCH}x{SEQ}, fp32, sdpa, 2 threads",
-        "ours_tokens_per_s": round(median[best], 1),
-        "ours_variant": best,
-        "smollm3_tokens_per_s": round(median["smollm3"], 1),
-        "ratio": round(median[best] / median["smollm3"], 3),
-        "variants_tokens_per_s": {k: round(v, 1) for k, v in median.items()},
-        "rounds": args.rounds, "steps_per_round": args.steps,
-    }))  # fmt: skip
+    ids = torch.randint(0, SHAPES["vocab_size"], (BATCH, SEQ), generator=torch.Generator())
+    labels = torch.cat([ids[:, 1:], torch.full((BATCH, 1), IGNORE_INDEX)], dim=1)
+    steps = build(not args.no_compile)
+    first = {name: step(ids, labels) for name, step in steps.items()}
+    for step in steps.values():
+        for _ in range(args.warmup - 1):
+            step(ids, labels)
+
+    def run(step):
+        return lambda: [step(ids, labels) for _ in range(args.steps)]
+
+    seconds = alternate({name: run(step) for name, step in steps.items()}, rounds=args.rounds)
+    tokens = args.steps * ids.numel()
+    tps = {name: tokens / statistics.median(s) for name, s in seconds.items()}
+    pairs = [n.removeprefix("ours_") for n in steps if n.startswith("ours_")]
+    ratios = {p: round(tps[f"ours_{p}"] / tps[f"smollm3_{p}"], 3) for p in pairs}
+    same = all(abs(first[f"ours_{p}"] - first[f"smollm3_{p}"]) < 1e-4 for p in pairs)
+    emit(
+        "train_step_cpu",
+        shape=f"h256 L6 H8/2 I768 V8192 tied, batch {BATCH}x{SEQ}, fp32, sdpa, 2 threads",
+        ratio=ratios["eager"],
+        ratios=ratios,
+        tokens_per_s={k: round(v, 1) for k, v in tps.items()},
+        first_step_loss={k: round(v, 6) for k, v in first.items()},
+        rounds=args.rounds,
+        steps_per_round=args.steps,
+        identical_work=same,
+    )
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ from torch import Tensor, nn
 
 from llmflow.model.config import ModelConfig
 from llmflow.model.norm import RMSNorm
-from llmflow.model.rope import apply_rotary
+from llmflow.model.rope import apply_rotary, split_rotary_qkv
 
 
 def document_ids(
@@ -87,11 +87,15 @@ class Attention(nn.Module):
         """
         batch, seq_len, _ = x.shape
         qkv = self.qkv_proj(x).view(batch, seq_len, -1, self.head_dim)  # (B, T, H + 2KV, D)
-        q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=2)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if self.use_rope and rope is not None:
-            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        rotate = self.use_rope and rope is not None
+        if rotate and self.q_norm is None:
+            q, k, v = split_rotary_qkv(qkv, *rope, self.num_heads, self.num_kv_heads)
+        else:
+            q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=2)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            if rotate:
+                q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|KV, T, D)
         # NOTE: on CUDA, SDPA's fused kernels take grouped k/v only without a mask; with one it
         # would fall back to the math kernel (a T x T matrix per head), so k/v are expanded.

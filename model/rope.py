@@ -153,3 +153,61 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     # float32; matching them keeps the rotated heads in bf16 instead of promoting them.
     cos, sin = cos.to(x.dtype).unsqueeze(2), sin.to(x.dtype).unsqueeze(2)  # (B, T, 1, D)
     return x * cos + rotate_half(x) * sin
+
+
+def split_rotary_qkv(
+    qkv: Tensor, cos: Tensor, sin: Tensor, num_heads: int, num_kv_heads: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Split a fused (B, T, H + 2KV, D) projection into rotated q, rotated k and v.
+
+    The same numbers as `apply_rotary` on each of q and k, in fewer passes over memory: the
+    rotation is written as two half-width multiply-adds (no `rotate_half` copy, no negation), and
+    the backward pass writes the gradients of q, k and v straight into one buffer shaped like
+    `qkv` (autograd would rotate, negate and concatenate them, then concatenate the three).
+
+    Args:
+        qkv: (B, T, H + 2KV, D) fused projection output.
+        cos, sin: (B or 1, T, D) tables from `RotaryEmbedding` (both halves equal).
+    """
+    return _RotaryQKV.apply(qkv, cos, sin, num_heads, num_kv_heads)
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor, out: Tensor, sign: int) -> Tensor:
+    """out = x rotated by +angle (sign 1) or -angle (sign -1); cos, sin are half-width."""
+    half = x.shape[-1] // 2
+    x1, x2, o1, o2 = x[..., :half], x[..., half:], out[..., :half], out[..., half:]
+    torch.mul(x1, cos, out=o1).addcmul_(x2, sin, value=-sign)
+    torch.mul(x2, cos, out=o2).addcmul_(x1, sin, value=sign)
+    return out
+
+
+class _RotaryQKV(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, qkv: Tensor, cos: Tensor, sin: Tensor, num_heads: int, num_kv_heads: int):
+        half = qkv.shape[-1] // 2
+        cos = cos[..., :half].to(qkv.dtype).unsqueeze(2)  # (B, T, 1, D/2)
+        sin = sin[..., :half].to(qkv.dtype).unsqueeze(2)
+        q_in, k_in, v = qkv.split([num_heads, num_kv_heads, num_kv_heads], dim=2)
+        q = _rotate(
+            q_in, cos, sin, torch.empty_like(q_in, memory_format=torch.contiguous_format), 1
+        )
+        k = _rotate(
+            k_in, cos, sin, torch.empty_like(k_in, memory_format=torch.contiguous_format), 1
+        )
+        ctx.save_for_backward(cos, sin)
+        ctx.heads = (num_heads, num_kv_heads)
+        return q, k, v.clone()
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_q: Tensor, grad_k: Tensor, grad_v: Tensor):
+        cos, sin = ctx.saved_tensors
+        num_heads, num_kv_heads = ctx.heads
+        batch, seq_len = grad_v.shape[:2]
+        shape = (batch, seq_len, num_heads + 2 * num_kv_heads, grad_v.shape[-1])
+        grad = grad_v.new_empty(shape)
+        gq, gk, gv = grad.split([num_heads, num_kv_heads, num_kv_heads], dim=2)
+        _rotate(grad_q, cos, sin, gq, -1)  # the transpose of a rotation is the inverse one
+        _rotate(grad_k, cos, sin, gk, -1)
+        gv.copy_(grad_v)
+        return grad, None, None, None, None

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 
-from llmflow.model.loss import IGNORE_INDEX, causal_lm_loss
+from llmflow.model.loss import IGNORE_INDEX
 from llmflow.model.transformer import Transformer
 from llmflow.tasks.dataprep.loader import PackedLoader
 from llmflow.tasks.pretrain.callbacks import Callback, MetricsLogger, RankInfo, Validator
@@ -67,7 +67,7 @@ class Trainer:
         val_dir: Path | None = None,
         init_from: Path | None = None,
     ) -> None:
-        self.cfg, self.out_dir = cfg, Path(out_dir)
+        self.cfg, self.out_dir, self.data_dir = cfg, Path(out_dir), Path(data_dir)
         self.runtime = rt = setup_runtime()
         if cfg.deterministic and rt.device.type == "cpu":
             torch.use_deterministic_algorithms(True)
@@ -79,7 +79,7 @@ class Trainer:
         self.model = self._build_model()
         self.optimizers = build_optimizers(self.model, cfg.optimizer)
         self.base_lrs = [[g["base_lr"] for g in o.param_groups] for o in self.optimizers]
-        self.loss_fn = functools.partial(causal_lm_loss, z_loss_weight=cfg.z_loss)
+        self.loss_fn = functools.partial(model_loss, z_loss_weight=cfg.z_loss)
         self.loader = PackedLoader(
             data_dir, cfg.batch.micro_batch_size, rt.rank, rt.world_size, seed=cfg.seed
         )
@@ -204,8 +204,7 @@ class Trainer:
         for batch, count in zip(batches, counts, strict=True):
             batch = {k: v.to(rt.device, non_blocking=True) for k, v in batch.items()}
             with self.autocast:
-                logits = self.model(batch["input_ids"], batch["position_ids"], batch["cu_seqlens"])
-            loss, _ = self.loss_fn(logits, batch["labels"])
+                loss, _ = self.loss_fn(self.model, batch)
             # NOTE: FSDP averages gradients over ranks; weighting by this micro-batch's share
             # of the global tokens times world_size makes the result the global token mean.
             (loss * (count * rt.world_size / max(num_valid, 1))).backward()
@@ -290,6 +289,17 @@ class Trainer:
         dense = mc.num_parameters(non_embedding=True) + mc.vocab_size * mc.hidden_size
         flops = 6 * dense + 12 * mc.num_layers * mc.hidden_size * self.loader.seq_len
         return flops * tokens_per_s / (peak * self.runtime.world_size)
+
+
+def model_loss(
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], z_loss_weight: float
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The loss of one micro-batch, the output projection fused into it (no logits kept twice).
+
+    Equal to ``causal_lm_loss(model(...), labels)`` up to float rounding.
+    """
+    ids, positions, cu_seqlens = batch["input_ids"], batch["position_ids"], batch["cu_seqlens"]
+    return model(ids, positions, cu_seqlens, labels=batch["labels"], z_loss_weight=z_loss_weight)
 
 
 def run(

@@ -1,9 +1,12 @@
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
 
-from llmflow.model.loss import causal_lm_loss
+from llmflow.model.config import ModelConfig
+from llmflow.model.loss import causal_lm_loss, linear_cross_entropy
+from llmflow.model.transformer import Transformer
 
 
 def test_cross_entropy_ignores_masked_labels():
@@ -41,3 +44,42 @@ def test_z_loss_path_matches_plain_path_and_backpropagates():
 def test_all_labels_masked_gives_zero_not_nan():
     loss, _ = causal_lm_loss(torch.randn(1, 3, 5), torch.full((1, 3), -100), z_loss_weight=1e-4)
     assert loss.item() == 0.0
+
+
+@pytest.mark.parametrize("z_loss_weight", [0.0, 1e-2])
+@pytest.mark.parametrize("grad_scale", [0.7, -1.3])
+def test_fused_linear_cross_entropy_matches_autograd(z_loss_weight, grad_scale):
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 7, 16, requires_grad=True)
+    weight = torch.randn(50, 16, requires_grad=True)
+    labels = torch.randint(0, 50, (2, 7))
+    labels[0, 3] = labels[1, -1] = -100
+    loss, metrics = causal_lm_loss(F.linear(hidden, weight), labels, z_loss_weight)
+    (loss * grad_scale).backward()
+    expected = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    fused, fused_metrics = linear_cross_entropy(hidden, weight, labels, z_loss_weight)
+    (fused * grad_scale).backward()
+    torch.testing.assert_close(fused, loss, rtol=1e-6, atol=0)
+    torch.testing.assert_close(fused_metrics["z_loss"], metrics["z_loss"], rtol=1e-6, atol=0)
+    torch.testing.assert_close(hidden.grad, expected[0], rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(weight.grad, expected[1], rtol=1e-5, atol=1e-7)
+
+
+def test_fused_linear_cross_entropy_refuses_a_second_backward():
+    hidden = torch.randn(3, 4, requires_grad=True)
+    loss, _ = linear_cross_entropy(hidden, torch.randn(6, 4), torch.tensor([1, 2, -100]))
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="one backward pass"):
+        loss.backward()
+
+
+def test_model_with_labels_returns_the_loss_of_its_logits():
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, num_heads=4, num_kv_heads=2, num_layers=2)
+    model = Transformer(cfg)
+    ids = torch.randint(0, 64, (2, 9))
+    labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], dim=1)
+    expected, _ = causal_lm_loss(model(ids), labels, 1e-3)
+    loss, metrics = model(ids, labels=labels, z_loss_weight=1e-3)
+    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=0)
+    assert set(metrics) == {"ce", "z_loss"}

@@ -71,4 +71,7 @@ def test_fsdp_trainer_losses_with_full_checkpointing_equal_plain(tmp_path, train
     run_trainer(ckpt, train_data, tmp_path / "ckpt", num_processes=2)
     expected, got = losses_by_step(tmp_path / "plain"), losses_by_step(tmp_path / "ckpt")
     assert sorted(got) == list(range(1, 7))
-    assert got == expected
+    # NOTE: bitwise in one process (above); over gloo ranks the reduce order may move the
+    # last bits once the recomputed backward reorders the reduce-scatters.
+    for step, loss in expected.items():
+        assert got[step] == pytest.approx(loss, rel=1e-6, abs=0), step
