@@ -26,6 +26,7 @@ from llmflow.tasks.dataprep.loader import PackedLoader
 from llmflow.tasks.pretrain.config import TrainConfig
 from llmflow.tasks.pretrain.distributed import all_reduce_sum, sharding_report
 from llmflow.tasks.pretrain.state import StepOutput
+from llmflow.tasks.pretrain.trackers import open_trackers
 
 if TYPE_CHECKING:
     from llmflow.tasks.pretrain.train import Trainer
@@ -64,7 +65,7 @@ def truncate_jsonl(path: Path, after_step: int) -> None:
 class MetricsLogger(Callback):
     """Writes a metric row every ``log_interval`` steps (and at each validation and the end).
 
-    Rows go to metrics.jsonl, TensorBoard, accelerate trackers and the console (a tqdm bar when
+    Rows go to metrics.jsonl, TensorBoard, MLflow / W&B and the console (a tqdm bar when
     stderr is a TTY). Only rank 0 has one.
     """
 
@@ -82,7 +83,7 @@ class MetricsLogger(Callback):
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(str(self.out_dir / "tb"), purge_step=start + 1)
-        self.trackers = _accelerate_trackers(cfg, self.out_dir)
+        self.trackers = open_trackers(cfg, self.out_dir, getattr(trainer, "data_dir", None))
         if cfg.progress_bar and sys.stderr.isatty():
             from tqdm import tqdm
 
@@ -142,30 +143,9 @@ class MetricsLogger(Callback):
         if self.writer is not None:
             self.writer.close()
         for tracker in self.trackers:
-            tracker.finish()
+            tracker.finish(trainer.summary())
         if self.bar is not None:
             self.bar.close()
-
-
-def _accelerate_trackers(cfg: TrainConfig, out_dir: Path) -> list[Any]:
-    """W&B / MLflow through accelerate's tracker classes (rank 0 only)."""
-    trackers: list[Any] = []
-    if not cfg.tracker.others:
-        return trackers
-    from accelerate.tracking import MLflowTracker, WandBTracker
-
-    config = cfg.model_dump(mode="json")
-    for name in cfg.tracker.others:
-        if name == "wandb":
-            tracker = WandBTracker(cfg.tracker.project, dir=str(out_dir))
-        else:
-            tracker = MLflowTracker(cfg.tracker.project, logging_dir=str(out_dir))
-        # NOTE: accelerate >= 1.x defers the real init to start() on the main process.
-        if hasattr(tracker, "start"):
-            tracker.start()
-        tracker.store_init_configuration(config)
-        trackers.append(tracker)
-    return trackers
 
 
 def _memory_gib() -> float:

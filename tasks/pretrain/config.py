@@ -179,12 +179,6 @@ class CheckpointConfig(_Section):
         "goes on; a checkpoint is marked complete only once written.",
         json_schema_extra=UNVERSIONED,
     )
-    async_save: bool = Field(
-        False,
-        description="Write step checkpoints in the background (DCP async_save) while training "
-        "goes on; a checkpoint is marked complete only once written.",
-        json_schema_extra=UNVERSIONED,
-    )
 
 
 class GuardConfig(_Section):
@@ -211,9 +205,17 @@ class TrackerConfig(_Section):
 
     tensorboard: bool = Field(True, description="TensorBoard files under out_dir/tb.")
     others: list[Literal["wandb", "mlflow"]] = Field(
-        default_factory=list, description="accelerate trackers to log to as well."
+        default_factory=list, description="Experiment trackers to log to as well."
     )
     project: str = Field("llmflow", description="Project / experiment name for trackers.")
+    mlflow_tracking_uri: str | None = Field(
+        None,
+        description="MLflow server, e.g. http://127.0.0.1:5000 (None: MLFLOW_TRACKING_URI, else "
+        "a file store in the run folder).",
+    )
+    wandb_mode: Literal["online", "offline", "disabled"] = Field(
+        "online", description="W&B mode; offline writes a run folder for `wandb sync`."
+    )
 
 
 class TrainConfig(_Section):
