@@ -28,6 +28,9 @@ PATTERN = regex.compile(
     r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 )
 THREADS = 2
+# NOTE: distinct pre-tokens kept (~100 MB); later misses are encoded without being cached, so
+# memory stays bounded on corpora with an open vocabulary (ids never depend on the cache).
+CACHE_LIMIT = 500_000
 
 
 def _byte_table() -> list[str]:
@@ -77,7 +80,8 @@ class ByteLevelEncoder:
     def _miss(self, word: str) -> tuple[int, ...]:
         mapped = "".join(BYTE_TABLE[b] for b in word.encode("utf-8"))
         ids = tuple(token.id for token in self.model.tokenize(mapped))
-        self.cache[word] = ids
+        if len(self.cache) < CACHE_LIMIT:
+            self.cache[word] = ids
         return ids
 
     def encode(self, text: str, dtype: np.dtype) -> np.ndarray:

@@ -59,3 +59,14 @@ def test_other_layouts_fall_back(tokenizer):
     assert ByteLevelEncoder.for_tokenizer(changed) is not None
     changed.encode_special_tokens = False
     assert ByteLevelEncoder.for_tokenizer(changed) is None
+
+
+def test_cache_stays_bounded_and_ids_do_not_depend_on_it(tokenizer, monkeypatch):
+    from llmflow.tasks.dataprep import bytelevel
+
+    monkeypatch.setattr(bytelevel, "CACHE_LIMIT", 3)
+    encoder = ByteLevelEncoder.for_tokenizer(tokenizer)
+    texts = [d["text"] for d in synthetic_docs(40, seed=1)]
+    ours = encoder.encode_batch(texts, np.dtype(np.uint16))
+    assert len(encoder.cache) == 3
+    assert [a.tolist() for a in ours] == [e.ids for e in tokenizer.encode_batch_fast(texts)]
