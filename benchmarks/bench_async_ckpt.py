@@ -14,7 +14,8 @@ write slower than a step, the next save waits for it and async blocks about as l
 ``identical_work``: both settings ended on the same loss, bit for bit. The runs' wall times are
 reported too (the background write shares the CPU with training). Prints ONE JSON line.
 
-    python benchmarks/bench_async_ckpt.py [--preset 135m] [--steps 5] [--interval 2] [--rounds 2]
+    python benchmarks/bench_async_ckpt.py [--preset 135m] [--num-layers N] [--steps 5] [--interval 2]
+        [--rounds 2]
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def make_data(out: Path, vocab: int, seq_len: int, rows: int) -> Path:
 def config(args: argparse.Namespace, async_save: bool) -> TrainConfig:
     return TrainConfig.model_validate(
         {
-            "model": {"preset": args.preset},
+            "model": {"preset": args.preset, "overrides": {"num_layers": args.num_layers}},
             "optimizer": {"lr": 1e-4},
             "schedule": {"name": "constant"},
             "batch": {"micro_batch_size": 1},
@@ -81,6 +82,7 @@ def run(args: argparse.Namespace, data: Path, out: Path, async_save: bool) -> di
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="135m", help="model preset")
+    parser.add_argument("--num-layers", type=int, default=None, help="override the preset's")
     parser.add_argument("--steps", type=int, default=5, help="optimizer steps per job")
     parser.add_argument("--interval", type=int, default=2, help="steps between checkpoints")
     parser.add_argument("--rounds", type=int, default=2, help="jobs per setting")
@@ -101,6 +103,7 @@ def main() -> None:
     emit(
         "async_checkpoint",
         preset=args.preset,
+        num_layers=args.num_layers,
         num_processes=args.num_processes,
         ratio=round(median["async"] / median["sync"], 3),
         goal="<= 0.2",
