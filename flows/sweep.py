@@ -181,6 +181,20 @@ def trial_task(
         stop.set()
 
 
+def _tell(study, trial_number: int, *args, **kwargs) -> None:
+    """``study.tell``; a grid sampler's "grid exhausted" stop request is not an error here.
+
+    GridSampler calls ``study.stop()`` after the last grid point, which Optuna only allows inside
+    ``optimize``; the trial's state is stored before that (``tell`` saves it in a finally), and
+    the loop here ends by counting finished trials anyway.
+    """
+    try:
+        study.tell(trial_number, *args, **kwargs)
+    except RuntimeError as err:
+        if "Study.stop" not in str(err):
+            raise
+
+
 def _finish(study, trial_number: int, outcome: TrialOutcome) -> None:
     """Record a trial's outcome in the study (``tell``), with its tokens and error."""
     import optuna
@@ -193,11 +207,11 @@ def _finish(study, trial_number: int, outcome: TrialOutcome) -> None:
         storage.set_trial_user_attr(frozen._trial_id, "uri", outcome.uri)
     if outcome.state == "failed":
         storage.set_trial_user_attr(frozen._trial_id, "error", outcome.error)
-        study.tell(trial_number, state=optuna.trial.TrialState.FAIL)
+        _tell(study, trial_number, state=optuna.trial.TrialState.FAIL)
     elif outcome.state == "pruned":
-        study.tell(trial_number, state=optuna.trial.TrialState.PRUNED)
+        _tell(study, trial_number, state=optuna.trial.TrialState.PRUNED)
     else:
-        study.tell(trial_number, outcome.value)
+        _tell(study, trial_number, outcome.value)
 
 
 def _tally(study) -> tuple[int, int]:
