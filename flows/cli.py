@@ -103,7 +103,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     gpus = args.gpus or config.hardware.gpus
     from llmflow.tasks.scaling.fit import find_law
 
-    law = find_law(config.root, config.name)  # fitted by `llmflow ladder` for this recipe
+    try:
+        law = find_law(config.root, config.name)  # fitted by `llmflow ladder` for this recipe
+    except Exception as exc:  # NOTE: an unreachable root (S3 offline) must not stop a plan
+        law = None
+        print(f"(no fitted scaling law read: {config.root} is unreachable: {type(exc).__name__})")
     if law is not None:
         result.predicted_loss = law.predict(result.num_non_embedding_parameters, result.num_tokens)
     print(f"{config.name} on {gpus} GPU(s)")
