@@ -8,10 +8,10 @@ trial of the same learning rate are the same cached steps:
   (Optuna's GridSampler, no pruner);
 - sweep: TPE over the same log range with successive-halving pruning (ASHA), ``--trials`` trials.
 
-Reported: the grid's best final validation loss, the sweep's best complete trial's (goal: within
-1%), and the sweep's training tokens as a share of the grid's (goal: at most 50%). Then the ladder
+Reported: the grid's best final validation loss, the sweep's best complete trial's (and its
+relative gap), and the sweep's training tokens as a share of the grid's. Then the ladder
 (``llmflow ladder``'s flow, without the ranking runs) fits L(N, D) and predicts a larger model's
-loss (goal: within 3%). Prints ONE JSON line. Outputs are cached under ``--root``: a re-run
+loss (and the relative error). Prints ONE JSON line. Outputs are cached under ``--root``: a re-run
 reports the same numbers without training.
 
     python benchmarks/bench_sweep.py [--root runs-bench] [--grid 8] [--trials 6]

@@ -96,6 +96,7 @@ def to_runner_deployment(spec: dict[str, Any]):
         description=spec.get("description"),
         tags=spec.get("tags"),
         schedules=_schedules(spec),
+        concurrency_limit=spec.get("concurrency_limit"),
     )
 
 
