@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from llmflow.tasks.evaluation.models import hf_dir, write_progress
 from llmflow.tasks.framework.errors import BadInputError
+from llmflow.tasks.framework.hashing import versioned_fields
 from llmflow.tasks.framework.step import Metrics, report_table, step
 
 logger = logging.getLogger("llmflow.posttrain.merge")
@@ -211,7 +212,7 @@ def merge_models(cfg: MergeStepConfig, models: list[Path], target: Path) -> list
     return folders
 
 
-@step("merge", version=1)
+@step("merge", version=2)
 def merge(cfg: MergeStepConfig, models: list[Path], out: Path) -> Metrics:
     """Merge model outputs into one model in hf/; its lineage names every parent.
 
@@ -230,7 +231,9 @@ def merge(cfg: MergeStepConfig, models: list[Path], out: Path) -> Metrics:
     weights = [1 - cfg.t, cfg.t] if cfg.method == "slerp" else cfg.weights
     rows = [{"model": str(m.name), "weight": w} for m, w in zip(models, weights, strict=True)]
     (out / "merge.json").write_text(
-        json.dumps({"method": cfg.method, "inputs": rows, "config": cfg.model_dump()}, indent=1)
+        json.dumps(
+            {"method": cfg.method, "inputs": rows, "config": versioned_fields(cfg)}, indent=1
+        )
     )
     write_progress(out, tokens_seen=None, step=None)
     report_table("merge", rows, f"{cfg.method} merge of {len(folders)} models")
