@@ -117,7 +117,14 @@ def test_dask_runner_needs_its_extra_or_runs(prefect_harness, tmp_path):
 
 
 @pytest.mark.slow
-def test_ray_runner_runs_each_shard_on_a_local_cluster(prefect_harness, tmp_path):
+def test_ray_runner_runs_each_shard_on_a_local_cluster(prefect_harness, tmp_path, monkeypatch):
+    # Ray's workers unpickle the steps by module: this test module must be importable there, as
+    # a user's own step module is (an installed package, or PYTHONPATH / a Ray runtime_env).
+    here = str(Path(__file__).parent)
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
+    )
+    monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # a loopback-only local cluster
     value, pids = _run_mapped("ray", tmp_path)
     assert value == sum(n * n for n in NUMBERS)
     assert pids and os.getpid() not in pids
