@@ -180,15 +180,7 @@ def extension(graph: Graph, config: PipelineConfig, tokenized: Node, checkpoint:
 
 def stage_run(config: PipelineConfig, train) -> StageRun:
     """One trainer run: its config plus how to launch it (execution-only)."""
-    pretrain_cfg = config.pretrain
-    return StageRun(
-        train=train,
-        num_processes=pretrain_cfg.num_processes,
-        accelerate_config=pretrain_cfg.accelerate_config,
-        timeout_s=pretrain_cfg.timeout_s,
-        launcher=pretrain_cfg.launcher,
-        ray=pretrain_cfg.ray,
-    )
+    return StageRun(train=train, **config.pretrain.launch_settings())
 
 
 def export_and_evaluate(

@@ -8,14 +8,11 @@ depends only on stages 1..k, so changing the last stage re-runs the last stage o
 
 from __future__ import annotations
 
-from typing import Literal
-
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from llmflow.tasks.dataprep.config import StageMixture
-from llmflow.tasks.pretrain.config import UNVERSIONED as EXEC
 from llmflow.tasks.pretrain.config import TrainConfig
-from llmflow.tasks.pretrain.ray_launch import RaySettings
+from llmflow.tasks.pretrain.launch import LaunchSettings
 from llmflow.tasks.pretrain.schedule import steps_for_tokens
 
 
@@ -28,7 +25,7 @@ class CurriculumStage(BaseModel):
     mixture: StageMixture = Field(description="Domain weights and token budget of this stage.")
 
 
-class PretrainConfig(BaseModel):
+class PretrainConfig(LaunchSettings):
     """Curriculum pretraining: a base trainer config and the stages it runs through."""
 
     model_config = ConfigDict(extra="forbid")
@@ -36,24 +33,6 @@ class PretrainConfig(BaseModel):
     train: TrainConfig = Field(description="Trainer settings shared by all stages.")
     stages: list[CurriculumStage] = Field(description="Stages in order; the last one anneals.")
     anneal_schedule: str = Field("wsd", description="Schedule of the last stage (wsd decays).")
-    num_processes: int = Field(
-        1, ge=1, description="Processes on this machine.", json_schema_extra=EXEC
-    )
-    accelerate_config: str | None = Field(
-        None, description="accelerate YAML under deployments/accelerate.", json_schema_extra=EXEC
-    )
-    timeout_s: float | None = Field(
-        None,
-        gt=0,
-        description="Deadline per stage (the process group is killed).",
-        json_schema_extra=EXEC,
-    )
-    launcher: Literal["local", "ray"] = Field(
-        "local",
-        description="local: this machine (torchrun/accelerate); ray: Ray Train workers.",
-        json_schema_extra=EXEC,
-    )
-    ray: RaySettings = Field(default_factory=RaySettings, json_schema_extra=EXEC)
 
     @field_validator("stages")
     @classmethod

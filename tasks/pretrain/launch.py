@@ -20,10 +20,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from llmflow.tasks.pretrain.checkpointer import NOTICES
-from llmflow.tasks.pretrain.config import TrainConfig
+from llmflow.tasks.pretrain.config import UNVERSIONED, TrainConfig
 from llmflow.tasks.pretrain.ray_launch import (
     RayLines,
     RaySettings,
@@ -32,6 +34,38 @@ from llmflow.tasks.pretrain.ray_launch import (
 )
 
 TRAIN_MODULE = "llmflow.tasks.pretrain.train"
+
+
+class LaunchSettings(BaseModel):
+    """How a trainer run is started: on this machine or on Ray. Execution-only (never in a
+    hash): the same run gives the same weights however it is launched."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    num_processes: int = Field(
+        1, ge=1, description="Processes on this machine.", json_schema_extra=UNVERSIONED
+    )
+    accelerate_config: str | None = Field(
+        None,
+        description="accelerate YAML, e.g. deployments/accelerate/multi_gpu_fsdp2.yaml.",
+        json_schema_extra=UNVERSIONED,
+    )
+    timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="Deadline of each trainer run (the process group is killed).",
+        json_schema_extra=UNVERSIONED,
+    )
+    launcher: Literal["local", "ray"] = Field(
+        "local",
+        description="local: this machine (torchrun/accelerate); ray: Ray Train workers.",
+        json_schema_extra=UNVERSIONED,
+    )
+    ray: RaySettings = Field(default_factory=RaySettings, json_schema_extra=UNVERSIONED)
+
+    def launch_settings(self) -> dict[str, Any]:
+        """These settings alone, to start a run with the same launch (``StageRun(**...)``)."""
+        return {name: getattr(self, name) for name in LaunchSettings.model_fields}
 
 
 class TrainingFailed(RuntimeError):
@@ -257,8 +291,5 @@ def launch_training(
     summary = json.loads((out_dir / "summary.json").read_text())
     if workers > 1 and summary.get("world_size") != workers:
         # NOTE: accelerate's MULTI_CPU launch needs mpirun; on CPU use torchrun (no config).
-        on_line(
-            f"warning: asked for {workers} processes, the run used "
-            f"{summary.get('world_size')}"
-        )
+        on_line(f"warning: asked for {workers} processes, the run used {summary.get('world_size')}")
     return summary

@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 from llmflow.tasks.framework.resources import preset_path
 from llmflow.tasks.framework.step import Metrics, checkpoint_saved, step
-from llmflow.tasks.pretrain.config import UNVERSIONED, TrainConfig
-from llmflow.tasks.pretrain.launch import launch_training
-from llmflow.tasks.pretrain.ray_launch import RaySettings
+from llmflow.tasks.pretrain.config import TrainConfig
+from llmflow.tasks.pretrain.launch import LaunchSettings, launch_training
 from llmflow.tasks.pretrain.validate import read_meta
 
 log = logging.getLogger("llmflow.pretrain")
@@ -43,32 +41,12 @@ EXECUTION = (
 )
 
 
-class StageRun(BaseModel):
+class StageRun(LaunchSettings):
     """One trainer run: its config and how to launch it (launch fields are execution-only)."""
 
     model_config = ConfigDict(extra="forbid")
 
     train: TrainConfig = Field(description="The trainer's config for this stage.")
-    num_processes: int = Field(
-        1, ge=1, description="Processes on this machine.", json_schema_extra=UNVERSIONED
-    )
-    accelerate_config: str | None = Field(
-        None,
-        description="accelerate YAML, e.g. deployments/accelerate/multi_gpu_fsdp2.yaml.",
-        json_schema_extra=UNVERSIONED,
-    )
-    timeout_s: float | None = Field(
-        None,
-        gt=0,
-        description="Deadline of the run (the process group is killed).",
-        json_schema_extra=UNVERSIONED,
-    )
-    launcher: Literal["local", "ray"] = Field(
-        "local",
-        description="local: this machine (torchrun/accelerate); ray: Ray Train workers.",
-        json_schema_extra=UNVERSIONED,
-    )
-    ray: RaySettings = Field(default_factory=RaySettings, json_schema_extra=UNVERSIONED)
 
 
 def with_data_vocab(train: TrainConfig, data_dir: Path) -> TrainConfig:

@@ -63,14 +63,7 @@ def segment_runs(config: PipelineConfig, train: TrainConfig, segments: int) -> l
             eval_interval=steps,
             log_interval=min(train.log_interval, steps),
         )
-        runs.append(
-            StageRun(
-                train=seg,
-                num_processes=config.pretrain.num_processes,
-                accelerate_config=config.pretrain.accelerate_config,
-                timeout_s=config.pretrain.timeout_s,
-            )
-        )
+        runs.append(StageRun(train=seg, **config.pretrain.launch_settings()))
     return runs
 
 
