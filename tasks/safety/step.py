@@ -9,7 +9,7 @@ from typing import Any
 
 from llmflow.tasks.evaluation.config import EvalConfig
 from llmflow.tasks.evaluation.harness import load_model
-from llmflow.tasks.evaluation.models import hf_dir, load_hf_model, load_tokenizer
+from llmflow.tasks.evaluation.models import hf_dir, load_tokenizer
 from llmflow.tasks.framework.errors import BadInputError
 from llmflow.tasks.framework.step import Metrics, RawFiles, report_table, step
 from llmflow.tasks.safety.classifier import ToxicityScorer, read_classifier_config
@@ -37,11 +37,11 @@ def safety(
     folder = hf_dir(model)
     tokenizer = generation_tokenizer(folder)
     results: dict[str, Any] = {"model": model.name}
+    lm = load_model(EvalConfig(batch_size=cfg.batch_size), folder)  # one load for both parts
     if cfg.crows_pairs:
-        lm = load_model(EvalConfig(batch_size=cfg.batch_size), folder)
         results["crows_pairs"] = crows_pairs(lm, pick(data, CROWS_FILE), cfg.crows_limit)
     if cfg.toxicity:
-        results["toxicity"] = toxicity(cfg, folder, tokenizer, classifier, data, out)
+        results["toxicity"] = toxicity(cfg, lm.model, tokenizer, classifier, data, out)
     (out / RESULTS).write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
     metrics = headline(results)
     report_table("safety", [{"metric": k, "value": v} for k, v in metrics.items()])
@@ -64,10 +64,10 @@ def generation_tokenizer(folder: Path):
     return tokenizer
 
 
-def toxicity(cfg, folder: Path, tokenizer, classifier: Path, data, out: Path) -> dict[str, Any]:
+def toxicity(cfg, model, tokenizer, classifier: Path, data, out: Path) -> dict[str, Any]:
     """Sample continuations of the ToxiGen prompts and score them with both scorers."""
     prompts = build_prompts(read_toxigen(data), cfg)
-    generate(load_hf_model(folder).eval(), tokenizer, prompts, cfg)
+    generate(model.eval(), tokenizer, prompts, cfg)
     scorers = {
         "lexicon": LexiconScorer(read_lexicon(pick(data, LEXICON_FILE))),
         "classifier": ToxicityScorer(classifier, read_classifier_config(classifier)),

@@ -84,6 +84,7 @@ def _sample(model, tokenizer, texts: list[str], cfg: SafetyEvalConfig) -> list[s
     import torch
 
     encoded = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    encoded = encoded.to(model.device)
     with torch.no_grad():
         generated = model.generate(
             **encoded,
