@@ -112,6 +112,13 @@ class DPOStepConfig(_TrainStepConfig):
     loss_type: Literal["sigmoid", "hinge", "ipo"] = Field(
         "sigmoid", description="TRL DPO loss; 'sigmoid' is the original DPO loss."
     )
+    sft_weight: float = Field(
+        0.0,
+        ge=0,
+        description="Weight of a negative log-likelihood term on the chosen responses (RPO; TRL's "
+        "'sft' loss added to loss_type). It keeps a small model answering in the chosen format, "
+        "which plain DPO can lose while its preference accuracy rises; 0 is plain DPO.",
+    )
 
     @model_validator(mode="after")
     def _ipo_beta(self) -> DPOStepConfig:

@@ -159,7 +159,8 @@ def dpo_training_args(cfg: DPOStepConfig, out_dir: Path) -> DPOConfig:
     """TRL's DPOConfig from the step config: no checkpoints, no trackers, CPU-safe precision."""
     return DPOConfig(
         beta=cfg.beta,
-        loss_type=[cfg.loss_type],
+        loss_type=[cfg.loss_type, "sft"] if cfg.sft_weight else [cfg.loss_type],
+        loss_weights=[1.0, cfg.sft_weight] if cfg.sft_weight else None,
         max_length=cfg.max_length,
         **common_training_args(cfg, out_dir),
     )

@@ -43,6 +43,7 @@ TINY = [
     "grpo.num_quickstart_examples=8",
     "grpo.num_heldout=4",
     "grpo.per_device_batch_size=4",
+    "grpo.num_generations=4",
     "grpo.max_completion_length=4",
 ]
 

@@ -41,11 +41,17 @@ def test_pairs_tokenize_like_trl(tiny_model_dir, tokenizer, tmp_path):
         assert tokenizer.decode(ours["chosen_ids"]) == pair["chosen"][0]["content"] + "<|im_end|>\n"
 
 
-@pytest.mark.parametrize("model_fixture", ["tiny_model_dir", "tiny_smollm3_dir"])
-def test_reported_margins_and_loss_equal_trl(request, tmp_path, model_fixture):
-    """Our log-probs give TRL's eval rewards, margins and sigmoid DPO loss on the same batch."""
+@pytest.mark.parametrize(
+    "model_fixture,sft_weight",
+    [("tiny_model_dir", 0.0), ("tiny_smollm3_dir", 0.0), ("tiny_model_dir", 0.7)],
+)
+def test_reported_margins_and_loss_equal_trl(request, tmp_path, model_fixture, sft_weight):
+    """Our log-probs give TRL's eval rewards, margins and sigmoid DPO loss on the same batch;
+    with ``sft_weight`` the loss adds that weight times the chosen responses' token-mean NLL."""
     pairs = quickstart_preference_pairs(8, seed=2)
-    cfg = DPOStepConfig(**{**FAST, "per_device_batch_size": 8, "beta": 0.3})
+    cfg = DPOStepConfig(
+        **{**FAST, "per_device_batch_size": 8, "beta": 0.3, "sft_weight": sft_weight}
+    )
     model_dir = request.getfixturevalue(model_fixture)
     trainer = build_dpo_trainer(cfg, model_dir, tmp_path, pairs, pairs)
     torch.manual_seed(0)
@@ -65,7 +71,8 @@ def test_reported_margins_and_loss_equal_trl(request, tmp_path, model_fixture):
         "eval_rewards/chosen": chosen_rewards.mean(),
         "eval_rewards/margins": margins.mean(),
         "eval_rewards/accuracies": (margins > 0).float().mean(),
-        "eval_loss": -F.logsigmoid(margins).mean(),
+        "eval_loss": -F.logsigmoid(margins).mean()
+        + sft_weight * -policy["chosen"].sum() / policy["chosen_tokens"].sum(),
     }
     for key, value in expected.items():
         assert trl[key] == pytest.approx(value.item(), rel=1e-4, abs=1e-5), key
