@@ -73,7 +73,12 @@ def spaces(args: argparse.Namespace) -> tuple[SweepSpace, SweepSpace]:
     return grid_space, sweep_space
 
 
-def bench_ladder(config) -> dict:
+def bench_ladder(config, ranking_tokens: int = 0) -> dict:
+    """The ladder's fit and held-out prediction; with ``ranking_tokens``, also cosine vs WSD
+    ranked at three sizes (the flow's default variants and sizes) on that many tokens each."""
+    ranking = {} if ranking_tokens else {"variants": {}}
+    if ranking_tokens:
+        ranking["ranking_tokens"] = ranking_tokens
     ladder = LadderConfig(
         sizes=[Size(hidden_size=h, num_layers=n) for h, n in ((16, 1), (32, 1), (48, 1), (64, 2))],
         flops=[2e9, 6e9, 1.8e10],
@@ -81,7 +86,7 @@ def bench_ladder(config) -> dict:
         max_tokens=100_000,
         heldout=Size(hidden_size=96, num_layers=2),
         heldout_tokens=60_000,
-        variants={},
+        **ranking,
     )
     started = time.perf_counter()
     result = scaling_ladder(config, ladder)
@@ -93,6 +98,11 @@ def bench_ladder(config) -> dict:
         "ladder_error": round(result.error, 4),
         "ladder_within_3pct": result.error <= 0.03,
         "ladder_s": round(time.perf_counter() - started, 1),
+        **(
+            {"ranking": result.ranking, "ranking_consistent": result.consistent}
+            if ranking_tokens
+            else {}
+        ),
     }
 
 
@@ -111,10 +121,16 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=1, help="Trials training at once.")
     parser.add_argument("--skip-ladder", action="store_true", help="Only the searches.")
     parser.add_argument("--ladder-only", action="store_true", help="Only the ladder.")
+    parser.add_argument(
+        "--ranking-tokens",
+        type=int,
+        default=0,
+        help="Also rank cosine vs WSD at three sizes on this many tokens each (0: skip).",
+    )
     args = parser.parse_args()
     config = load_config(None, [f"root={os.path.abspath(args.root)}", *SMALL_MODEL])
     if args.ladder_only:
-        print(json.dumps({**bench_ladder(config), "loadavg": os.getloadavg()}))
+        print(json.dumps({**bench_ladder(config, args.ranking_tokens), "loadavg": os.getloadavg()}))
         return
     grid_space, sweep_space = spaces(args)
     started = time.perf_counter()
@@ -143,7 +159,7 @@ def main() -> None:
         "segments": args.segments,
     }
     if not args.skip_ladder:
-        row.update(bench_ladder(config))
+        row.update(bench_ladder(config, args.ranking_tokens))
     row["loadavg"] = [round(x, 2) for x in os.getloadavg()]
     print(json.dumps(row))
 
