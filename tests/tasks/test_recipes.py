@@ -30,6 +30,25 @@ def test_recipe_resolves_and_fits_its_declared_gpus(name):
     assert weights, name
 
 
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_recipe_ends_like_smollm3_with_dpo_merged_into_the_long_context_base(name):
+    from llmflow.flows.recipe import recipe
+
+    config = load_config(CONFIGS / f"{name}.yaml")
+    assert not config.grpo.enabled and config.merge.enabled
+    assert (config.merge.method, config.merge.weights) == ("linear", [0.9, 0.1])
+    # The same post-training settings on the offline quickstart data: the merge takes the DPO
+    # model and the extended base's export, and no GRPO step is planned.
+    sections = {k: config.model_dump()[k] for k in ("grpo", "merge")}
+    overrides = [
+        f"{k}={yaml.safe_dump(v, default_flow_style=True).strip()}" for k, v in sections.items()
+    ]
+    graph = recipe(load_config(None, overrides))
+    assert not graph.find(step="grpo")
+    (merged,) = graph.find(step="merge")
+    assert [m.step.name for m in merged.inputs["models"]] == ["dpo", "export"]
+
+
 def test_135m_trains_in_a_day_on_one_gpu():
     config = load_config(CONFIGS / "smollm3-135m.yaml")
     result = recipe_plan(config.pretrain, config.hardware)
