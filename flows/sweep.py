@@ -320,7 +320,8 @@ def _last_report(t) -> float | None:
 
 
 def save_plots(study, folder: Path) -> list[Path]:
-    """Optuna's matplotlib plots as PNG: history, parameter importance, parallel coordinates."""
+    """Optuna's matplotlib plots as PNG: history, intermediate values (the reported validation
+    losses of every trial, pruned ones included), parameter importance, parallel coordinates."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -328,10 +329,9 @@ def save_plots(study, folder: Path) -> list[Path]:
     import optuna.visualization.matplotlib as vis
     from optuna.exceptions import ExperimentalWarning
 
-    warnings.simplefilter("ignore", ExperimentalWarning)
-
     plots = {
         "history": vis.plot_optimization_history,
+        "intermediate": vis.plot_intermediate_values,  # every trial's curve, pruned ones too
         "importance": vis.plot_param_importances,
         "parallel": vis.plot_parallel_coordinate,
     }
@@ -341,7 +341,13 @@ def save_plots(study, folder: Path) -> list[Path]:
         if name == "importance" and (len(completed) < 2 or len(study.best_params) < 1):
             continue
         try:
-            ax = plot(study)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", ExperimentalWarning)
+                # one complete trial gives a flat axis, which matplotlib widens with a warning
+                warnings.filterwarnings(
+                    "ignore", message="Attempting to set identical low and high"
+                )
+                ax = plot(study)
         except (ValueError, RuntimeError) as err:  # e.g. importance of a constant parameter
             log.info("plot %s skipped: %s", name, err)
             continue

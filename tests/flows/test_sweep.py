@@ -150,7 +150,8 @@ def test_tiny_sweep_reports_segments_and_a_repeat_reuses_every_trial(prefect_har
     best_row = min(r["val_loss"] for r in first.rows if r["state"] == "complete")
     assert first.best_value == pytest.approx(best_row, abs=1e-5)
     assert (Path(first.folder) / "best.yaml").exists()
-    assert (Path(first.folder) / "history.png").stat().st_size > 1000
+    for plot in ("history", "intermediate"):
+        assert (Path(first.folder) / f"{plot}.png").stat().st_size > 1000
     best = yaml.safe_load((Path(first.folder) / "best.yaml").read_text())
     assert (
         best["pretrain"]["train"]["optimizer"]["lr"]
