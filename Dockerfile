@@ -30,6 +30,16 @@ COPY deployments/ deployments/
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
 # ---------------------------------------------------------------------------------------------
+# files: what both targets keep in /opt/llmflow (the deployments' entrypoints, presets, docs)
+FROM scratch AS files
+WORKDIR /opt/llmflow
+COPY flows/ flows/
+COPY configs/ configs/
+COPY deployments/ deployments/
+COPY docs/ docs/
+COPY README.md ./
+
+# ---------------------------------------------------------------------------------------------
 # cpu: python slim, CPU torch, llmflow
 FROM python:${PYTHON_VERSION}-slim AS cpu
 ARG TORCH_SPEC
@@ -39,11 +49,7 @@ RUN pip install --index-url "${TORCH_INDEX_CPU}" "${TORCH_SPEC}"
 COPY --from=build /wheels /wheels
 RUN pip install /wheels/llmflow-*.whl && rm -rf /wheels
 WORKDIR /opt/llmflow
-COPY flows/ flows/
-COPY configs/ configs/
-COPY deployments/ deployments/
-COPY docs/ docs/
-COPY README.md ./
+COPY --from=files /opt/llmflow /opt/llmflow
 RUN llmflow --help > /dev/null && llmflow plan configs/smollm3-135m.yaml > /dev/null
 CMD ["llmflow", "--help"]
 
@@ -62,10 +68,6 @@ RUN pip install --index-url "${TORCH_INDEX_GPU}" "${TORCH_SPEC}"
 COPY --from=build /wheels /wheels
 RUN pip install /wheels/llmflow-*.whl && rm -rf /wheels
 WORKDIR /opt/llmflow
-COPY flows/ flows/
-COPY configs/ configs/
-COPY deployments/ deployments/
-COPY docs/ docs/
-COPY README.md ./
+COPY --from=files /opt/llmflow /opt/llmflow
 RUN llmflow --help > /dev/null && llmflow plan configs/smollm3-1.7b.yaml > /dev/null
 CMD ["llmflow", "--help"]

@@ -78,7 +78,7 @@ def test_every_line_is_a_known_instruction_and_stages_are_named():
     ]
     assert parsed[0][0] in ("ARG", "FROM")
     found = stages(parsed)
-    assert set(found) == {"build", "cpu", "gpu"}
+    assert set(found) == {"build", "files", "cpu", "gpu"}
     assert found["gpu"].startswith("nvidia/cuda:") and "runtime" in found["gpu"]
     assert found["cpu"].startswith("python:") and found["cpu"].endswith("-slim")
 
@@ -97,7 +97,10 @@ def test_both_targets_install_llmflow_as_a_package_in_opt_llmflow():
         runs = " && ".join(rest for keyword, rest in steps if keyword == "RUN")
         assert "pip install /wheels/llmflow-" in runs and "llmflow --help" in runs, target
         copied = [rest for keyword, rest in steps if keyword == "COPY"]
-        assert "--from=build /wheels /wheels" in copied and "flows/ flows/" in copied, target
+        assert "--from=build /wheels /wheels" in copied, target
+        assert "--from=files /opt/llmflow /opt/llmflow" in copied, target
+    files = [rest for keyword, rest in seen["files"] if keyword == "COPY"]
+    assert {"flows/ flows/", "configs/ configs/", "deployments/ deployments/"} <= set(files)
     assert any("pip wheel" in rest for keyword, rest in seen["build"] if keyword == "RUN")
 
 
