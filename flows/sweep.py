@@ -363,6 +363,7 @@ def publish(study, space: SweepSpace, folder: Path, config: PipelineConfig) -> S
     """Write best.yaml, trials.json and the plots; publish them as Prefect artifacts."""
     rows = trial_rows(study)
     best = study.best_trial
+    folder.mkdir(parents=True, exist_ok=True)  # with a storage URL nothing else made it
     (folder / "best.yaml").write_text(dump_config(with_params(config, best.params)))
     (folder / "trials.json").write_text(json.dumps(rows, indent=1))
     key = f"sweep-{space.study}".lower().replace("_", "-").replace(".", "-")
