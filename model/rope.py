@@ -176,6 +176,10 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor, out: Tensor, sign: int) -> Tens
     """out = x rotated by +angle (sign 1) or -angle (sign -1); cos, sin are half-width."""
     half = x.shape[-1] // 2
     x1, x2, o1, o2 = x[..., :half], x[..., half:], out[..., :half], out[..., half:]
+    if torch.compiler.is_compiling():  # inductor cannot lower `out=`; it fuses these itself
+        o1.copy_(x1 * cos - sign * (x2 * sin))
+        o2.copy_(x2 * cos + sign * (x1 * sin))
+        return out
     torch.mul(x1, cos, out=o1).addcmul_(x2, sin, value=-sign)
     torch.mul(x2, cos, out=o2).addcmul_(x1, sin, value=sign)
     return out
