@@ -406,7 +406,12 @@ def run_sweep(
     data: str | None = None,
     validation: str | None = None,
 ) -> SweepResult:
-    """Check the space (no Prefect yet), then run the flow with ``space.concurrency`` threads."""
+    """Check the space (no Prefect yet), then run the flow with ``space.concurrency`` threads
+    (or, with ``backend: ray_tune``, the Ray Tune sweep of ``flows/sweep_ray.py``)."""
     check_space(config, space)
+    if space.backend == "ray_tune":
+        from llmflow.flows.sweep_ray import run_tune_sweep
+
+        return run_tune_sweep(config, space, data, validation)
     runner = ThreadPoolTaskRunner(max_workers=space.concurrency)
     return sweep.with_options(task_runner=runner)(config, space, data, validation)

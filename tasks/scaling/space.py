@@ -14,6 +14,10 @@ dotted config path (the same paths ``llmflow run --set`` takes)::
 
 Every path and every bound (or choice) is applied to the real config before the sweep starts,
 so an unknown field or a value the config rejects fails naming the field, before any training.
+
+``backend`` picks who schedules the trials: ``optuna`` (the default: one process drives an Optuna
+study) or ``ray_tune`` (Ray Tune on a Ray cluster, ``flows/sweep_ray.py``). Neither it nor
+``ray_address`` reaches a trial's config: the same parameters train the same cached segments.
 """
 
 from __future__ import annotations
@@ -62,6 +66,20 @@ class Param(_Strict):
         if self.type == "int":
             return [int(self.low), int(self.high)]
         return [self.low, self.high]
+
+    def distribution(self) -> Any:
+        """This dimension as an Optuna distribution (what ``suggest`` asks for)."""
+        from optuna.distributions import (
+            CategoricalDistribution,
+            FloatDistribution,
+            IntDistribution,
+        )
+
+        if self.type == "categorical":
+            return CategoricalDistribution(self.choices)
+        if self.type == "int":
+            return IntDistribution(int(self.low), int(self.high), log=self.log)
+        return FloatDistribution(self.low, self.high, log=self.log)
 
     def suggest(self, trial: Any, name: str) -> Any:
         """Ask an Optuna trial for this parameter's value."""
@@ -139,6 +157,16 @@ class SweepSpace(_Strict):
     sampler: SamplerSpec = Field(default_factory=SamplerSpec)
     pruner: PrunerSpec = Field(default_factory=PrunerSpec)
     params: dict[str, Param] = Field(description="Dotted config path -> dimension.")
+    backend: Literal["optuna", "ray_tune"] = Field(
+        "optuna",
+        description="Who schedules the trials: an Optuna study driven by this process, or Ray "
+        "Tune (OptunaSearch + ASHA) on a Ray cluster. Not part of any trial's address.",
+    )
+    ray_address: str | None = Field(
+        None,
+        description="ray_tune: the cluster to join (HOST:PORT of its head, or auto); None "
+        "starts a local Ray instance on 127.0.0.1 with `concurrency` CPUs.",
+    )
 
     @model_validator(mode="after")
     def _divisible(self) -> SweepSpace:
@@ -156,6 +184,35 @@ class SweepSpace(_Strict):
             ranges = [k for k, p in self.params.items() if p.type != "categorical"]
             if ranges:
                 raise ValueError(f"sampler grid needs categorical params; {ranges} are ranges")
+        return self
+
+    @model_validator(mode="after")
+    def _backend_fits(self) -> SweepSpace:
+        if self.backend == "optuna":
+            if self.ray_address is not None:
+                raise ValueError(
+                    f"ray_address={self.ray_address!r} needs backend: ray_tune (backend is optuna)"
+                )
+            return self
+        if self.storage is not None:
+            raise ValueError(
+                f"storage={self.storage!r} is an Optuna database; backend ray_tune keeps its "
+                "experiment under the sweep folder (remove storage)"
+            )
+        if self.pruner.name != "none" and self.pruner.min_resource > self.segments:
+            raise ValueError(
+                f"pruner.min_resource={self.pruner.min_resource} exceeds segments="
+                f"{self.segments} (Ray Tune's grace period must fit in a trial)"
+            )
+        if self.sampler.name == "grid":
+            size = 1
+            for param in self.params.values():
+                size *= len(param.choices or [])
+            if self.trials != size:
+                raise ValueError(
+                    f"sampler grid with backend ray_tune runs every grid point once: "
+                    f"trials={self.trials} must equal the grid's {size} points"
+                )
         return self
 
     @property
