@@ -76,9 +76,7 @@ def spaces(args: argparse.Namespace) -> tuple[SweepSpace, SweepSpace]:
 def bench_ladder(config, ranking_tokens: int = 0) -> dict:
     """The ladder's fit and held-out prediction; with ``ranking_tokens``, also cosine vs WSD
     ranked at three sizes (the flow's default variants and sizes) on that many tokens each."""
-    ranking = {} if ranking_tokens else {"variants": {}}
-    if ranking_tokens:
-        ranking["ranking_tokens"] = ranking_tokens
+    ranking = {"ranking_tokens": ranking_tokens} if ranking_tokens else {"variants": {}}
     ladder = LadderConfig(
         sizes=[Size(hidden_size=h, num_layers=n) for h, n in ((16, 1), (32, 1), (48, 1), (64, 2))],
         flops=[2e9, 6e9, 1.8e10],

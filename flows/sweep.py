@@ -266,14 +266,12 @@ def drive(config: PipelineConfig, space: SweepSpace, data: str, validation: str,
     """Ask, run and tell trials until the study has ``space.trials`` finished ones."""
     running: dict[Any, int] = {}
     while True:
-        finished, failed = _tally(study)
-        if failed > space.max_failure_share * space.trials:
+        finished, _ = _tally(study)
+        error = too_many_failures(study, space)
+        if error:
             for future in running:
                 future.wait()
-            raise SweepFailed(
-                f"{failed} of {space.trials} trials failed (more than max_failure_share="
-                f"{space.max_failure_share}); last error: {_last_error(study)}"
-            )
+            raise error
         while len(running) < space.concurrency and finished + len(running) < space.trials:
             trial = study.ask()
             study._storage.record_heartbeat(trial._trial_id)
@@ -286,6 +284,17 @@ def drive(config: PipelineConfig, space: SweepSpace, data: str, validation: str,
             return
         for future in _wait_first(list(running)):
             _finish(study, running.pop(future), future.result())
+
+
+def too_many_failures(study, space: SweepSpace) -> SweepFailed | None:
+    """The error to stop with once more than ``max_failure_share`` of the trials failed."""
+    _, failed = _tally(study)
+    if failed <= space.max_failure_share * space.trials:
+        return None
+    return SweepFailed(
+        f"{failed} of {space.trials} trials failed (more than max_failure_share="
+        f"{space.max_failure_share}); last error: {_last_error(study)}"
+    )
 
 
 def _last_error(study) -> str:

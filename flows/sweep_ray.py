@@ -47,6 +47,7 @@ from llmflow.flows.sweep import (
     publish,
     sweep_folder,
     sweep_inputs,
+    too_many_failures,
 )
 from llmflow.tasks.config import PipelineConfig
 from llmflow.tasks.framework.executor import Executor
@@ -289,13 +290,10 @@ def as_study(grid, space: SweepSpace):
 
 def check_failures(study, space: SweepSpace) -> None:
     """SweepFailed when more than ``max_failure_share`` failed, or no trial completed."""
+    error = too_many_failures(study, space)
+    if error:
+        raise error
     trials = study.get_trials(deepcopy=False)
-    failed = [t for t in trials if t.state.name == "FAIL"]
-    if len(failed) > space.max_failure_share * space.trials:
-        raise SweepFailed(
-            f"{len(failed)} of {space.trials} trials failed (more than max_failure_share="
-            f"{space.max_failure_share}); last error: {failed[-1].user_attrs['error']}"
-        )
     if not any(t.state.name == "COMPLETE" for t in trials):
         raise SweepFailed(f"no trial of study {space.study} completed ({len(trials)} trials)")
 
