@@ -25,13 +25,18 @@ def versioned_fields(value: Any) -> Any:
     """The parts of a config that define an output's content.
 
     Fields declared with ``json_schema_extra={"versioned": False}`` (worker counts, log
-    intervals) are dropped, recursively, so changing them never changes a hash.
+    intervals) are dropped, recursively, so changing them never changes a hash. A model may add
+    values derived from such fields that do change the content (``versioned_extras()``: the world
+    size that execution-only launch fields add up to, say).
     """
     if isinstance(value, BaseModel):
         out = {}
         for name, info in type(value).model_fields.items():
             if is_versioned(info):
                 out[name] = versioned_fields(getattr(value, name))
+        extras = getattr(value, "versioned_extras", None)
+        if callable(extras):
+            out.update(versioned_fields(extras()))
         return out
     if isinstance(value, dict):
         return {str(k): versioned_fields(v) for k, v in value.items()}

@@ -70,7 +70,7 @@ def stage_steps(cfg: PretrainConfig, world_size: int = 1) -> list[int]:
 
 def stage_train_config(cfg: PretrainConfig, index: int) -> TrainConfig:
     """The trainer config of stage ``index``: its step budget and its part of the schedule."""
-    steps = stage_steps(cfg, cfg.num_processes)
+    steps = stage_steps(cfg, cfg.world_size)
     if index < len(cfg.stages) - 1:  # stable LR until the last stage
         schedule = {"name": "constant", "total_steps": None}
     elif len(cfg.stages) > 1:  # the last stage anneals: the decay covers exactly its steps

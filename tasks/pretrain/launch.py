@@ -37,8 +37,13 @@ TRAIN_MODULE = "llmflow.tasks.pretrain.train"
 
 
 class LaunchSettings(BaseModel):
-    """How a trainer run is started: on this machine or on Ray. Execution-only (never in a
-    hash): the same run gives the same weights however it is launched."""
+    """How a trainer run is started: on this machine or on Ray.
+
+    The fields are execution-only: a run on 2 local processes and one on 2 Ray workers give the
+    same weights. What they add up to is not: ``micro_batch_size`` is per rank, so the world size
+    sets the global batch and the step count of a token budget, and it enters the hash
+    (``versioned_extras``; a single-rank run keeps the address it always had).
+    """
 
     model_config = ConfigDict(extra="forbid")
 
@@ -62,6 +67,15 @@ class LaunchSettings(BaseModel):
         json_schema_extra=UNVERSIONED,
     )
     ray: RaySettings = Field(default_factory=RaySettings, json_schema_extra=UNVERSIONED)
+
+    @property
+    def world_size(self) -> int:
+        """Data-parallel ranks the run trains on, whatever launches them."""
+        return self.ray.workers if self.launcher == "ray" else self.num_processes
+
+    def versioned_extras(self) -> dict[str, int]:
+        """The world size, for the hash (left out at 1, so single-rank addresses are unchanged)."""
+        return {"world_size": self.world_size} if self.world_size != 1 else {}
 
     def launch_settings(self) -> dict[str, Any]:
         """These settings alone, to start a run with the same launch (``StageRun(**...)``)."""
