@@ -390,10 +390,12 @@ def memory_vs_plan(
 
     with timed(report, "memory vs plan") as row:
         cuda = torch.cuda.is_available()
+        train = config.pretrain.train  # the test steps' own optimizer and checkpointing
         predicted = memory_per_gpu(
             model_cfg, seq_len=seq_len, micro_batch_size=micro, num_gpus=ranks,
-            param_dtype_bytes=2 if cuda else 4, optimizer="adamw", fsdp=ranks > 1,
-            activation_checkpointing=False,
+            param_dtype_bytes=2 if cuda else 4, optimizer=train.optimizer.name, fsdp=ranks > 1,
+            activation_checkpointing=train.activation_checkpointing,
+            every_k=train.activation_checkpointing_every_k,
         ).total_gb  # fmt: skip
         peak = _peak_memory_gb(work / "straight")
         baseline = 0.0 if cuda else _runtime_baseline_gb(config, work, launch, seq_len, micro)

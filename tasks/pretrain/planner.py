@@ -18,8 +18,9 @@ GB = 1e9
 HEADROOM = 0.9
 """Fraction of GPU memory a plan may use; the rest is CUDA context and allocator fragmentation."""
 CHINCHILLA_TOKENS_PER_PARAM = 20
-OPTIMIZER_STATES = {"adamw": 2, "lion": 1, "sgd": 0}
-"""Float32 state tensors per parameter (AdamW: first and second moment)."""
+OPTIMIZER_STATES = {"adamw": 2, "lion": 1, "sgd": 0, "muon": 1}
+"""Float32 state tensors per parameter (AdamW: first and second moment). Muon keeps one momentum
+buffer, for the hidden matrices only: embeddings, norms and the output projection stay on AdamW."""
 
 
 @dataclass
@@ -69,8 +70,21 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     return 6 * matmul_params + attention
 
 
+def checkpointed_blocks(cfg: ModelConfig, activation_checkpointing: bool | str, every_k: int = 2) -> int:
+    """Blocks recomputed in the backward pass: all (``full`` or True), every k-th
+    (``selective``, blocks k, 2k, ... as the trainer wraps them) or none."""
+    if activation_checkpointing in (True, "full"):
+        return cfg.num_layers
+    if activation_checkpointing == "selective":
+        return cfg.num_layers // every_k
+    return 0
+
+
 def activation_bytes_per_token(
-    cfg: ModelConfig, activation_bytes: int, activation_checkpointing: bool
+    cfg: ModelConfig,
+    activation_bytes: int,
+    activation_checkpointing: bool | str,
+    every_k: int = 2,
 ) -> float:
     """Bytes kept for the backward pass per token of one micro-batch.
 
@@ -78,15 +92,16 @@ def activation_bytes_per_token(
     and outputs of both norms and the flattened matmul inputs (8C in all), the fused qkv buffer
     that v keeps alive plus the rotated q and k (C + 3·KV·D with q), the gate/up output (2I),
     silu(gate) (I) and the down-projection input (I). Checkpointing keeps only each block's input,
-    plus one block's worth during its recomputation. The loss adds the logits, their float32 copy
+    plus one block's worth during its recomputation (``selective``: every k-th block is
+    checkpointed, the others keep everything). The loss adds the logits, their float32 copy
     and the float32 log-softmax (V·(bytes + 8)).
     """
     c, kv = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim
     per_block = (8 * c + 3 * kv + 4 * cfg.intermediate_size) * activation_bytes
-    if activation_checkpointing:
-        blocks = cfg.num_layers * c * activation_bytes + per_block
-    else:
-        blocks = cfg.num_layers * per_block
+    recomputed = checkpointed_blocks(cfg, activation_checkpointing, every_k)
+    blocks = (cfg.num_layers - recomputed) * per_block
+    if recomputed:
+        blocks += recomputed * c * activation_bytes + per_block
     embedding = c * activation_bytes
     logits = cfg.vocab_size * (activation_bytes + 8)
     return blocks + embedding + logits
@@ -101,20 +116,28 @@ def memory_per_gpu(
     param_dtype_bytes: int,
     optimizer: str,
     fsdp: bool,
-    activation_checkpointing: bool,
+    activation_checkpointing: bool | str,
+    every_k: int = 2,
 ) -> MemoryEstimate:
     """Weights, gradients, optimizer states and activations on one GPU.
 
     Optimizer states are float32; with 16-bit parameters a float32 master copy is added to them.
     FSDP (ZeRO-3) divides weights, gradients and optimizer states by `num_gpus` and adds the two
     unsharded blocks it holds while gathering (the current one and the prefetched next one), and
-    the root unit (embeddings, final norm) with its gradient, which FSDP2 keeps whole.
+    the root unit (embeddings, final norm) with its gradient, which FSDP2 keeps whole. With Muon
+    the hidden matrices keep one momentum buffer and the rest AdamW's two moments.
     """
     if optimizer not in OPTIMIZER_STATES:
         raise BadInputError(f"optimizer={optimizer!r} must be one of {sorted(OPTIMIZER_STATES)}")
     params = cfg.num_parameters()
     shards = num_gpus if fsdp else 1
-    states = OPTIMIZER_STATES[optimizer] + (1 if param_dtype_bytes < 4 else 0)
+    master = 1 if param_dtype_bytes < 4 else 0
+    if optimizer == "muon":
+        hidden = hidden_matrix_parameters(cfg)
+        state_floats = hidden * (OPTIMIZER_STATES["muon"] + master)
+        state_floats += (params - hidden) * (OPTIMIZER_STATES["adamw"] + master)
+    else:
+        state_floats = params * (OPTIMIZER_STATES[optimizer] + master)
     weights = params * param_dtype_bytes / shards
     gradients = params * param_dtype_bytes / shards
     if fsdp and num_gpus > 1:
@@ -125,13 +148,23 @@ def memory_per_gpu(
         root = params - cfg.num_layers * per_block
         weights += root * param_dtype_bytes
         gradients += root * param_dtype_bytes
-    per_token = activation_bytes_per_token(cfg, param_dtype_bytes, activation_checkpointing)
+    per_token = activation_bytes_per_token(
+        cfg, param_dtype_bytes, activation_checkpointing, every_k
+    )
     return MemoryEstimate(
         weights_gb=weights / GB,
         gradients_gb=gradients / GB,
-        optimizer_gb=params * 4 * states / shards / GB,
+        optimizer_gb=state_floats * 4 / shards / GB,
         activations_gb=micro_batch_size * seq_len * per_token / GB,
     )
+
+
+def hidden_matrix_parameters(cfg: ModelConfig) -> int:
+    """Parameters of the blocks' 2-D weights (attention and MLP projections): what Muon takes."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    per_block = cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size
+    per_block += 3 * cfg.hidden_size * cfg.intermediate_size
+    return cfg.num_layers * per_block
 
 
 def plan(
@@ -148,7 +181,8 @@ def plan(
     optimizer: str = "adamw",
     fsdp: bool = True,
     micro_batch_size: int = 1,
-    activation_checkpointing: bool = False,
+    activation_checkpointing: bool | str = False,
+    every_k: int = 2,
 ) -> Plan:
     """Estimate a pretraining run and say whether it fits in GPU memory.
 
@@ -162,10 +196,12 @@ def plan(
         mfu: model FLOPs utilization expected.
         peak_tflops: dense peak of one GPU at the training precision (H100 SXM bf16: 989).
         param_dtype_bytes: bytes per parameter, gradient and activation (bf16: 2).
-        optimizer: "adamw", "lion" or "sgd".
+        optimizer: "adamw", "muon" (hidden matrices; AdamW for the rest), "lion" or "sgd".
         fsdp: shard weights, gradients and optimizer states across GPUs (ZeRO-3).
         micro_batch_size: sequences per GPU per forward pass.
-        activation_checkpointing: recompute each block in the backward pass.
+        activation_checkpointing: recompute blocks in the backward pass: True or "full" (every
+            block), "selective" (every ``every_k``-th block), False or "none".
+        every_k: the selective interval.
     """
     _check_positive(seq_len=seq_len, global_batch_tokens=global_batch_tokens,
                     num_tokens=num_tokens, num_gpus=num_gpus, gpu_mem_gb=gpu_mem_gb, mfu=mfu,
@@ -173,13 +209,14 @@ def plan(
     memory_kwargs = dict(
         seq_len=seq_len, micro_batch_size=micro_batch_size, num_gpus=num_gpus,
         param_dtype_bytes=param_dtype_bytes, optimizer=optimizer, fsdp=fsdp,
-        activation_checkpointing=activation_checkpointing,
+        activation_checkpointing=activation_checkpointing, every_k=every_k,
     )  # fmt: skip
     memory = memory_per_gpu(model_cfg, **memory_kwargs)
     fits = memory.total_gb <= HEADROOM * gpu_mem_gb
     per_token = flops_per_token(model_cfg, seq_len)
-    # NOTE: checkpointing runs every forward twice: 8N instead of 6N of hardware work.
-    hardware_flops = per_token * num_tokens * (4 / 3 if activation_checkpointing else 1)
+    # NOTE: checkpointing runs a recomputed block's forward twice: 8N instead of 6N of work.
+    recomputed = checkpointed_blocks(model_cfg, activation_checkpointing, every_k)
+    hardware_flops = per_token * num_tokens * (1 + recomputed / model_cfg.num_layers / 3)
     seconds = hardware_flops / (num_gpus * peak_tflops * 1e12 * mfu)
     tokens_per_micro_step = micro_batch_size * seq_len * num_gpus
     params = model_cfg.num_parameters()
@@ -254,8 +291,8 @@ def _memory_fixes(
     if kwargs["micro_batch_size"] > 1:
         fixes.append(f"smaller micro-batch: micro_batch_size=1 (more gradient accumulation): "
                      f"{total(micro_batch_size=1):.1f} GB")  # fmt: skip
-    if not kwargs["activation_checkpointing"]:
-        fixes.append(f"activation_checkpointing=True (about 33% more compute): "
+    if checkpointed_blocks(cfg, kwargs["activation_checkpointing"]) < cfg.num_layers:
+        fixes.append(f"activation_checkpointing=full (about 33% more compute): "
                      f"{total(activation_checkpointing=True):.1f} GB")  # fmt: skip
     return fixes
 
@@ -296,7 +333,8 @@ def recipe_plan(
     arguments replace the declared GPU count, memory and MFU (``llmflow plan --gpus ...``).
     """
     num_gpus = num_gpus or hardware.gpus
-    batch = pretrain.train.batch
+    train = pretrain.train
+    batch = train.batch
     seq_len = max(s.mixture.seq_len for s in pretrain.stages)
     return plan(
         pretrain.train.model_config_obj(),
@@ -308,6 +346,9 @@ def recipe_plan(
         mfu=mfu or hardware.mfu,
         peak_tflops=hardware.peak_tflops,
         micro_batch_size=batch.micro_batch_size,
+        optimizer=train.optimizer.name,
+        activation_checkpointing=train.activation_checkpointing,
+        every_k=train.activation_checkpointing_every_k,
     )
 
 
@@ -317,14 +358,16 @@ def extension_memory(pretrain, extend, hardware, num_gpus: int | None = None) ->
     ``extend`` is an ``ExtendConfig``. A stage over the usable memory gets a warning: long
     sequences need activation checkpointing or context parallelism the plan above does not use.
     """
-    model = pretrain.train.model_config_obj()
+    train = pretrain.train
+    model = train.model_config_obj()
     num_gpus = num_gpus or hardware.gpus
     lines = []
     for stage in extend.stages:
         memory = memory_per_gpu(
             model, seq_len=stage.seq_len, micro_batch_size=stage.micro_batch_size,
-            num_gpus=num_gpus, param_dtype_bytes=2, optimizer="adamw", fsdp=True,
-            activation_checkpointing=False,
+            num_gpus=num_gpus, param_dtype_bytes=2, optimizer=train.optimizer.name, fsdp=True,
+            activation_checkpointing=train.activation_checkpointing,
+            every_k=train.activation_checkpointing_every_k,
         )  # fmt: skip
         fits = memory.total_gb <= HEADROOM * hardware.gpu_mem_gb
         lines.append(

@@ -117,7 +117,7 @@ def test_not_fitting_plan_proposes_fixes_that_fit():
     p = plan(cfg, micro_batch_size=8, **kwargs)
     assert not p.fits
     text = " ".join(p.warnings)
-    assert "micro_batch_size=1" in text and "activation_checkpointing=True" in text
+    assert "micro_batch_size=1" in text and "activation_checkpointing=full" in text
     assert plan(cfg, micro_batch_size=1, **kwargs).fits
     assert plan(cfg, micro_batch_size=8, activation_checkpointing=True, **kwargs).fits
 
@@ -152,3 +152,49 @@ def test_format_plan_mentions_every_part():
     for word in ("parameters", "FLOPs", "Chinchilla", "steps", "weights", "gradients",
                  "optimizer", "activations", "fits"):  # fmt: skip
         assert word in text
+
+
+def test_muon_states_by_hand_and_against_the_real_optimizer_split():
+    from llmflow.tasks.pretrain.optim import split_parameters
+    from llmflow.tasks.pretrain.planner import hidden_matrix_parameters
+
+    cfg = preset("debug")
+    hidden = 4 * (128 * (4 + 2 * 2) * 32 + 128 * 128 + 3 * 128 * 384)
+    assert hidden_matrix_parameters(cfg) == hidden
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    assert sum(p.numel() for _, p in split_parameters(model)["hidden_matrix"]) == hidden
+    kwargs = dict(seq_len=256, global_batch_tokens=8192, num_tokens=10**7, fsdp=False,
+                  param_dtype_bytes=2)  # fmt: skip
+    adamw = plan(cfg, optimizer="adamw", **kwargs).memory
+    muon = plan(cfg, optimizer="muon", **kwargs).memory
+    # master copy + momentum for the hidden matrices; master + m + v for the rest
+    assert muon.optimizer_gb == pytest.approx((hidden * 2 + (DEBUG_PARAMS - hidden) * 3) * 4 / GB)
+    assert adamw.optimizer_gb - muon.optimizer_gb == pytest.approx(hidden * 4 / GB)
+
+
+def test_selective_checkpointing_lies_between_none_and_full():
+    cfg = preset("debug")  # 4 layers: selective every 2nd recomputes blocks 2 and 4
+    per_block = (8 * 128 + 3 * 64 + 4 * 384) * 2
+    rest = 128 * 2 + 8192 * (2 + 8)
+    sel = activation_bytes_per_token(cfg, 2, "selective", every_k=2)
+    assert sel == 2 * per_block + 2 * 128 * 2 + per_block + rest
+    assert activation_bytes_per_token(cfg, 2, "full") == 4 * 128 * 2 + per_block + rest
+    assert activation_bytes_per_token(cfg, 2, "none") == 4 * per_block + rest
+
+
+def test_recipe_plan_reads_the_optimizer_and_activation_checkpointing():
+    from llmflow.tasks.config import load_config
+    from llmflow.tasks.pretrain.planner import recipe_plan
+
+    def total(*overrides):
+        config = load_config("configs/smollm3-3b.yaml", list(overrides))
+        return recipe_plan(config.pretrain, config.hardware).memory
+
+    base = total("pretrain.train.activation_checkpointing=none",
+                 "pretrain.train.optimizer.name=adamw")  # fmt: skip
+    ac = total("pretrain.train.activation_checkpointing=full", "pretrain.train.optimizer.name=adamw")
+    muon = total("pretrain.train.activation_checkpointing=none", "pretrain.train.optimizer.name=muon")
+    assert ac.activations_gb < base.activations_gb / 3
+    assert muon.optimizer_gb < base.optimizer_gb
+    assert ac.total_gb != base.total_gb and muon.total_gb != base.total_gb
