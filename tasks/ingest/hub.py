@@ -146,7 +146,7 @@ def resolve_revision(source: HubSource) -> str:
 
 
 def _fingerprint(folder: Path, source: HubSource) -> str:
-    """``local-<sha256>`` of the mirror folder's file names, sizes and contents' first MiB."""
+    """``local-<sha256>`` of the mirror folder's file names, sizes and whole contents."""
     if not folder.is_dir():
         raise BadInputError(
             f"Hub source {source.uri!r} is unreachable: no folder {folder} in the mirror"
@@ -154,9 +154,42 @@ def _fingerprint(folder: Path, source: HubSource) -> str:
     digest = hashlib.sha256()
     for path in sorted(p for p in folder.rglob("*") if p.is_file() and ".cache" not in p.parts):
         digest.update(f"{path.relative_to(folder)}\0{path.stat().st_size}\0".encode())
-        with open(path, "rb") as f:
-            digest.update(f.read(1 << 20))
+        digest.update(file_sha256(path).encode())
     return "local-" + digest.hexdigest()[:16]
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 of a whole file, read in 1 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def check_mirror_pin(source: HubSource) -> None:
+    """A source pinned to a mirror fingerprint reads that mirror, unchanged, or nothing.
+
+    A ``local-`` revision names the content of a mirror folder; the Hub has no such commit.
+    Reading the live Hub instead (the mirror unset) or a changed folder would put other data
+    under the pinned hash, so both fail, naming the pin and what differs.
+    """
+    if not (source.revision or "").startswith("local-"):
+        return
+    mirror = os.environ.get(MIRROR_ENV)
+    if not mirror:
+        raise BadInputError(
+            f"Hub source {source.uri!r} is pinned to a mirror folder's fingerprint "
+            f"({source.revision}), but {MIRROR_ENV} is not set: set it to the mirror that "
+            "holds the pinned files (the live Hub has no such revision)"
+        )
+    found = _fingerprint(Path(mirror) / source.repo, source)
+    if found != source.revision:
+        raise BadInputError(
+            f"Hub source {source.uri!r}: the mirror folder {Path(mirror) / source.repo} now "
+            f"fingerprints as {found}, not the pinned {source.revision}: its files changed; "
+            "pin the new content (drop @revision) or restore the files"
+        )
 
 
 def pin(uri: str) -> str:
@@ -172,6 +205,7 @@ def stream(source: HubSource) -> Iterator[dict[str, Any]]:
     BadInputError naming the source (raised before the first record)."""
     import datasets
 
+    check_mirror_pin(source)
     revision = None if (source.revision or "").startswith("local-") else source.revision
     try:
         dataset = datasets.load_dataset(

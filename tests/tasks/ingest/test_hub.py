@@ -178,3 +178,27 @@ def test_idset_is_exact_and_on_disk(tmp_path):
         path = ids.path
         assert path.exists()
     assert not path.exists()
+
+
+def test_a_mirror_pin_never_streams_the_live_hub(mirror, monkeypatch):
+    pinned = hub.parse_uri(hub.pin("hf://datasets/acme/web/hq?split=train&domain=web"))
+    assert next(hub.stream(pinned))["text"] == "good page 0"
+    monkeypatch.delenv(hub.MIRROR_ENV)
+    with pytest.raises(BadInputError, match="LLMFLOW_HUB_MIRROR is not set"):
+        next(hub.stream(pinned))
+
+
+def test_a_changed_mirror_no_longer_serves_its_old_pin(mirror):
+    pinned = hub.parse_uri(hub.pin("hf://datasets/acme/web/hq?split=train&domain=web"))
+    pq.write_table(pa.table({"text": ["changed"]}), mirror / "acme/web/hq/a.parquet")
+    with pytest.raises(BadInputError, match="files changed"):
+        next(hub.stream(pinned))
+
+
+def test_the_fingerprint_covers_bytes_past_the_first_mebibyte(mirror):
+    big = mirror / "acme/web/hq/big.bin"
+    big.write_bytes(b"\0" * (3 << 20))
+    before = hub.parse_uri(hub.pin("hf://datasets/acme/web?split=train&domain=web")).revision
+    big.write_bytes(b"\0" * ((3 << 20) - 1) + b"\1")  # same size, last byte differs
+    after = hub.parse_uri(hub.pin("hf://datasets/acme/web?split=train&domain=web")).revision
+    assert before != after
