@@ -80,13 +80,23 @@ def task_marks(report: dict[str, Any] | None, tasks: list[str]) -> dict[str, dic
     """Each evaluated task's contamination mark: share, counts and a label for people.
 
     Held-out perplexity tasks score documents the tokenize step split from this very corpus,
-    so they are marked as held out, not as checked.
+    so they are marked as held out, not as checked. In ``remove`` mode the matching documents
+    left the corpus, so the model saw none of the matched items: ``share`` is 0 and
+    ``matched_share`` says how many were found and removed.
     """
     marks = {}
+    removed = (report or {}).get("mode") == "remove"
     for task in tasks:
         counts = (report or {}).get("tasks", {}).get(task)
         if counts is not None:
-            marks[task] = {**_shares(counts), "label": share_label(counts, report.get("n"))}
+            label = share_label(counts, report.get("n"))
+            marks[task] = {**_shares(counts), "label": label}
+            if removed and counts.get("share") is not None:
+                marks[task].update(
+                    share=0.0,
+                    matched_share=counts["share"],
+                    label=f"0% (removed before training: {label} matched)",
+                )
         elif report is not None and task.startswith("ppl_"):
             marks[task] = {"share": None, "label": "held out (split after decontamination)"}
         else:
@@ -106,4 +116,6 @@ def mark_results(results: dict[str, Any], model: Path | str) -> dict[str, Any]:
     marked = dict(results)
     marked["contamination"] = task_marks(report, sorted(results.get("metrics", {})))
     marked["contamination_source"] = (report or {}).get("uri")
+    if report is not None:
+        marked["contamination_method"] = {k: report.get(k) for k in ("n", "mode")}
     return marked

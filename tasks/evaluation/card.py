@@ -41,8 +41,8 @@ class CardConfig(BaseModel):
     license: str = Field("apache-2.0", description="License of the weights (Hub identifier).")
     language: list[str] = Field(default_factory=lambda: ["en"], description="ISO 639-1 codes.")
     intended_use: str = Field(
-        "Research and teaching: studying how data, curriculum and post-training shape a small "
-        "language model trained from scratch. Not for production or for decisions about people.",
+        "Research and teaching: studying how data, curriculum and post-training shape a "
+        "language model. Not for production or for decisions about people.",
         description="The intended use paragraph.",
     )
     run_command: str = Field(
@@ -351,9 +351,17 @@ def evaluation_section(results: dict[str, Any]) -> str:
         for metric, value in sorted(values.items())
         if "_stderr" not in metric
     ]
+    method = results.get("contamination_method") or {}
+    grams = f"{method['n']}-grams" if method.get("n") else "n-grams"
+    removal = (
+        " Matching documents were removed before training, so a removed item counts as unseen."
+        if method.get("mode") == "remove"
+        else ""
+    )
     return (
         "Scores from lm-eval; 'seen in training' is the share of the task's items whose "
-        "13-grams occur in the training corpus (the decontaminate step).\n\n" + markdown_table(rows)
+        f"word {grams} occur in the training corpus (the decontaminate step).{removal}\n\n"
+        + markdown_table(rows)
     )
 
 
@@ -368,10 +376,13 @@ def safety_section(safety: dict[str, Any] | None) -> str:
 
 
 def limitations_section(cfg: CardConfig, facts: dict[str, Any]) -> str:
-    params = facts["parameters"] or NOT_RECORDED
+    params = facts["parameters"]
+    tokens = sum(s["tokens"] or 0 for s in facts["stages"])
+    size = f"{params / 1e6:,.1f}M parameters" if params else f"{NOT_RECORDED} parameters"
+    data = f"{tokens:,} pretraining tokens" if tokens else "pretraining tokens not recorded"
     return (
-        f"{cfg.intended_use}\n\nLimitations: a small model ({params} parameters) trained on "
-        "a small corpus; it produces fluent-looking but often wrong text, may repeat biases of "
+        f"{cfg.intended_use}\n\nLimitations: a model of {size} trained on {data}; "
+        "it can produce fluent-looking but wrong text, may repeat biases of "
         "its training data, and has no safety tuning beyond what the recipe's post-training "
         "data teaches. Check the bias and toxicity section and the contamination shares before "
         "trusting any score."

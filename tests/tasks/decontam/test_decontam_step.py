@@ -217,3 +217,34 @@ def test_results_are_marked_with_the_training_corpus_contamination(tmp_path):
     }
     assert marked["contamination"]["gsm8k_local"]["share"] == 0.25
     assert marked["contamination_source"] == str(decont)
+
+
+def test_remove_mode_marks_removed_items_as_unseen(tmp_path):
+    report = {
+        "n": 8,
+        "mode": "remove",
+        "tasks": {"gsm8k_local": {"share": 0.25, "contaminated_items": 1, "items": 4}},
+    }
+    decont = write_output(tmp_path, "decontaminate", [], {"contamination.json": report})
+    model = write_output(tmp_path, "export", [write_output(tmp_path, "pretrain", [decont])])
+    marked = mark_results({"metrics": {"gsm8k_local": {"acc": 0.5}}}, model)
+    mark = marked["contamination"]["gsm8k_local"]
+    assert mark["share"] == 0.0 and mark["matched_share"] == 0.25
+    assert mark["label"] == "0% (removed before training: 25.0% (1/4 items) matched)"
+    assert marked["contamination_method"] == {"n": 8, "mode": "remove"}
+
+
+def test_the_card_names_the_configured_n_and_the_model_size():
+    from llmflow.tasks.evaluation.card import CardConfig, evaluation_section, limitations_section
+
+    results = {
+        "metrics": {"t": {"acc": 0.5}},
+        "contamination": {"t": {"label": "0%"}},
+        "contamination_method": {"n": 8, "mode": "remove"},
+    }
+    text = evaluation_section(results)
+    assert "8-grams" in text and "13-grams" not in text and "removed before training" in text
+    facts = {"parameters": 3_075_000_000, "stages": [{"tokens": 11_000_000_000}]}
+    limits = limitations_section(CardConfig(model_name="m"), facts)
+    assert "3,075.0M parameters" in limits and "11,000,000,000 pretraining tokens" in limits
+    assert "small" not in limits
