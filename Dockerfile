@@ -16,6 +16,10 @@ ARG CUDA_BASE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
 ARG TORCH_SPEC="torch>=2.6,<2.15"
 ARG TORCH_INDEX_CPU=https://download.pytorch.org/whl/cpu
 ARG TORCH_INDEX_GPU=https://download.pytorch.org/whl/cu128
+# The optional extras every recipe in configs/ and every manifest in deployments/ needs: merge
+# (mergekit, the SmolLM3 recipes' last step), ray (the KubeRay cluster, pretrain.launcher: ray),
+# sweep (Optuna, PostgreSQL studies) and trackers (MLflow, W&B). tests/packaging checks the list.
+ARG LLMFLOW_EXTRAS=merge,ray,sweep,trackers
 
 # ---------------------------------------------------------------------------------------------
 # build: the llmflow wheel (flows, tasks, model, and the configs/deployments presets as data)
@@ -44,10 +48,11 @@ COPY README.md ./
 FROM python:${PYTHON_VERSION}-slim AS cpu
 ARG TORCH_SPEC
 ARG TORCH_INDEX_CPU
+ARG LLMFLOW_EXTRAS
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN pip install --index-url "${TORCH_INDEX_CPU}" "${TORCH_SPEC}"
 COPY --from=build /wheels /wheels
-RUN pip install /wheels/llmflow-*.whl && rm -rf /wheels
+RUN pip install "$(ls /wheels/llmflow-*.whl)[${LLMFLOW_EXTRAS}]" && rm -rf /wheels
 WORKDIR /opt/llmflow
 COPY --from=files /opt/llmflow /opt/llmflow
 RUN llmflow --help > /dev/null && llmflow plan configs/smollm3-135m.yaml > /dev/null
@@ -58,6 +63,7 @@ CMD ["llmflow", "--help"]
 FROM ${CUDA_BASE} AS gpu
 ARG TORCH_SPEC
 ARG TORCH_INDEX_GPU
+ARG LLMFLOW_EXTRAS
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
     VIRTUAL_ENV=/opt/venv PATH=/opt/venv/bin:$PATH
 RUN apt-get update \
@@ -66,7 +72,7 @@ RUN apt-get update \
     && python3 -m venv /opt/venv
 RUN pip install --index-url "${TORCH_INDEX_GPU}" "${TORCH_SPEC}"
 COPY --from=build /wheels /wheels
-RUN pip install /wheels/llmflow-*.whl && rm -rf /wheels
+RUN pip install "$(ls /wheels/llmflow-*.whl)[${LLMFLOW_EXTRAS}]" && rm -rf /wheels
 WORKDIR /opt/llmflow
 COPY --from=files /opt/llmflow /opt/llmflow
 RUN llmflow --help > /dev/null && llmflow plan configs/smollm3-1.7b.yaml > /dev/null

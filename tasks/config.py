@@ -139,6 +139,21 @@ class PipelineConfig(BaseModel):
         return value
 
 
+def required_extras(config: PipelineConfig) -> set[str]:
+    """The optional extras (``pip install 'llmflow[...]'``) a recipe's run needs, from its config:
+    the merge step (mergekit), Ray (launcher or task runner), Dask, and the trackers."""
+    needed = set()
+    if config.merge.enabled:
+        needed.add("merge")
+    if config.pretrain.launcher == "ray" or config.runner.kind == "ray":
+        needed.add("ray")
+    if config.runner.kind == "dask":
+        needed.add("dask")
+    if config.pretrain.train.tracker.others:
+        needed.add("trackers")
+    return needed
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """``"a.b=3"`` -> (["a", "b"], 3); the value is parsed as YAML (numbers, lists, bools)."""
     if "=" not in text:

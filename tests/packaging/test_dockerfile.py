@@ -9,7 +9,11 @@ from __future__ import annotations
 import fnmatch
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 INSTRUCTIONS = {
@@ -95,7 +99,8 @@ def test_both_targets_install_llmflow_as_a_package_in_opt_llmflow():
         steps = seen[target]
         assert ("WORKDIR", "/opt/llmflow") in steps, target
         runs = " && ".join(rest for keyword, rest in steps if keyword == "RUN")
-        assert "pip install /wheels/llmflow-" in runs and "llmflow --help" in runs, target
+        assert '"$(ls /wheels/llmflow-*.whl)[${LLMFLOW_EXTRAS}]"' in runs, target
+        assert ("ARG", "LLMFLOW_EXTRAS") in steps and "llmflow --help" in runs, target
         copied = [rest for keyword, rest in steps if keyword == "COPY"]
         assert "--from=build /wheels /wheels" in copied, target
         assert "--from=files /opt/llmflow /opt/llmflow" in copied, target
@@ -141,3 +146,77 @@ def test_dockerignore_keeps_the_context_small_but_not_the_sources():
         assert ignored(heavy, patterns), heavy
     for needed in ("tasks/ingest/ingest.py", "configs/smollm3-1.7b.yaml", "setup.py", "README.md"):
         assert not ignored(needed, patterns), needed
+
+
+# --- the image's extras cover what every recipe and manifest runs -------------------------------
+
+EXTRA_FEATURES = ("merge", "ray", "sweep", "trackers", "dask")
+"""The extras that turn on a feature (test and bench are for development)."""
+
+
+def image_extras() -> set[str]:
+    """The extras the image installs (the global ARG LLMFLOW_EXTRAS default)."""
+    for keyword, rest in dockerfile():
+        if keyword == "ARG" and rest.startswith("LLMFLOW_EXTRAS="):
+            return set(rest.partition("=")[2].strip('"').split(","))
+    raise AssertionError("the Dockerfile declares no ARG LLMFLOW_EXTRAS")
+
+
+def extra_modules(extra: str) -> set[str]:
+    """Top-level import names of the distributions an extra lists (from pyproject.toml)."""
+    import importlib.metadata as md
+
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    dists = {re.split(r"[\[<>=~!; ]", d, maxsplit=1)[0].lower().replace("_", "-")
+             for d in project["optional-dependencies"][extra]}  # fmt: skip
+    return {
+        module
+        for module, owners in md.packages_distributions().items()
+        if not module.startswith("_")
+        and any(o.lower().replace("_", "-") in dists for o in owners)
+    }
+
+
+RECIPES = sorted(p.name for p in (REPO / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_the_image_extras_cover_each_recipe(name):
+    from llmflow.tasks.config import load_config, required_extras
+
+    missing = required_extras(load_config(REPO / "configs" / name)) - image_extras()
+    assert not missing, f"{name} needs llmflow[{','.join(sorted(missing))}], not in the image"
+
+
+def test_every_recipe_graph_builds_with_only_the_image_extras():
+    """Build each recipe's graph with the modules of every other extra made unimportable."""
+    hidden = set().union(*(extra_modules(e) for e in EXTRA_FEATURES if e not in image_extras()))
+    script = f"""
+import importlib.abc, sys
+HIDDEN = {sorted(hidden)!r}
+class Hide(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in HIDDEN:
+            raise ImportError("hidden: " + name)
+sys.meta_path.insert(0, Hide())
+import importlib.util
+real_find_spec = importlib.util.find_spec
+importlib.util.find_spec = lambda n, *a: None if n.split(".")[0] in HIDDEN else real_find_spec(n, *a)
+from llmflow.flows.recipe import recipe
+from llmflow.tasks.config import load_config
+for name in {RECIPES!r}:
+    # the recipe as the image runs it, on the offline sample instead of its Hub data
+    recipe(load_config({str(REPO / "configs")!r} + "/" + name, ["data=[]"]))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_the_kuberay_manifest_runs_on_an_image_with_ray():
+    manifests = (REPO / "deployments" / "kubernetes").glob("*.yaml")
+    ray_manifests = [p.name for p in manifests if "kind: RayCluster" in p.read_text()]
+    assert ray_manifests and "ray" in image_extras()
+    assert {"ray", "prefect_ray"} <= extra_modules("ray")
