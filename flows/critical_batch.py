@@ -71,25 +71,35 @@ class CriticalBatchGraph:
 
 
 def trunk_train(base: TrainConfig, batch: int, tokens: int) -> TrainConfig:
-    """A trunk segment: the base batch, a constant LR after the recipe's warmup."""
+    """A trunk segment: the base batch, a constant LR after the recipe's warmup; a later segment
+    continues the data where the previous one stopped."""
     return base.replaced(
         batch={"micro_batch_size": batch, "grad_accum_steps": 1},
         max_steps=None,
         num_tokens=tokens,
         schedule={"name": "constant", "total_steps": None, "per_stage": False},
         checkpoint={"interval": 10**6, "keep_last": 1},
+        continue_data=True,
     )
 
 
 def branch_train(base: TrainConfig, cb: CriticalBatchConfig, k: int) -> TrainConfig:
-    """A branch: batch k·B, LR rescaled by the rule, constant, for ``branch_tokens``."""
+    """A branch: batch k·B, LR rescaled by the rule (Muon's too), constant, for
+    ``branch_tokens``, on the data after the trunk's; validated on the same held-out sequences
+    as every other branch (``eval_batches`` scaled so batches × k·B is one count)."""
+    common = math.lcm(*cb.factors)
     return base.replaced(
         batch={"micro_batch_size": cb.base_batch * k, "grad_accum_steps": 1},
         max_steps=None,
         num_tokens=cb.branch_tokens,
         schedule={"name": "constant", "warmup_steps": 0, "total_steps": None, "per_stage": True},
         checkpoint={"interval": 10**6, "keep_last": 1},
-        **{"optimizer.lr": base.optimizer.lr * cb.lr_factor(k)},
+        continue_data=True,
+        eval_batches=base.eval_batches * common // k,
+        **{
+            "optimizer.lr": base.optimizer.lr * cb.lr_factor(k),
+            "optimizer.muon_lr": base.optimizer.muon_lr * cb.lr_factor(k),
+        },
     )
 
 

@@ -99,11 +99,16 @@ class LadderResult:
     consistent: bool
 
 
+def size_model(base: TrainConfig, size: Size) -> dict[str, Any]:
+    """The model of one ladder size: the recipe's preset and overrides, with the size's shape."""
+    overrides = {**base.model.overrides.model_dump(exclude_none=True), **size.overrides()}
+    return {"preset": base.model.preset, "overrides": overrides}
+
+
 def ladder_train(base: TrainConfig, size: Size, tokens: int, warmup: int, **changes) -> TrainConfig:
     """The trainer config of one ladder run: ``size`` on ``tokens`` tokens, cosine to the floor."""
-    overrides = {**base.model.overrides.model_dump(exclude_none=True), **size.overrides()}
     return base.replaced(
-        model={"preset": base.model.preset, "overrides": overrides},
+        model=size_model(base, size),
         max_steps=None,
         num_tokens=tokens,
         schedule={"name": "cosine", "warmup_steps": warmup, "total_steps": None},
@@ -113,22 +118,22 @@ def ladder_train(base: TrainConfig, size: Size, tokens: int, warmup: int, **chan
     )
 
 
-def isoflop_points(ladder: LadderConfig) -> list[tuple[Size, int]]:
+def isoflop_points(ladder: LadderConfig, base: TrainConfig) -> list[tuple[Size, int]]:
     """(size, tokens) of every ladder run: D = C / 6N for each budget, within the token bounds."""
     points = []
     for budget in ladder.flops:
         for size in ladder.sizes:
-            n = _non_embedding(size)
+            n = _non_embedding(base, size)
             tokens = int(budget / (6 * n))
             if ladder.min_tokens <= tokens <= ladder.max_tokens:
                 points.append((size, tokens))
     return points
 
 
-def _non_embedding(size: Size) -> int:
-    from llmflow.model.config import preset
-
-    return preset("debug", **size.overrides()).num_parameters(non_embedding=True)
+def _non_embedding(base: TrainConfig, size: Size) -> int:
+    """Non-embedding parameters of the model the ladder run of ``size`` really trains."""
+    model = base.replaced(model=size_model(base, size)).model_config_obj()
+    return model.num_parameters(non_embedding=True)
 
 
 @dataclass
@@ -152,7 +157,7 @@ def ladder_graph(config: PipelineConfig, ladder: LadderConfig) -> LadderGraph:
         return graph.add(pretrain, run, name, phase="pretrain", data=data, validation=held_out)
 
     warm = ladder.warmup_steps
-    points = [add(ladder_train(base, s, d, warm)) for s, d in isoflop_points(ladder)]
+    points = [add(ladder_train(base, s, d, warm)) for s, d in isoflop_points(ladder, base)]
     fit = graph.add(scaling_fit, ScalingFitConfig(), config.name, phase="pretrain", runs=points)
     heldout = add(ladder_train(base, ladder.heldout, ladder.heldout_tokens, warm))
     ranking = {}
@@ -184,7 +189,7 @@ def scaling_ladder(config: PipelineConfig, ladder: LadderConfig) -> LadderResult
     law = ScalingLaw(**fitted["law"])
     heldout = Path(outcome[planned.heldout].uri)
     actual = json.loads((heldout / "summary.json").read_text())
-    size = _non_embedding(ladder.heldout)
+    size = _non_embedding(config.pretrain.train, ladder.heldout)
     predicted = law.predict(size, actual["total_tokens_seen"])
     error = abs(predicted - actual["val_loss"]) / actual["val_loss"]
     losses = {key: outcome[node].metrics["val_loss"] for key, node in planned.ranking.items()}

@@ -21,6 +21,20 @@ def is_versioned(field_info: Any) -> bool:
     return not (isinstance(extra, dict) and extra.get("versioned") is False)
 
 
+OMIT_DEFAULT = {"omit_default": True}
+"""``json_schema_extra`` of a field added after outputs were made: at its default it is left out
+of the hash, so those outputs keep their addresses; any other value enters it."""
+
+
+def _omitted_default(field_info: Any, value: Any) -> bool:
+    extra = field_info.json_schema_extra
+    return (
+        isinstance(extra, dict)
+        and extra.get("omit_default") is True
+        and (value == field_info.default)
+    )
+
+
 def versioned_fields(value: Any) -> Any:
     """The parts of a config that define an output's content.
 
@@ -32,7 +46,7 @@ def versioned_fields(value: Any) -> Any:
     if isinstance(value, BaseModel):
         out = {}
         for name, info in type(value).model_fields.items():
-            if is_versioned(info):
+            if is_versioned(info) and not _omitted_default(info, getattr(value, name)):
                 out[name] = versioned_fields(getattr(value, name))
         extras = getattr(value, "versioned_extras", None)
         if callable(extras):

@@ -199,9 +199,17 @@ class Checkpointer(Callback):
         """Start a new stage from a previous stage's checkpoint: weights, optimizer, step."""
         source = ckpt.resolve_init_from(init_from)
         check_source(trainer.cfg, source)
-        self.load(trainer, source)
+        _, rank_state = self.load(trainer, source)
         trainer.state.start_stage()
         print(f"initialised from {source} at step {trainer.state.step}", flush=True)
+        if trainer.cfg.continue_data:
+            if rank_state is None:
+                raise ValueError(
+                    f"continue_data: {source} was written by another world size; its data "
+                    "position cannot be continued"
+                )
+            trainer.loader.load_state_dict(rank_state["loader"])  # refuses other data
+            print(f"data continues at sequence {trainer.loader.position}", flush=True)
 
 
 def read_notices(out_dir: Path) -> list[dict[str, Any]]:

@@ -27,7 +27,7 @@ from pydantic import (
 
 from llmflow.model.config import ModelConfig, preset
 from llmflow.tasks.framework.errors import ConfigError
-from llmflow.tasks.framework.hashing import versioned_fields  # noqa: F401  (re-exported: the store's hash view)
+from llmflow.tasks.framework.hashing import OMIT_DEFAULT, versioned_fields  # noqa: F401  (versioned_fields re-exported: the store's hash view)
 
 UNVERSIONED = {"versioned": False}
 
@@ -252,6 +252,12 @@ class TrainConfig(_Section):
         json_schema_extra=UNVERSIONED,
     )
     eval_batches: int = Field(4, gt=0, description="Validation batches per evaluation.")
+    continue_data: bool = Field(
+        False,
+        description="With an init checkpoint on the same packed data, continue its data position "
+        "instead of starting the data over (a branch trains on tokens its trunk has not seen).",
+        json_schema_extra=OMIT_DEFAULT,
+    )
     log_interval: int = Field(
         10, gt=0, description="Steps between metric logs.", json_schema_extra=UNVERSIONED
     )

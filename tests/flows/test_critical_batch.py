@@ -57,3 +57,19 @@ def test_bad_factors_and_points_are_rejected():
         CriticalBatchConfig(factors=[2, 4])
     with pytest.raises(ValidationError, match="increasing"):
         CriticalBatchConfig(points=[100, 50])
+
+
+def test_branches_validate_on_one_held_out_set_and_continue_the_data(tmp_path):
+    cfg = load_config(None, [f"root={tmp_path}"])
+    base = cfg.pretrain.train
+    cb = CriticalBatchConfig(base_batch=4, factors=[1, 2, 4], branch_tokens=65_536)
+    branches = [branch_train(base, cb, k) for k in cb.factors]
+    sequences = {t.eval_batches * t.batch.micro_batch_size for t in branches}
+    assert sequences == {base.eval_batches * 4 * 4}  # the same held-out sequences for every k
+    assert [t.optimizer.muon_lr for t in branches] == pytest.approx(
+        [base.optimizer.muon_lr * cb.lr_factor(k) for k in cb.factors]
+    )
+    assert branches[2].optimizer.muon_lr == pytest.approx(base.optimizer.muon_lr * 2)
+    assert all(t.continue_data for t in branches)  # not the trunk's tokens again
+    planned = critical_batch_graph(cfg, CriticalBatchConfig(points=[10_000], factors=[1, 2]))
+    assert planned.branches[(10_000, 2)].inputs["init"].config.train.continue_data

@@ -77,16 +77,29 @@ def test_isoflop_points_spend_the_budget():
     n = preset("debug", **Size(hidden_size=32, num_layers=2).overrides()).num_parameters(
         non_embedding=True
     )
-    ((size, tokens),) = isoflop_points(ladder)  # 1e13 is past max_tokens: skipped
+    base = load_config(None).pretrain.train
+    ((size, tokens),) = isoflop_points(ladder, base)  # 1e13 is past max_tokens: skipped
     assert tokens == int(1e10 / (6 * n)) and size.hidden_size == 32
+
+
+def test_isoflop_points_count_the_recipes_own_model():
+    # A recipe whose preset is not debug (qk-norm on, say): N is that model's, not debug's.
+    base = load_config(None, ["pretrain.train.model.overrides.qk_norm=true"]).pretrain.train
+    size = Size(hidden_size=32, num_layers=2)
+    ladder = LadderConfig(sizes=[size], flops=[1e10])
+    n = preset("debug", qk_norm=True, **size.overrides()).num_parameters(non_embedding=True)
+    assert n != preset("debug", **size.overrides()).num_parameters(non_embedding=True)
+    ((_, tokens),) = isoflop_points(ladder, base)
+    assert tokens == int(1e10 / (6 * n))
 
 
 def test_ladder_graph_builds_every_run_on_the_first_stage(tmp_path):
     cfg = load_config(None, [f"root={tmp_path}"])
     planned = ladder_graph(cfg, LadderConfig())
     ladder_runs = [n.config.train for n in planned.points]
-    assert len(ladder_runs) == len(isoflop_points(LadderConfig()))
-    assert {t.num_tokens for t in ladder_runs} == {d for _, d in isoflop_points(LadderConfig())}
+    points = isoflop_points(LadderConfig(), cfg.pretrain.train)
+    assert len(ladder_runs) == len(points)
+    assert {t.num_tokens for t in ladder_runs} == {d for _, d in points}
     wsd = [
         planned.ranking[("wsd", s.hidden_size)].config.train for s in LadderConfig().ranking_sizes
     ]

@@ -224,11 +224,14 @@ def test_decontaminate_evaluate_card_and_leaderboard_through_the_executor(tmp_pa
     outcome = executor.run(graph)
     assert executor.unhashed_reads(graph) == {}
     results = json.loads((Path(outcome[score].uri) / "results.json").read_text())
-    assert results["contamination"]["cf_arith"]["label"] == "100.0% (4/4 items)"
+    # the default mode removes the matching document, so the item counts as unseen
+    marks = results["contamination"]["cf_arith"]
+    assert marks["label"] == "0% (removed before training: 100.0% (4/4 items) matched)"
+    assert marks["share"] == 0.0 and marks["matched_share"] == 1.0
     assert results["contamination"]["ppl_prose"]["label"].startswith("held out")
     assert results["contamination_source"] == outcome[decont].uri
-    assert outcome[score].metrics["cf_arith/contamination"] == 1.0
+    assert outcome[score].metrics["cf_arith/contamination"] == 0.0
     readme = Path(outcome[card].uri) / "hf" / "README.md"
-    assert "100.0% (4/4 items)" in ModelCard.load(readme).text
+    assert "removed before training: 100.0% (4/4 items) matched" in ModelCard.load(readme).text
     board = Path(outcome[graph.find(step="leaderboard")[0]].uri)
     assert str(readme) in (board / "models.md").read_text()

@@ -76,3 +76,20 @@ def test_init_from_another_architecture_fails(tmp_path, train_data):
     muon = tiny_config(optimizer={"name": "muon"})
     with pytest.raises(BadInputError, match="used optimizer.name='adamw'"):
         validate_run(muon, train_data, None, tmp_path / "s1", world_size=1)
+
+
+def test_continue_data_trains_on_the_sequences_after_the_init_checkpoint(tmp_path, train_data):
+    """A critical-batch branch (continue_data) goes on with the data where its trunk stopped:
+    3 + 3 steps give the losses of one 6-step run; without it, stage 2 replays the start."""
+    constant = {"name": "constant", "warmup_steps": 0}
+    common = {"schedule": constant, "checkpoint": {"interval": 3, "keep_last": 1}}
+    run_trainer(tiny_config(max_steps=6, **common), train_data, tmp_path / "whole")
+    run_trainer(tiny_config(max_steps=3, **common), train_data, tmp_path / "s1")
+    cont = tiny_config(max_steps=3, continue_data=True, **common)
+    proc = run_trainer(cont, train_data, tmp_path / "s2", init_from=tmp_path / "s1")
+    assert "data continues at sequence 12" in proc.stdout
+    replay = tiny_config(max_steps=3, **common)
+    run_trainer(replay, train_data, tmp_path / "s2-replay", init_from=tmp_path / "s1")
+    whole, after = losses_by_step(tmp_path / "whole"), losses_by_step(tmp_path / "s2")
+    assert [after[s] for s in (4, 5, 6)] == [whole[s] for s in (4, 5, 6)]
+    assert losses_by_step(tmp_path / "s2-replay")[4] != whole[4]
