@@ -24,6 +24,7 @@ import dataclasses
 import json
 import logging
 import math
+import re
 import threading
 import warnings
 from pathlib import Path
@@ -69,11 +70,24 @@ class SweepResult:
 
 
 def sweep_folder(config: PipelineConfig, space: SweepSpace) -> Path:
-    """Where a study's database, best config and plots live (a local root only)."""
+    """Where a study's database, best config and plots are written: ``{root}/sweeps/{study}``
+    for a local root; for a remote root (which needs ``storage:``) a local folder under the
+    cache, which ``publish`` uploads to ``sweep_uri``."""
     store = Store(config.root)
-    if not store.is_local:
-        raise ValueError("sweeps keep their study next to a local root; use storage= for S3 roots")
-    return Path(store.root) / "sweeps" / space.study
+    if store.is_local:
+        return Path(store.root) / "sweeps" / space.study
+    if not space.storage:
+        raise ValueError(
+            f"root={config.root!r} is remote: a sweep keeps its Optuna study next to a local "
+            "root, so give the space a database URL (storage: sqlite:///... or postgresql://...)"
+        )
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", store.root)
+    return store.cache_dir / "sweeps" / slug / space.study
+
+
+def sweep_uri(config: PipelineConfig, space: SweepSpace) -> str:
+    """Where the published best config, trials and plots live, under the recipe's root."""
+    return f"{Store(config.root).root}/sweeps/{space.study}"
 
 
 def storage_url(config: PipelineConfig, space: SweepSpace) -> str:
@@ -389,7 +403,13 @@ def publish(study, space: SweepSpace, folder: Path, config: PipelineConfig) -> S
         description=f"Best config and plots of study {space.study} (files under {folder})",
     )
     tokens = sum(int(t.user_attrs.get("tokens", 0)) for t in study.trials)
-    return SweepResult(dict(best.params), float(best.value), rows, str(folder), tokens)
+    store = Store(config.root)
+    where = str(folder)
+    if not store.is_local:  # an S3 root: the files go next to the run's outputs
+        where = sweep_uri(config, space)
+        store.fs.put(f"{folder}/", f"{where}/", recursive=True)
+        log.info("published the sweep's best config, trials and plots to %s", where)
+    return SweepResult(dict(best.params), float(best.value), rows, where, tokens)
 
 
 @flow(name="llmflow-sweep", log_prints=True)
