@@ -38,6 +38,6 @@ def prefect_harness():
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
     """The real public data sets beside the checkout; tests using them skip when absent."""
-    if not SHARED_DATA.exists():
-        pytest.skip("../shared/data is absent")
-    return SHARED_DATA
+    from tests.needs import shared_path
+
+    return shared_path()

@@ -24,6 +24,7 @@ from llmflow.tasks.curation.filters import (
     gopher_repetition_filter,
 )
 from llmflow.tasks.curation.heuristics import apply_filters
+from tests.needs import bench_module
 from tests.tasks.curation.helpers import prose, real_documents
 
 GOOD = prose(random.Random(0), 12)
@@ -130,8 +131,8 @@ def test_disabled_filter_is_skipped():
 @pytest.mark.slow
 def test_decisions_match_datatrove(shared_data):
     """Same keep/remove decision as datatrove's FineWeb chain on real documents."""
-    filters = pytest.importorskip("datatrove.pipeline.filters")
-    pytest.importorskip("spacy")
+    filters = bench_module("datatrove.pipeline.filters")
+    bench_module("spacy")
     from datatrove.data import Document
 
     chain = [

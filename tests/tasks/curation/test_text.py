@@ -6,6 +6,7 @@ import pytest
 
 from llmflow.tasks.curation.text import clean_whitespace, normalize_unicode, simplify_text
 from llmflow.tasks.curation.words import split_words
+from tests.needs import bench_module
 
 
 def test_nfc_composes_accents():
@@ -46,8 +47,9 @@ def test_split_words_like_spacy(text, words):
     assert split_words(text) == words
 
 
+@pytest.mark.needs_bench
 def test_split_words_agrees_with_spacy_on_real_text(shared_data):
-    spacy = pytest.importorskip("spacy")
+    spacy = bench_module("spacy")
     from tests.tasks.curation.helpers import real_documents
 
     nlp = spacy.blank("en")

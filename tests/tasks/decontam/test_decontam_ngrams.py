@@ -15,6 +15,7 @@ from llmflow.tasks.decontam.ngrams import (
     window_hashes,
     words,
 )
+from tests.needs import bench_module
 
 TEXTS = [
     "Janet’s ducks lay 16 eggs per day. She sells the remainder at $2 per egg!",
@@ -26,8 +27,9 @@ TEXTS = [
 ]
 
 
+@pytest.mark.needs_bench
 def test_normalization_is_datatrove_simplify_text():
-    text_utils = pytest.importorskip("datatrove.utils.text")
+    text_utils = bench_module("datatrove.utils.text")
     for text in TEXTS:
         assert " ".join(words(text)) == text_utils.simplify_text(text), text
 
@@ -35,7 +37,7 @@ def test_normalization_is_datatrove_simplify_text():
 def datatrove_ngrams(query: str | None, gold: str, n: int) -> set[str]:
     """The n-gram strings datatrove's indexer hashes (its ``compute_hashes`` on an identity
     hash), with a whitespace word splitter in place of spaCy."""
-    decont = pytest.importorskip("datatrove.pipeline.decont.n_grams")
+    decont = bench_module("datatrove.pipeline.decont.n_grams")
     fake = SimpleNamespace(
         tokenizer=SimpleNamespace(word_tokenize=str.split),
         config=decont.NGramsDecontConfig(n_grams=n),
@@ -50,6 +52,7 @@ def index_ngrams(items: list[Item], n: int) -> set[str]:
     return {" ".join(vocabulary[i] for i in row) for row in index.grams.tolist()}
 
 
+@pytest.mark.needs_bench
 @pytest.mark.parametrize("n", [4, 5, 13])
 def test_indexed_windows_are_datatrove_windows(n):
     query = "How many bolts in total does it take to make a robe of blue and white fiber?"

@@ -23,7 +23,6 @@ def heldout_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def shared_eval_dir(shared_data: Path) -> Path:
     """The real eval sets; tests using them skip when ../shared/data is absent."""
-    eval_dir = shared_data / "eval"
-    if not eval_dir.is_dir():
-        pytest.skip("../shared/data/eval is absent")
-    return eval_dir.resolve()
+    from tests.needs import shared_path
+
+    return shared_path("eval").resolve()

@@ -24,10 +24,9 @@ from tests.tasks.evaluation.eval_fixtures import make_tiny_model
 
 @pytest.fixture(scope="module")
 def safety_dir(shared_data: Path) -> Path:
-    folder = shared_data / "safety"
-    if not folder.is_dir():
-        pytest.skip("../shared/data/safety is absent")
-    return folder
+    from tests.needs import shared_path
+
+    return shared_path("safety")
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-import pytest
 
 SHARED_DATA = Path(__file__).resolve().parents[3] / ".." / "shared" / "data"
 
@@ -50,7 +49,9 @@ def write_corpus(docs: list[dict], corpus_dir: Path, num_files: int = 2) -> Path
 def real_docs(text_dir: Path = SHARED_DATA / "text") -> list[dict]:
     """Tinyshakespeare in 2,000-character chunks and WikiText-2 validation articles."""
     if not text_dir.is_dir():
-        pytest.skip(f"shared data not found at {text_dir}")
+        from tests.needs import skip_unless_required
+
+        skip_unless_required(f"shared data not found at {text_dir}")
     shakespeare = (text_dir / "tinyshakespeare.txt").read_text()
     docs = [
         {
