@@ -193,8 +193,12 @@ def test_recipe_plan_reads_the_optimizer_and_activation_checkpointing():
 
     base = total("pretrain.train.activation_checkpointing=none",
                  "pretrain.train.optimizer.name=adamw")  # fmt: skip
-    ac = total("pretrain.train.activation_checkpointing=full", "pretrain.train.optimizer.name=adamw")
-    muon = total("pretrain.train.activation_checkpointing=none", "pretrain.train.optimizer.name=muon")
+    ac = total(
+        "pretrain.train.activation_checkpointing=full", "pretrain.train.optimizer.name=adamw"
+    )
+    muon = total(
+        "pretrain.train.activation_checkpointing=none", "pretrain.train.optimizer.name=muon"
+    )
     assert ac.activations_gb < base.activations_gb / 3
     assert muon.optimizer_gb < base.optimizer_gb
     assert ac.total_gb != base.total_gb and muon.total_gb != base.total_gb
