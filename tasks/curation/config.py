@@ -10,6 +10,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from llmflow.tasks.framework.hashing import OMIT_DEFAULT
+
 PROSE_SECTIONS = ("gopher_repetition", "gopher_quality", "c4", "fineweb")
 """The filters written for prose: a recipe's ``curate.skip_domains`` reaches each of them."""
 
@@ -47,6 +49,14 @@ class NormalizeConfig(_Strict):
     )
     max_replacement_ratio: float = Field(
         0.01, description="Reject as non-UTF-8 when more than this fraction of chars are U+FFFD."
+    )
+    max_error_share: float = Field(
+        0.01,
+        ge=0,
+        le=1,
+        description="Stop the step when more than this share of a shard's documents raise an "
+        "exception while normalized (each is also rejected with its reason).",
+        json_schema_extra=OMIT_DEFAULT,
     )
 
     @field_validator("max_control_ratio", "max_replacement_ratio")
@@ -211,6 +221,14 @@ class FiltersConfig(_Strict):
     c4: C4Config = Field(default_factory=C4Config)
     fineweb: FineWebQualityConfig = Field(default_factory=FineWebQualityConfig)
     num_removed_samples: int = Field(5, ge=0, description="Removed documents kept per reason.")
+    max_error_share: float = Field(
+        0.01,
+        ge=0,
+        le=1,
+        description="Stop the step when more than this share of a shard's documents raise an "
+        "exception in a filter (a bug, not bad text) (each is also counted and sampled with its reason).",
+        json_schema_extra=OMIT_DEFAULT,
+    )
 
 
 class PIIConfig(_Strict):

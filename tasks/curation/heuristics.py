@@ -23,6 +23,7 @@ from llmflow.tasks.curation.filters import (
 )
 from llmflow.tasks.curation.pii import scrub_pii
 from llmflow.tasks.curation.shards import (
+    ErrorBudget,
     ShardWriter,
     add_count,
     add_metrics,
@@ -38,6 +39,14 @@ from llmflow.tasks.framework.step import Metrics, step
 FILTER_ORDER = ("gopher_repetition", "gopher_quality", "c4", "fineweb")
 
 
+class FilterFailed(Exception):
+    """A filter raised on a document (its exception is the cause)."""
+
+    def __init__(self, name: str):
+        super().__init__(name)
+        self.name = name
+
+
 def apply_filters(cfg: FiltersConfig, text: str, domain: str) -> tuple[str | None, str, str]:
     """Runs the filter chain on one document.
 
@@ -48,19 +57,27 @@ def apply_filters(cfg: FiltersConfig, text: str, domain: str) -> tuple[str | Non
         fcfg = getattr(cfg, name)
         if not fcfg.enabled or domain in fcfg.skip_domains:
             continue
-        if name == "c4":
-            reason, kept = c4_filter(fcfg, doc)
-            if reason is None and fcfg.rewrite_lines and kept != doc.text:
-                doc = Doc(kept)
-        elif name == "gopher_repetition":
-            reason = gopher_repetition_filter(fcfg, doc)
-        elif name == "gopher_quality":
-            reason = gopher_quality_filter(fcfg, doc)
-        else:
-            reason = fineweb_quality_filter(fcfg, doc)
+        try:
+            reason, doc = _run_filter(name, fcfg, doc)
+        except Exception as error:
+            raise FilterFailed(name) from error
         if reason is not None:
             return name, reason, text
     return None, "", doc.text
+
+
+def _run_filter(name: str, fcfg, doc: Doc) -> tuple[str | None, Doc]:
+    """One filter's reason (None: kept) and the document after it (C4 may rewrite lines)."""
+    if name == "c4":
+        reason, kept = c4_filter(fcfg, doc)
+        if reason is None and fcfg.rewrite_lines and kept != doc.text:
+            doc = Doc(kept)
+        return reason, doc
+    if name == "gopher_repetition":
+        return gopher_repetition_filter(fcfg, doc), doc
+    if name == "gopher_quality":
+        return gopher_quality_filter(fcfg, doc), doc
+    return fineweb_quality_filter(fcfg, doc), doc
 
 
 def _filter_file(cfg: FilterStepConfig, in_shard: Path, out_dir: Path) -> dict[str, int]:
@@ -69,6 +86,7 @@ def _filter_file(cfg: FilterStepConfig, in_shard: Path, out_dir: Path) -> dict[s
     table: dict = {}
     samples: dict[str, list[dict]] = {}
     pii_counts = {"email": 0, "ip_address": 0, "phone": 0}
+    budget = ErrorBudget("curate-filter", cfg.filters.max_error_share)
     with ShardWriter(out_dir / in_shard.name) as writer:
         for row in tqdm(iter_rows(in_shard), desc=f"filter {in_shard.stem}", leave=False):
             domain, text = row["domain"], row["text"]
@@ -76,8 +94,8 @@ def _filter_file(cfg: FilterStepConfig, in_shard: Path, out_dir: Path) -> dict[s
             add_count(table, domain, "in", 1, tokens)
             try:
                 name, reason, text = apply_filters(cfg.filters, text, domain)
-            except Exception as error:  # noqa: BLE001 - one bad document must not fail the shard
-                name, reason = "error", type(error).__name__
+            except FilterFailed as failed:  # one bad document must not fail the shard...
+                name, reason = failed.name, budget.record(failed.name, failed.__cause__)
             if name is not None:
                 add_count(table, domain, f"removed:{name}:{reason}", 1, tokens)
                 bucket = samples.setdefault(f"{name}:{reason}", [])
@@ -90,6 +108,7 @@ def _filter_file(cfg: FilterStepConfig, in_shard: Path, out_dir: Path) -> dict[s
                     pii_counts[kind] += num
             add_count(table, domain, "out", 1, count_tokens(text))
             writer.write({**row, "text": text})
+    budget.check(in_shard, sum(d["in"]["docs"] for d in table.values()))  # ...nor many
     removed = [r for bucket in samples.values() for r in bucket]
     write_jsonl(out_dir / f"{in_shard.stem}.removed.jsonl", removed)
     stats = {"stage": "filters", "shard": in_shard.stem, "domains": table, "pii": pii_counts}

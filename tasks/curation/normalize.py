@@ -14,6 +14,7 @@ from tqdm import tqdm
 
 from llmflow.tasks.curation.config import NormalizeConfig
 from llmflow.tasks.curation.shards import (
+    ErrorBudget,
     ShardWriter,
     add_count,
     iter_rows,
@@ -82,6 +83,7 @@ def normalize_shard(cfg: NormalizeConfig, shard: Path, out: Path) -> Metrics:
     """
     table: dict = {}
     rejects, cleaned, seen_ids = [], {}, set()
+    budget = ErrorBudget("curate-normalize", cfg.max_error_share)
     with ShardWriter(out / shard.name) as writer:
         for row in tqdm(iter_rows(shard), desc=f"normalize {shard.stem}", leave=False):
             domain = row.get("domain") or "unknown"
@@ -90,8 +92,8 @@ def normalize_shard(cfg: NormalizeConfig, shard: Path, out: Path) -> Metrics:
             add_count(table, domain, "in", 1, tokens)
             try:
                 text, note = normalize_text(cfg, raw, domain)
-            except Exception as error:  # noqa: BLE001 - one bad document must not fail the shard
-                text, note = None, f"error:{type(error).__name__}"
+            except Exception as error:  # noqa: BLE001 - one bad document must not fail the shard...
+                text, note = None, budget.record("normalization", error)
             if text is not None and row.get("id") in seen_ids:
                 text, note = None, "duplicate_id"
             if text is None:
@@ -103,6 +105,7 @@ def normalize_shard(cfg: NormalizeConfig, shard: Path, out: Path) -> Metrics:
                 cleaned[kind] = cleaned.get(kind, 0) + 1
             add_count(table, domain, "out", 1, count_tokens(text))
             writer.write({**row, "text": text, "domain": domain})
+    budget.check(shard, sum(d["in"]["docs"] for d in table.values()))  # ...nor many of them
     write_jsonl(out / f"{shard.stem}.rejects.jsonl", rejects)
     stats = {"stage": "normalize", "shard": shard.stem, "domains": table, "cleaned": cleaned}
     write_json(out / f"{shard.stem}.stats.json", stats)

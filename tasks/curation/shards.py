@@ -9,6 +9,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from llmflow.tasks.framework.errors import BadInputError
+
 COLUMNS = ("id", "text", "domain", "source")
 SCHEMA = pa.schema([(name, pa.string()) for name in COLUMNS])
 PREVIEW_CHARS = 300
@@ -116,3 +118,33 @@ def write_drops(out: Path, ids: list[str], reasons: list[str] | str, **extra: pa
     reasons = [reasons] * len(ids) if isinstance(reasons, str) else reasons
     columns = {"id": pa.array(ids, pa.string()), "reason": pa.array(reasons, pa.string())}
     pq.write_table(pa.table({**columns, **extra}), out / "drops.parquet")
+
+
+class ErrorBudget:
+    """Counts documents that raised in a stage, per place (a filter, normalization), and stops
+    the step when more than ``max_share`` of a shard's documents did: a bug must not silently
+    drop the corpus."""
+
+    def __init__(self, stage: str, max_share: float):
+        self.stage, self.max_share = stage, max_share
+        self.errors: dict[str, int] = {}
+        self.first: dict[str, str] = {}
+
+    def record(self, where: str, error: BaseException) -> str:
+        """Count one document's exception; the reason to write beside it."""
+        self.errors[where] = self.errors.get(where, 0) + 1
+        self.first.setdefault(where, f"{type(error).__name__}: {error}")
+        return f"error:{type(error).__name__}"
+
+    def check(self, shard: Path, documents: int) -> None:
+        """Raise, naming the place that failed most, when the shard's error share is too high."""
+        total = sum(self.errors.values())
+        if not total or total <= self.max_share * documents:
+            return
+        where = max(self.errors, key=self.errors.get)
+        raise BadInputError(
+            f"{self.stage}: {total} of {documents} documents of {shard.name} raised an exception "
+            f"({total / documents:.1%} > max_error_share={self.max_share}); {where} raised on "
+            f"{self.errors[where]}, first: {self.first[where]}. This is a bug in {where}, not "
+            "bad text: fix it, or raise max_error_share to keep going"
+        )
