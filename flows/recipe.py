@@ -40,7 +40,7 @@ from llmflow.tasks.posttrain.sft import sft
 from llmflow.tasks.pretrain.curriculum import stage_train_config
 from llmflow.tasks.pretrain.step import StageRun, pretrain
 from llmflow.tasks.safety.classifier import toxicity_classifier
-from llmflow.tasks.safety.config import ENABLE_HINT
+from llmflow.tasks.safety.config import ENABLE_HINT, SafetyEvalConfig
 from llmflow.tasks.safety.data import safety_files
 from llmflow.tasks.safety.step import safety
 from llmflow.tasks.tokenizer.train import train_tokenizer
@@ -199,6 +199,12 @@ def export_and_evaluate(
     return exported
 
 
+def safety_config(config: PipelineConfig) -> SafetyEvalConfig:
+    """The safety step's settings, with the model loaded as ``evaluate`` loads it."""
+    run_as = {"dtype": config.evaluate.dtype, "device": config.evaluate.device}
+    return config.safety.eval.model_copy(update=run_as)
+
+
 def evaluate_model(graph, config, models, label, model, tokenized, phase) -> None:
     scores = graph.add(
         evaluate,
@@ -213,7 +219,7 @@ def evaluate_model(graph, config, models, label, model, tokenized, phase) -> Non
         classifier, files = models.safety_inputs
         models.safety[label] = graph.add(
             safety,
-            config.safety.eval,
+            safety_config(config),
             f"{config.name}-{label}",
             phase=phase,
             model=model,

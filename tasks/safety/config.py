@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
+
+from llmflow.tasks.framework.hashing import OMIT_DEFAULT
 
 CROWS_FILE = "crows_pairs_anonymized.csv"
 TOXIGEN_DIR = "toxigen_demonstrations"
@@ -62,6 +66,16 @@ class SafetyEvalConfig(BaseModel):
     seed: int = 0
     batch_size: int = Field(
         16, ge=1, description="Prompts per generate call.", json_schema_extra={"versioned": False}
+    )
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        "float32",
+        description="Torch dtype of the model under test; the recipe sets evaluate.dtype here.",
+        json_schema_extra=OMIT_DEFAULT,
+    )
+    device: str | None = Field(
+        None,
+        description="Torch device; the recipe sets evaluate.device here (None: cuda if present).",
+        json_schema_extra={"versioned": False},
     )
 
 

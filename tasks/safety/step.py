@@ -29,7 +29,7 @@ CONTINUATIONS = "continuations.jsonl"
 log = logging.getLogger("llmflow.safety")
 
 
-@step("safety", gpu=True, execution=("batch_size",))
+@step("safety", gpu=True, execution=("batch_size", "device"))
 def safety(
     cfg: SafetyEvalConfig, model: Path, classifier: Path, data: RawFiles, out: Path
 ) -> Metrics:
@@ -37,7 +37,9 @@ def safety(
     folder = hf_dir(model)
     tokenizer = generation_tokenizer(folder)
     results: dict[str, Any] = {"model": model.name}
-    lm = load_model(EvalConfig(batch_size=cfg.batch_size), folder)  # one load for both parts
+    run_as = EvalConfig(batch_size=cfg.batch_size, dtype=cfg.dtype, device=cfg.device)
+    lm = load_model(run_as, folder)  # one load for both parts, as ``evaluate`` loads it
+    results["dtype"] = str(lm.model.dtype).removeprefix("torch.")
     if cfg.crows_pairs:
         results["crows_pairs"] = crows_pairs(lm, pick(data, CROWS_FILE), cfg.crows_limit)
     if cfg.toxicity:

@@ -99,9 +99,22 @@ def test_the_audit_catches_a_planted_unhashed_read_in_a_real_step(tmp_path, monk
     assert executor.unhashed_reads(graph) == {"tokenizer": ["read_batch_rows"]}
 
 
+SAFETY = [  # the safety steps on (they need the real data sets), sized for a test
+    "safety.eval.crows_limit=8",
+    "safety.eval.prompts_per_file=1",
+    "safety.eval.samples_per_prompt=1",
+    "safety.eval.max_new_tokens=4",
+    "safety.classifier.background_docs=50",
+]
+
+
 @pytest.mark.slow
 def test_every_step_reads_only_what_its_hash_covers(tmp_path):
-    graph = recipe(load_config(None, TINY))
+    from tests.needs import shared_path
+
+    safety = [f"safety.data_root={shared_path('safety')}", *SAFETY]
+    graph = recipe(load_config(None, TINY + safety))
     executor = _audited(tmp_path, graph)
+    assert {"safety", "toxicity-classifier"} <= set(executor.reads)
     assert set(executor.reads) == {n.step.name for n in graph.nodes}  # every step ran, audited
     assert executor.unhashed_reads(graph) == {}
