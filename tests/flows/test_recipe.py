@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
+from pathlib import Path
 
 import pytest
 
@@ -118,3 +120,13 @@ def test_every_step_reads_only_what_its_hash_covers(tmp_path):
     assert {"safety", "toxicity-classifier"} <= set(executor.reads)
     assert set(executor.reads) == {n.step.name for n in graph.nodes}  # every step ran, audited
     assert executor.unhashed_reads(graph) == {}
+
+
+def test_the_readme_lists_every_phase_and_draws_every_step():
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    until = readme[readme.index("- `--until PHASE`") :].split("\n- ")[0]
+    assert re.findall(r"`([a-z]+)`", until) == list(PHASES)
+    picture = readme[readme.index("## What one run does") :].split("```")[1]
+    steps = {n.step.name for n in recipe(load_config(None)).nodes} | {"grpo", "merge", "average"}
+    for name in steps - {"validation", "mixture", "tokenize", "toxicity-classifier", "safety"}:
+        assert name.split("-")[0] in picture, name
