@@ -16,8 +16,8 @@ as the trainer does: the gradients differ by float rounding, which bf16 Newton-S
 beside ``split_batch_noise_one_process``: the same reference in one process with the loss taken
 as the mean of the two half-batch losses, i.e. what that rounding alone does without any
 distribution.
-``identical_work`` says both optimizers trained the same model on the same batches. Prints ONE
-JSON line.
+``identical_work`` is measured, not assumed: both sides drew the same batches in the same order
+and their first step (same initial weights, same batch) gave the same loss. Prints ONE JSON line.
 
     python benchmarks/bench_muon.py [--rounds 4] [--steps 3]
 """
@@ -75,11 +75,12 @@ def _sharded(shapes: dict, cfg: OptimizerConfig, rank: int):
 
 
 # ----------------------------------------------------------------------------- step time
-def _train_step(model, optimizers, ids) -> tuple[float, float]:
-    """Seconds of the whole step and of the optimizer step alone (between barriers)."""
+def _train_step(model, optimizers, ids) -> tuple[float, float, float]:
+    """Seconds of the whole step and of the optimizer step alone (between barriers); the loss."""
     dist.barrier()
     start = time.perf_counter()
-    _loss(model, ids).backward()
+    loss = _loss(model, ids)
+    loss.backward()
     dist.barrier()
     mid = time.perf_counter()
     for optimizer in optimizers:
@@ -87,16 +88,19 @@ def _train_step(model, optimizers, ids) -> tuple[float, float]:
         optimizer.zero_grad(set_to_none=True)
     dist.barrier()
     end = time.perf_counter()
-    return end - start, end - mid
+    return end - start, end - mid, loss.item()
 
 
 def _timing(rank: int, rounds: int, steps: int) -> dict:
     sides = {"adamw": _sharded(SHAPES, ADAMW, rank), "muon": _sharded(SHAPES, MUON, rank)}
-    times = {name: {"step": [], "optimizer": []} for name in sides}
+    times = {name: {"step": [], "optimizer": [], "batches": [], "losses": []} for name in sides}
     for i, name in enumerate(order(list(sides), rounds + 1)):
         for s in range(steps):
-            ids = _ids(1000 * (i // 2) + 10 * s + rank, BATCH, SHAPES["vocab_size"], SEQ + 1)
-            step_s, opt_s = _train_step(*sides[name], ids)
+            seed = 1000 * (i // 2) + 10 * s + rank
+            ids = _ids(seed, BATCH, SHAPES["vocab_size"], SEQ + 1)
+            step_s, opt_s, loss = _train_step(*sides[name], ids)
+            times[name]["batches"].append(seed)
+            times[name]["losses"].append(loss)
             if i >= 2:  # the first round of each side warms up
                 times[name]["step"].append(step_s)
                 times[name]["optimizer"].append(opt_s)
@@ -202,8 +206,15 @@ def main() -> None:
         result = torch.load(out)
     torch.set_num_threads(1)
     expected = _reference()
+    noise = _max_diff(_reference(halves=True), expected)
     times = result["times"]
-    median = {k: {s: statistics.median(v[s]) for s in v} for k, v in times.items()}
+    identical = (
+        times["adamw"]["batches"] == times["muon"]["batches"]
+        and times["adamw"]["losses"][0] == times["muon"]["losses"][0]
+    )
+    median = {
+        k: {s: statistics.median(v[s]) for s in ("step", "optimizer")} for k, v in times.items()
+    }
     emit(
         "muon_fsdp",
         world_size=WORLD,
@@ -216,9 +227,10 @@ def main() -> None:
         parity_steps=PARITY_STEPS,
         parity_same_batch=f"{_max_diff(result['same'], expected):.2e}",
         parity_split_batch=f"{_max_diff(result['split'], expected):.2e}",
+        split_batch_noise_one_process=f"{noise:.2e}",
         rounds=args.rounds,
         steps_per_round=args.steps,
-        identical_work=True,
+        identical_work=identical,
         seconds={k: v["step"] for k, v in times.items()},
     )
 
