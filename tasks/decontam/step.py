@@ -33,7 +33,7 @@ CARRIED_FILES = ("curation_report.json", "summary.md")  # the curated output's r
 log = logging.getLogger("llmflow.decontam")
 
 
-@step("decontaminate", version=2)
+@step("decontaminate", version=3)  # 3: arithmetic items apart from post-training
 def decontaminate(
     cfg: DecontamConfig, corpus: Path, out: Path, eval_files: RawFiles | None = None
 ) -> Metrics:

@@ -49,7 +49,7 @@ class ModelLoadError(BadInputError):
 
 @step(
     "evaluate",
-    version=2,
+    version=3,  # 3: arithmetic items apart from the post-training questions
     gpu=True,
     execution=("batch_size", "max_batch_size", "device", "log_samples"),
 )

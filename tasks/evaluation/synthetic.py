@@ -32,6 +32,10 @@ OPPOSITES = [
 LETTERS_AZ = [chr(c) for c in range(ord("A"), ord("Z") + 1)]
 
 
+POSTTRAIN_MAX_OPERAND = 9
+"""The largest operand of the quickstart's SFT, DPO and GRPO questions (tasks/posttrain)."""
+
+
 def _item(question: str, answer: str, distractors: list[str], rng: random.Random) -> dict:
     """Shuffle the answer among three distractors; ``label`` is the answer's index."""
     choices = [answer, *distractors[: NUM_CHOICES - 1]]
@@ -50,7 +54,11 @@ def _arith_item(rng: random.Random) -> dict:
         a, b = rng.randint(0, 9), rng.randint(0, 9)
         value = a * b
     else:
+        # At least one operand of 10 or more: the quickstart's post-training questions add and
+        # subtract single digits, so no evaluated item is ever trained on.
         a, b = rng.randint(0, 20), rng.randint(0, 20)
+        while max(a, b) <= POSTTRAIN_MAX_OPERAND:
+            a, b = rng.randint(0, 20), rng.randint(0, 20)
         if op == "-" and a < b:
             a, b = b, a
         value = a + b if op == "+" else a - b

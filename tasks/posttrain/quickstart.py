@@ -15,11 +15,12 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+from llmflow.tasks.evaluation.synthetic import POSTTRAIN_MAX_OPERAND
 from llmflow.tasks.posttrain.formats import Record, write_jsonl
 
 SYSTEM_PROMPT = "You are a careful assistant who answers arithmetic questions."
 EVASIVE_ANSWER = "I am not sure."
-MAX_OPERAND = 9
+MAX_OPERAND = POSTTRAIN_MAX_OPERAND  # the evaluated arithmetic never adds or subtracts two digits
 SFT_EVASIVE_SHARE = 0.25
 PREFERENCE_EVASIVE_SHARE = 0.5
 
