@@ -76,7 +76,7 @@ def model_card(
     if cfg.base_model is None:
         cfg = cfg.model_copy(update={"base_model": facts["base_model"]})
     results = _json(evaluation / RESULTS_FILE) or {}
-    text = render_card(cfg, facts, results, safety_metrics(safety))
+    text = render_card(cfg, facts, results, safety_metrics(safety), safety_classifier(safety))
     (folder / CARD_FILE).write_text(text, encoding="utf-8")
     if cfg.config_yaml:
         (folder / CONFIG_FILE).write_text(cfg.config_yaml, encoding="utf-8")
@@ -105,6 +105,13 @@ def safety_metrics(safety: Path | None) -> dict[str, Any] | None:
     if found is None:
         found = (_json(safety / "lineage.json") or {}).get("metrics")
     return found or None
+
+
+def safety_classifier(safety: Path | None) -> dict[str, Any] | None:
+    """Which classifier scored the continuations, and how it does on held-out sentences."""
+    if safety is None:
+        return None
+    return (_json(safety / "results.json") or {}).get("classifier")
 
 
 # -- facts from the lineage -----------------------------------------------------------------
@@ -268,6 +275,7 @@ def render_card(
     facts: dict[str, Any],
     results: dict[str, Any],
     safety: dict[str, Any] | None,
+    classifier: dict[str, Any] | None = None,
 ) -> str:
     """The whole README.md: YAML metadata between ``---`` lines, then the sections."""
     data = card_data(cfg, facts, results)
@@ -276,7 +284,7 @@ def render_card(
         + (f", fine-tuned from `{cfg.base_model}`." if cfg.base_model else "."),
         "## How it was trained\n\n" + training_section(facts),
         "## Evaluation\n\n" + evaluation_section(results),
-        "## Bias and toxicity\n\n" + safety_section(safety),
+        "## Bias and toxicity\n\n" + safety_section(safety, classifier),
         "## Intended use and limitations\n\n" + limitations_section(cfg, facts),
         "## How to reproduce\n\n" + reproduce_section(cfg),
     ]
@@ -365,13 +373,36 @@ def evaluation_section(results: dict[str, Any]) -> str:
     )
 
 
-def safety_section(safety: dict[str, Any] | None) -> str:
+def safety_section(safety: dict[str, Any] | None, classifier: dict[str, Any] | None = None) -> str:
     if not safety:
         return NOT_RECORDED
     rows = [{"metric": k, "value": v} for k, v in sorted(safety.items())]
     return (
         "CrowS-Pairs (share preferring the stereotype; 50% is unbiased) and the toxicity of "
-        "continuations.\n\n" + markdown_table(rows)
+        "continuations.\n\n" + markdown_table(rows) + "\n" + classifier_line(classifier)
+    )
+
+
+def _score(value: Any) -> str:
+    return f"{value:.3f}" if isinstance(value, (int, float)) else NOT_RECORDED
+
+
+def classifier_line(classifier: dict[str, Any] | None) -> str:
+    """Which classifier scored the continuations ('classifier' rows), and its held-out AUC."""
+    if not classifier:
+        return f"Toxicity classifier: {NOT_RECORDED}."
+    held = f"held-out AUC {_score(classifier.get('held_out_auc'))} on ToxiGen sentences"
+    if classifier.get("kind") == "transformers":
+        return f"Toxicity classifier: `{classifier.get('model')}` (transformers; {held})."
+    groups = classifier.get("leave_one_group_out_auc") or {}
+    per_group = ", ".join(f"{g} {_score(v)}" for g, v in sorted(groups.items()))
+    mean = _score(classifier.get("leave_one_group_out_mean_auc"))
+    return (
+        f"Toxicity classifier: the hashed n-gram model trained on ToxiGen's demonstrations "
+        f"({held} of the groups it was trained on; on groups it never saw, the "
+        f"leave-one-group-out AUC is {mean} on average"
+        + (f": {per_group}" if per_group else "")
+        + ")."
     )
 
 

@@ -151,6 +151,12 @@ def _fingerprint(folder: Path, source: HubSource) -> str:
         raise BadInputError(
             f"Hub source {source.uri!r} is unreachable: no folder {folder} in the mirror"
         )
+    return folder_fingerprint(folder)
+
+
+def folder_fingerprint(folder: Path) -> str:
+    """``local-<sha256>`` of a folder's file names, sizes and whole contents (``.cache`` left
+    out): the revision of a mirrored Hub repo or of any local model folder."""
     digest = hashlib.sha256()
     for path in sorted(p for p in folder.rglob("*") if p.is_file() and ".cache" not in p.parts):
         digest.update(f"{path.relative_to(folder)}\0{path.stat().st_size}\0".encode())

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from llmflow.tasks.framework.errors import BadInputError
 from llmflow.tasks.framework.hashing import OMIT_DEFAULT
 
 CROWS_FILE = "crows_pairs_anonymized.csv"
@@ -19,7 +20,8 @@ ENABLE_HINT = (
 
 class ToxicityClassifierConfig(BaseModel):
     """A hashed word n-gram logistic regression (the quality classifier's model) on ToxiGen's
-    hateful (1) and neutral (0) demonstration sentences."""
+    hateful (1) and neutral (0) demonstration sentences, or, with ``model`` set, a transformers
+    sequence classifier."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -36,6 +38,47 @@ class ToxicityClassifierConfig(BaseModel):
     )
     background_words: int = Field(40, ge=5, description="Words per background passage.")
     seed: int = 0
+    model: str | None = Field(
+        None,
+        description=(
+            "A transformers sequence classifier that scores the continuations instead of the "
+            "hashed model: hf://models/OWNER/NAME[@REVISION] (offline: read from "
+            "LLMFLOW_HUB_MIRROR/OWNER/NAME) or a local folder. Its pinned commit or files' "
+            "fingerprint enters the hash."
+        ),
+        json_schema_extra=OMIT_DEFAULT,
+    )
+    toxic_label: int | str | None = Field(
+        None,
+        description=(
+            "The model's toxic class, by index or id2label name. None: the one label whose "
+            "name says toxic or hate, else LABEL_1 of two labels."
+        ),
+        json_schema_extra=OMIT_DEFAULT,
+    )
+    batch_size: int = Field(
+        32, ge=1, description="Texts per model call.", json_schema_extra={"versioned": False}
+    )
+
+    @field_validator("model")
+    @classmethod
+    def _model_uri(cls, value: str | None) -> str | None:
+        if value is not None:
+            from llmflow.tasks.safety.hf_classifier import check_uri
+
+            try:
+                check_uri(value)
+            except BadInputError as err:
+                raise ValueError(str(err)) from None
+        return value
+
+    def versioned_extras(self) -> dict[str, str]:
+        """The model's pinned revision (Hub commit or files' fingerprint), for the hash."""
+        if self.model is None:
+            return {}
+        from llmflow.tasks.safety.hf_classifier import resolve
+
+        return {"model_revision": resolve(self.model).revision}
 
 
 class SafetyEvalConfig(BaseModel):

@@ -12,7 +12,7 @@ from llmflow.tasks.evaluation.harness import load_model
 from llmflow.tasks.evaluation.models import hf_dir, load_tokenizer
 from llmflow.tasks.framework.errors import BadInputError
 from llmflow.tasks.framework.step import Metrics, RawFiles, report_table, step
-from llmflow.tasks.safety.classifier import ToxicityScorer, read_classifier_config
+from llmflow.tasks.safety.classifier import classifier_scorer, describe, read_report
 from llmflow.tasks.safety.config import CROWS_FILE, LEXICON_FILE, SafetyEvalConfig
 from llmflow.tasks.safety.crows import crows_pairs
 from llmflow.tasks.safety.data import pick, read_lexicon, read_toxigen
@@ -37,13 +37,17 @@ def safety(
     folder = hf_dir(model)
     tokenizer = generation_tokenizer(folder)
     results: dict[str, Any] = {"model": model.name}
+    scorer = None
+    if cfg.toxicity:  # the classifier first: a bad one fails before any sampling
+        scorer = classifier_scorer(classifier, cfg.device, cfg.dtype)
+        results["classifier"] = describe(read_report(classifier))
     run_as = EvalConfig(batch_size=cfg.batch_size, dtype=cfg.dtype, device=cfg.device)
     lm = load_model(run_as, folder)  # one load for both parts, as ``evaluate`` loads it
     results["dtype"] = str(lm.model.dtype).removeprefix("torch.")
     if cfg.crows_pairs:
         results["crows_pairs"] = crows_pairs(lm, pick(data, CROWS_FILE), cfg.crows_limit)
     if cfg.toxicity:
-        results["toxicity"] = toxicity(cfg, lm.model, tokenizer, classifier, data, out)
+        results["toxicity"] = toxicity(cfg, lm.model, tokenizer, scorer, data, out)
     (out / RESULTS).write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
     metrics = headline(results)
     report_table("safety", [{"metric": k, "value": v} for k, v in metrics.items()])
@@ -66,13 +70,14 @@ def generation_tokenizer(folder: Path):
     return tokenizer
 
 
-def toxicity(cfg, model, tokenizer, classifier: Path, data, out: Path) -> dict[str, Any]:
-    """Sample continuations of the ToxiGen prompts and score them with both scorers."""
+def toxicity(cfg, model, tokenizer, classifier, data, out: Path) -> dict[str, Any]:
+    """Sample continuations of the ToxiGen prompts and score them with the word list and the
+    ``classifier`` scorer."""
     prompts = build_prompts(read_toxigen(data), cfg)
     generate(model.eval(), tokenizer, prompts, cfg)
     scorers = {
         "lexicon": LexiconScorer(read_lexicon(pick(data, LEXICON_FILE))),
-        "classifier": ToxicityScorer(classifier, read_classifier_config(classifier)),
+        "classifier": classifier,
     }
     score(prompts, scorers)
     with open(out / CONTINUATIONS, "w", encoding="utf-8") as f:

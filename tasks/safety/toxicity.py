@@ -100,12 +100,16 @@ def _sample(model, tokenizer, texts: list[str], cfg: SafetyEvalConfig) -> list[s
 
 
 def score(prompts: list[Prompt], scorers: dict[str, Scorer]) -> None:
-    """Every continuation through every scorer."""
+    """Every continuation through every scorer (all at once to a scorer with ``scores(texts)``,
+    which batches them)."""
+    texts = [text for prompt in prompts for text in prompt.continuations]
     for prompt in prompts:
-        prompt.scores = {
-            name: [scorer(text) for text in prompt.continuations]
-            for name, scorer in scorers.items()
-        }
+        prompt.scores = {}
+    for name, scorer in scorers.items():
+        batched = getattr(scorer, "scores", None)
+        values = iter(batched(texts) if batched else [scorer(text) for text in texts])
+        for prompt in prompts:
+            prompt.scores[name] = [next(values) for _ in prompt.continuations]
 
 
 def aggregate(prompts: list[Prompt], threshold: float) -> dict[str, Any]:

@@ -137,10 +137,13 @@ def test_safety_metrics_are_read_when_given(lineage, tmp_path):
     safety = tmp_path / "safety"
     safety.mkdir()
     (safety / "metrics.json").write_text(json.dumps({"crows_pairs/pct_stereotype": 0.56}))
+    classifier = {"kind": "transformers", "model": "org/tox@abc123", "held_out_auc": 0.9132}
+    (safety / "results.json").write_text(json.dumps({"classifier": classifier}))
     cfg = CardConfig(model_name="q-extended")
     path = write_card(cfg, lineage["export"], lineage["evaluation"], tmp_path / "c", safety=safety)
     text = path.read_text()
     assert "| crows_pairs/pct_stereotype | 0.56 |" in text
+    assert "Toxicity classifier: `org/tox@abc123` (transformers; held-out AUC 0.913" in text
     assert ModelCard.load(path).data.base_model is None  # an export: trained from scratch
 
 
