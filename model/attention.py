@@ -62,7 +62,9 @@ def document_mask(doc_ids: Tensor) -> Tensor:
 class Attention(nn.Module):
     """Causal self-attention with `num_kv_heads` key/value heads shared by groups of query heads.
 
-    One fused projection makes q, k and v (the export splits it into q_proj, k_proj, v_proj).
+    One fused projection makes q, k and v (the export splits it into q_proj, k_proj, v_proj), with
+    a bias when `cfg.attention_bias` (Qwen2). With `cfg.qk_norm`, each q and k head is RMS-normed
+    over its own width before RoPE, as Qwen3 does.
     """
 
     def __init__(self, cfg: ModelConfig, use_rope: bool = True):
@@ -70,7 +72,9 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
         self.head_dim, self.use_rope = cfg.head_dim, use_rope
         qkv_heads = cfg.num_heads + 2 * cfg.num_kv_heads
-        self.qkv_proj = nn.Linear(cfg.hidden_size, qkv_heads * cfg.head_dim, bias=False)
+        self.qkv_proj = nn.Linear(
+            cfg.hidden_size, qkv_heads * cfg.head_dim, bias=cfg.attention_bias
+        )
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 ROPE_TYPES = ("default", "yarn")
+HF_MODEL_TYPES = ("smollm3", "llama", "qwen2", "qwen3")
+"""transformers architectures a model is exported as (`model_type` in its config.json)."""
+ADDED = {"omit_default": True}
+"""Metadata of a field added after outputs were made: at its default it stays out of the hashes
+of the configs that carry it, so those outputs keep their addresses."""
 
 
 @dataclass
@@ -48,13 +53,24 @@ class ModelConfig:
     """End-of-sequence id, written into the exported configs."""
     pad_token_id: int | None = None
     """Padding id; the export falls back to `eos_token_id`, then 0."""
+    attention_bias: bool = field(default=False, metadata=ADDED)
+    """The q, k and v projections carry a bias (Qwen2); the output projection never does."""
+    explicit_head_dim: int | None = field(default=None, metadata=ADDED)
+    """Width of one attention head when it is not `hidden_size / num_heads` (Qwen3: 128)."""
+    nope_layers: list[int] | None = field(default=None, metadata=ADDED)
+    """Indices of the layers without RoPE, for a pattern `nope_interval` cannot express."""
+    hf_model_type: str = field(default="smollm3", metadata=ADDED)
+    """The transformers architecture the export writes (one of `HF_MODEL_TYPES`); an imported
+    model keeps its own."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads"):
             _require_positive(self, name)
         for name in ("intermediate_size", "max_seq_len", "rope_theta", "rms_norm_eps", "init_std"):
             _require_positive(self, name)
-        if self.hidden_size % self.num_heads:
+        if self.explicit_head_dim is not None:
+            _require_positive(self, "explicit_head_dim")
+        elif self.hidden_size % self.num_heads:
             raise ValueError(
                 f"hidden_size={self.hidden_size} must be divisible by num_heads={self.num_heads}"
             )
@@ -68,19 +84,59 @@ class ModelConfig:
             )
         if self.nope_interval < 0:
             raise ValueError(f"nope_interval={self.nope_interval} must be >= 0 (0 disables NoPE)")
+        self._check_nope_layers()
+        self._check_hf_model_type()
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
             value = getattr(self, name)
             if value is not None and not 0 <= value < self.vocab_size:
                 raise ValueError(f"{name}={value} must be in [0, vocab_size={self.vocab_size})")
         _validate_rope_scaling(self.rope_scaling)
 
+    def _check_nope_layers(self) -> None:
+        if self.nope_layers is None:
+            return
+        if self.nope_interval:
+            raise ValueError(
+                f"nope_layers={self.nope_layers} and nope_interval={self.nope_interval} are both "
+                "set; give one of them"
+            )
+        bad = [i for i in self.nope_layers if not 0 <= i < self.num_layers]
+        if bad:
+            raise ValueError(
+                f"nope_layers={self.nope_layers}: {bad} not in [0, num_layers={self.num_layers})"
+            )
+
+    def _check_hf_model_type(self) -> None:
+        """Each architecture has the features its transformers class has, no others."""
+        kind = self.hf_model_type
+        if kind not in HF_MODEL_TYPES:
+            raise ValueError(f"hf_model_type={kind!r} must be one of {HF_MODEL_TYPES}")
+        required = {  # field: the value the architecture needs (None: any)
+            "attention_bias": {"qwen2": True}.get(kind, False),
+            "qk_norm": {"qwen3": True, "smollm3": None}.get(kind, False),
+        }
+        for name, value in required.items():
+            if value is not None and getattr(self, name) != value:
+                raise ValueError(
+                    f"{name}={getattr(self, name)} does not fit hf_model_type={kind!r} "
+                    f"(its transformers class has {name}={value})"
+                )
+        has_nope = any(not self.uses_rope(i) for i in range(self.num_layers))
+        if has_nope and kind != "smollm3":
+            raise ValueError(
+                f"NoPE layers (nope_interval={self.nope_interval}, nope_layers="
+                f"{self.nope_layers}) need hf_model_type='smollm3', not {kind!r}"
+            )
+
     @property
     def head_dim(self) -> int:
         """Width of one attention head."""
-        return self.hidden_size // self.num_heads
+        return self.explicit_head_dim or self.hidden_size // self.num_heads
 
     def uses_rope(self, layer_idx: int) -> bool:
         """Whether layer `layer_idx` applies RoPE (SmolLM3's `no_rope_layers` convention)."""
+        if self.nope_layers is not None:
+            return layer_idx not in self.nope_layers
         return self.nope_interval == 0 or (layer_idx + 1) % self.nope_interval != 0
 
     def num_parameters(self, non_embedding: bool = False) -> int:
@@ -92,6 +148,8 @@ class ModelConfig:
         hidden, head_dim = self.hidden_size, self.head_dim
         attention = hidden * (self.num_heads + 2 * self.num_kv_heads) * head_dim
         attention += self.num_heads * head_dim * hidden + (2 * head_dim if self.qk_norm else 0)
+        if self.attention_bias:
+            attention += (self.num_heads + 2 * self.num_kv_heads) * head_dim
         mlp = 3 * hidden * self.intermediate_size
         per_layer = attention + mlp + 2 * hidden  # two RMSNorm weights
         body = self.num_layers * per_layer + hidden  # final norm

@@ -1,8 +1,11 @@
-"""Conversion to and from Hugging Face's SmolLM3 format, and our own checkpoint format.
+"""Conversion to and from Hugging Face model folders, and our own checkpoint format.
 
-The export is a `SmolLM3ForCausalLM` directory (safetensors weights, `config.json` with the RoPE
-parameters, `generation_config.json`, tokenizer files) that `AutoModelForCausalLM.from_pretrained`
-loads with the same logits as `Transformer.forward`. Nothing here imports transformers.
+`import_hf` reads a LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM or SmolLM3ForCausalLM
+folder (`model/hf_arch.py` maps the config and refuses what does not map). The export is a
+directory of the architecture the model came from (SmolLM3ForCausalLM for a model trained here:
+safetensors weights, `config.json` with the RoPE parameters, `generation_config.json`, tokenizer
+files) that `AutoModelForCausalLM.from_pretrained` loads with the same logits as
+`Transformer.forward`. Nothing here imports transformers.
 """
 
 from __future__ import annotations
@@ -12,11 +15,16 @@ import shutil
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from llmflow.model.config import ModelConfig
+from llmflow.model.hf_arch import config_from_hf, hf_config
 from llmflow.model.transformer import Transformer
+from llmflow.tasks.framework.errors import BadInputError
+
+__all__ = ["export_hf", "hf_config", "import_hf", "load_model", "save_model"]
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "model_config.json"
@@ -47,9 +55,9 @@ def _clean(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
 
 
 def to_hf_state_dict(state_dict: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
-    """Rename and split our tensors into transformers' SmolLM3/Llama names."""
+    """Rename and split our tensors into transformers' Llama/Qwen/SmolLM3 names."""
     sd = _clean(state_dict)
-    q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    sizes = [cfg.num_heads * cfg.head_dim] + [cfg.num_kv_heads * cfg.head_dim] * 2
     hf = {
         "model.embed_tokens.weight": sd["embed.weight"],
         "model.norm.weight": sd["norm.weight"],
@@ -58,12 +66,13 @@ def to_hf_state_dict(state_dict: dict[str, Tensor], cfg: ModelConfig) -> dict[st
         hf["lm_head.weight"] = sd["lm_head.weight"]
     for i in range(cfg.num_layers):
         ours, theirs = f"layers.{i}.", f"model.layers.{i}."
-        for src, dst in _LAYER_RENAMES.items():
+        for src, dst in _layer_renames(cfg).items():
             hf[theirs + dst] = sd[ours + src]
-        q, k, v = sd[ours + "attn.qkv_proj.weight"].split([q_size, kv_size, kv_size])
-        hf[theirs + "self_attn.q_proj.weight"] = q
-        hf[theirs + "self_attn.k_proj.weight"] = k
-        hf[theirs + "self_attn.v_proj.weight"] = v
+        for kind in ("weight", "bias") if cfg.attention_bias else ("weight",):
+            q, k, v = sd[ours + f"attn.qkv_proj.{kind}"].split(sizes)
+            hf[theirs + f"self_attn.q_proj.{kind}"] = q
+            hf[theirs + f"self_attn.k_proj.{kind}"] = k
+            hf[theirs + f"self_attn.v_proj.{kind}"] = v
         gate, up = sd[ours + "mlp.gate_up_proj.weight"].chunk(2)
         hf[theirs + "mlp.gate_proj.weight"] = gate
         hf[theirs + "mlp.up_proj.weight"] = up
@@ -80,61 +89,25 @@ def from_hf_state_dict(hf: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Ten
         sd["lm_head.weight"] = hf["lm_head.weight"]
     for i in range(cfg.num_layers):
         ours, theirs = f"layers.{i}.", f"model.layers.{i}."
-        for src, dst in _LAYER_RENAMES.items():
+        for src, dst in _layer_renames(cfg).items():
             sd[ours + src] = hf[theirs + dst]
-        qkv = [hf[theirs + f"self_attn.{p}_proj.weight"] for p in "qkv"]
-        sd[ours + "attn.qkv_proj.weight"] = torch.cat(qkv)
+        for kind in ("weight", "bias") if cfg.attention_bias else ("weight",):
+            qkv = [hf[theirs + f"self_attn.{p}_proj.{kind}"] for p in "qkv"]
+            sd[ours + f"attn.qkv_proj.{kind}"] = torch.cat(qkv)
         gate_up = [hf[theirs + f"mlp.{p}_proj.weight"] for p in ("gate", "up")]
         sd[ours + "mlp.gate_up_proj.weight"] = torch.cat(gate_up)
     return sd
 
 
-def hf_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
-    """`config.json` contents for a SmolLM3ForCausalLM with this shape."""
-    if cfg.qk_norm:
-        raise ValueError(
-            "qk_norm=True has no equivalent in transformers' SmolLM3/Llama (no q_norm/k_norm "
-            "weights), so this model cannot be exported; train with qk_norm=False to export"
-        )
-    # NOTE: SmolLM3Config defaults pad_token_id to 128004, which fails ("Padding_idx must be
-    # within num_embeddings") for small vocabularies, so it is always written.
-    pad = cfg.pad_token_id if cfg.pad_token_id is not None else cfg.eos_token_id
-    rope_parameters = {"rope_type": "default", **(cfg.rope_scaling or {})}
-    rope_parameters["rope_theta"] = cfg.rope_theta
-    config = {
-        "architectures": ["SmolLM3ForCausalLM"],
-        "model_type": "smollm3",
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads,
-        "hidden_act": "silu",
-        "max_position_embeddings": cfg.max_seq_len,
-        "initializer_range": cfg.init_std,
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "use_cache": True,
-        "bos_token_id": cfg.bos_token_id,
-        "eos_token_id": cfg.eos_token_id,
-        "pad_token_id": pad if pad is not None else 0,
-        # transformers >= 5 reads rope_parameters; 4.x reads rope_theta and rope_scaling.
-        "rope_parameters": rope_parameters,
-        "rope_theta": cfg.rope_theta,
-        "rope_scaling": cfg.rope_scaling,
-        "no_rope_layers": [int(cfg.uses_rope(i)) for i in range(cfg.num_layers)],
-        "use_sliding_window": False,
-        "sliding_window": None,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "mlp_bias": False,
-        "tie_word_embeddings": cfg.tie_embeddings,
-        "dtype": str(dtype).removeprefix("torch."),
-        "torch_dtype": str(dtype).removeprefix("torch."),
+def _layer_renames(cfg: ModelConfig) -> dict[str, str]:
+    """Ours -> transformers, for a layer's unfused tensors."""
+    if not cfg.qk_norm:
+        return _LAYER_RENAMES
+    return {
+        **_LAYER_RENAMES,
+        "attn.q_norm.weight": "self_attn.q_norm.weight",
+        "attn.k_norm.weight": "self_attn.k_norm.weight",
     }
-    if cfg.nope_interval:
-        config["no_rope_layer_interval"] = cfg.nope_interval
-    return config
 
 
 def export_hf(
@@ -143,11 +116,11 @@ def export_hf(
     out_dir: Path,
     tokenizer_dir: Path | None = None,
 ) -> None:
-    """Write a transformers-loadable SmolLM3ForCausalLM directory.
+    """Write a transformers-loadable directory of the class `cfg.hf_model_type` names.
 
     Args:
         state_dict: our model's state dict (wrapper prefixes are tolerated).
-        cfg: the model's config; `qk_norm=True` is refused (no SmolLM3 equivalent).
+        cfg: the model's config; SmolLM3 (the default) refuses `qk_norm=True` (no equivalent).
         out_dir: created if missing; existing files of the same name are overwritten.
         tokenizer_dir: a saved tokenizer whose files (`tokenizer*`, vocab, merges, special
             tokens, chat template) are copied beside the weights.
@@ -177,75 +150,108 @@ def _copy_tokenizer(tokenizer_dir: Path, out_dir: Path) -> None:
 
 
 def import_hf(hf_dir: Path) -> tuple[ModelConfig, dict[str, Tensor]]:
-    """Read a SmolLM3 (or Llama) transformers directory back into our config and state dict."""
+    """Read a transformers model folder into our config and state dict.
+
+    The config, then the weights' names and shapes (from the safetensors headers), are checked
+    before any tensor is read; what does not map raises `BadInputError` naming the field or
+    tensor. Weights keep their saved dtype.
+    """
     hf_dir = Path(hf_dir)
+    if not (hf_dir / "config.json").is_file():
+        what = "folder" if hf_dir.is_dir() else "no such folder"
+        raise BadInputError(f"{hf_dir}: {what} without config.json; not a transformers model")
     config = json.loads((hf_dir / "config.json").read_text())
-    cfg = _config_from_hf(config)
-    return cfg, from_hf_state_dict(_load_hf_weights(hf_dir), cfg)
+    cfg = config_from_hf(config, source=str(hf_dir / "config.json"))
+    files = _weight_files(hf_dir)
+    expected = _expected_shapes(cfg)
+    _check_shapes(_saved_shapes(files), expected, cfg, hf_dir)
+    weights = _load_weights(files)
+    return cfg, from_hf_state_dict({k: v for k, v in weights.items() if k in expected}, cfg)
 
 
-def _config_from_hf(config: dict) -> ModelConfig:
-    model_type = config.get("model_type")
-    if model_type not in ("smollm3", "llama"):
-        raise ValueError(f"model_type={model_type!r} is not supported (smollm3 or llama)")
-    for name in ("attention_bias", "mlp_bias", "use_sliding_window"):
-        if config.get(name):
-            raise ValueError(f"{name}={config[name]} is not supported by model.Transformer")
-    head_dim = config.get("head_dim")
-    if head_dim and head_dim != config["hidden_size"] // config["num_attention_heads"]:
-        raise ValueError(
-            f"head_dim={head_dim} != hidden_size / num_attention_heads is not supported"
-        )
-    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-    rope_theta = rope.pop("rope_theta", config.get("rope_theta", 10000.0))
-    rope.setdefault("rope_type", rope.pop("type", "default"))
-    num_layers = config["num_hidden_layers"]
-    eos = config.get("eos_token_id")
-    return ModelConfig(
-        vocab_size=config["vocab_size"],
-        hidden_size=config["hidden_size"],
-        num_layers=num_layers,
-        num_heads=config["num_attention_heads"],
-        num_kv_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
-        intermediate_size=config["intermediate_size"],
-        max_seq_len=config["max_position_embeddings"],
-        rope_theta=float(rope_theta),
-        rope_scaling=None if rope["rope_type"] == "default" else rope,
-        nope_interval=_nope_interval(config, num_layers),
-        tie_embeddings=config.get("tie_word_embeddings", True),
-        rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-        init_std=config.get("initializer_range", 0.02),
-        bos_token_id=config.get("bos_token_id"),
-        eos_token_id=eos[0] if isinstance(eos, list) else eos,
-        pad_token_id=config.get("pad_token_id"),
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+_IGNORED = ("rotary_emb.inv_freq",)  # derived buffers some older checkpoints hold
+
+
+def _weight_files(hf_dir: Path) -> list[Path]:
+    """The weight files of a folder: one file, or the shards its index lists."""
+    for name in WEIGHT_FILES:
+        index = hf_dir / f"{name}.index.json"
+        if index.is_file():
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            missing = [s for s in shards if not (hf_dir / s).is_file()]
+            if missing:
+                raise BadInputError(f"{index} lists shards that are missing: {missing}")
+            return [hf_dir / shard for shard in shards]
+        if (hf_dir / name).is_file():
+            return [hf_dir / name]
+    raise BadInputError(
+        f"{hf_dir} has no weights: no {' or '.join(WEIGHT_FILES)} (nor a sharded index of one)"
     )
 
 
-def _nope_interval(config: dict, num_layers: int) -> int:
-    """Recover our `nope_interval` from SmolLM3's `no_rope_layers` (1 = RoPE, 0 = NoPE)."""
-    if config.get("model_type") == "llama":
-        return 0
-    uses_rope = config.get("no_rope_layers")
-    interval = config.get("no_rope_layer_interval", 4)
-    if uses_rope is None:
-        return interval
-    uses_rope = list(uses_rope)[:num_layers]
-    if all(uses_rope):
-        return 0
-    for k in range(1, num_layers + 1):
-        if uses_rope == [int((i + 1) % k != 0) for i in range(num_layers)]:
-            return k
-    raise ValueError(f"no_rope_layers={uses_rope} is not every k-th layer; unsupported")
+def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """transformers' tensor names and shapes for `cfg` (from a model on the meta device)."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    return {k: tuple(v.shape) for k, v in to_hf_state_dict(model.state_dict(), cfg).items()}
 
 
-def _load_hf_weights(hf_dir: Path) -> dict[str, Tensor]:
-    index = hf_dir / f"{WEIGHTS_NAME}.index.json"
-    if not index.exists():
-        return load_file(hf_dir / WEIGHTS_NAME)
-    shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+def _saved_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path in files:
+        if path.suffix == ".safetensors":
+            with safe_open(path, framework="pt") as f:
+                shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
+        else:  # a pickle checkpoint: memory-mapped, so only the shapes are read
+            state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+            shapes.update({k: tuple(v.shape) for k, v in state.items()})
+    return shapes
+
+
+def _check_shapes(
+    saved: dict[str, tuple[int, ...]],
+    expected: dict[str, tuple[int, ...]],
+    cfg: ModelConfig,
+    hf_dir: Path,
+) -> None:
+    embed = saved.get("model.embed_tokens.weight")
+    if embed is not None and embed[0] != cfg.vocab_size:
+        raise BadInputError(
+            f"{hf_dir}: vocab_size={cfg.vocab_size} in config.json, but the embedding "
+            f"model.embed_tokens.weight has {embed[0]} rows"
+        )
+    missing = sorted(set(expected) - set(saved))
+    if missing:
+        raise BadInputError(
+            f"{hf_dir}: the weights lack {len(missing)} tensor(s) config.json implies, e.g. "
+            f"{missing[:3]}"
+        )
+    unused = sorted(
+        k
+        for k in set(saved) - set(expected)
+        if not k.endswith(_IGNORED) and not (cfg.tie_embeddings and k == "lm_head.weight")
+    )
+    if unused:
+        raise BadInputError(
+            f"{hf_dir}: the weights hold {len(unused)} tensor(s) the "
+            f"{cfg.hf_model_type} architecture does not use, e.g. {unused[:3]}"
+        )
+    wrong = [(k, saved[k], shape) for k, shape in expected.items() if saved[k] != shape]
+    if wrong:
+        name, got, want = wrong[0]
+        raise BadInputError(
+            f"{hf_dir}: {name} has shape {list(got)}, config.json implies {list(want)}"
+        )
+
+
+def _load_weights(files: list[Path]) -> dict[str, Tensor]:
     weights: dict[str, Tensor] = {}
-    for shard in shards:
-        weights.update(load_file(hf_dir / shard))
+    for path in files:
+        if path.suffix == ".safetensors":
+            weights.update(load_file(path))
+        else:
+            weights.update(torch.load(path, map_location="cpu", weights_only=True))
     return weights
 
 

@@ -169,6 +169,8 @@ class Transformer(nn.Module):
     def init_weights(self, seed: int | None = None) -> None:
         """Normal(0, init_std) everywhere, residual output projections scaled by 1/sqrt(2L).
 
+        Biases (the q/k/v bias of `attention_bias`) start at 0.
+
         Args:
             seed: when given, every weight is drawn block by block from generators seeded by
                 (seed, its name, the block), so the result does not depend on (or disturb) the
@@ -186,6 +188,8 @@ class Transformer(nn.Module):
                 is_residual_out = name.endswith(("o_proj", "down_proj"))
                 module_std = residual_std if is_residual_out else std
                 init_normal_(module.weight, module_std, seed, _canonical(name))
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
 
     def output_weight(self) -> Tensor:
         """The (V, C) output projection: the embedding when tied."""

@@ -290,7 +290,9 @@ CONTEXT_FIELDS = ("max_seq_len", "rope_theta", "rope_scaling")
 
 def check_same_architecture(path: Path, model_config: Any) -> None:
     """Raise BadInputError naming the differing fields if ``path`` holds another architecture."""
-    saved = json.loads((Path(path) / "model_config.json").read_text())
+    # NOTE: a field added to ModelConfig after the checkpoint was written holds its default.
+    defaults = {f.name: f.default for f in dataclasses.fields(model_config)}
+    saved = {**defaults, **json.loads((Path(path) / "model_config.json").read_text())}
     current = json.loads(json.dumps(dataclasses.asdict(model_config)))
     diff = {k: (saved.get(k), current.get(k)) for k in saved.keys() | current.keys()}
     # NOTE: the weights do not depend on the context fields; changing them from one checkpoint

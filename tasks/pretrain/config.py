@@ -39,7 +39,11 @@ class _Section(BaseModel):
 def _model_overrides() -> type[BaseModel]:
     """A pydantic model with every ``ModelConfig`` field, optional (None: the preset's value)."""
     hints = typing.get_type_hints(ModelConfig)
-    fields = {f.name: (hints[f.name] | None, None) for f in dataclasses.fields(ModelConfig)}
+    fields = {
+        # NOTE: a field ModelConfig marks as added stays out of the hash while unset.
+        f.name: (hints[f.name] | None, Field(None, json_schema_extra=dict(f.metadata) or None))
+        for f in dataclasses.fields(ModelConfig)
+    }
     return create_model(
         "ModelOverrides",
         __base__=_Section,

@@ -21,6 +21,14 @@ from llmflow.model.transformer import Transformer
             "original_max_position_embeddings",
             "None",
         ),
+        (dict(hf_model_type="mistral"), "hf_model_type", "mistral"),
+        (dict(hf_model_type="qwen2"), "attention_bias", "False"),
+        (dict(hf_model_type="qwen3"), "qk_norm", "False"),
+        (dict(attention_bias=True), "attention_bias", "smollm3"),
+        (dict(hf_model_type="llama", nope_interval=4), "nope_interval", "llama"),
+        (dict(nope_layers=[4]), "nope_layers", "[4]"),
+        (dict(nope_layers=[1], nope_interval=2), "nope_interval", "2"),
+        (dict(explicit_head_dim=0), "explicit_head_dim", "0"),
     ],
 )
 def test_validation_names_field_and_value(kwargs, field, value):
@@ -73,3 +81,45 @@ def test_nope_layers_follow_smollm3_convention():
     cfg = ModelConfig(num_layers=8, nope_interval=4)
     assert [cfg.uses_rope(i) for i in range(8)] == [1, 1, 1, 0, 1, 1, 1, 0]
     assert all(ModelConfig(num_layers=8).uses_rope(i) for i in range(8))
+
+
+def test_added_fields_stay_out_of_the_pretrain_hash_at_their_default():
+    """Fields added for imported models keep every earlier model's step hash."""
+    from llmflow.tasks.framework.hashing import versioned_fields
+    from llmflow.tasks.pretrain.config import ModelSpec
+
+    added = {"attention_bias", "explicit_head_dim", "nope_layers", "hf_model_type"}
+    assert not added & set(versioned_fields(ModelSpec())["overrides"])
+    spec = ModelSpec(overrides={"hf_model_type": "qwen2", "attention_bias": True})
+    assert versioned_fields(spec)["overrides"]["attention_bias"] is True
+
+
+def test_checkpoint_written_before_the_added_fields_is_the_same_architecture(tmp_path):
+    import dataclasses
+    import json
+
+    from llmflow.tasks.pretrain.checkpoint import check_same_architecture
+
+    cfg = ModelConfig()
+    old = dataclasses.asdict(cfg)
+    for name in ("attention_bias", "explicit_head_dim", "nope_layers", "hf_model_type"):
+        del old[name]
+    (tmp_path / "model_config.json").write_text(json.dumps(old))
+    check_same_architecture(tmp_path, cfg)  # no error
+    with pytest.raises(ValueError, match="hf_model_type"):
+        check_same_architecture(tmp_path, ModelConfig(hf_model_type="llama"))
+
+
+def test_explicit_head_dim_and_bias_shape_the_model():
+    cfg = ModelConfig(
+        hidden_size=64, num_heads=4, num_kv_heads=2, explicit_head_dim=32, qk_norm=True,
+        hf_model_type="qwen3",
+    )  # fmt: skip
+    model = Transformer(cfg)
+    assert model.layers[0].attn.qkv_proj.weight.shape == ((4 + 2 * 2) * 32, 64)
+    assert model.layers[0].attn.o_proj.weight.shape == (64, 4 * 32)
+    assert cfg.num_parameters() == sum(p.numel() for p in model.parameters())
+    biased = ModelConfig(attention_bias=True, hf_model_type="qwen2")
+    model = Transformer(biased)
+    assert model.layers[0].attn.qkv_proj.bias.abs().sum() == 0  # starts at 0
+    assert biased.num_parameters() == sum(p.numel() for p in model.parameters())

@@ -1,0 +1,291 @@
+"""Which transformers architectures map onto `ModelConfig`, in both directions.
+
+`config_from_hf` reads the `config.json` of a LlamaForCausalLM, Qwen2ForCausalLM (q/k/v bias),
+Qwen3ForCausalLM (per-head q/k RMSNorm) or SmolLM3ForCausalLM (NoPE layers) and returns the
+`ModelConfig` whose `Transformer` computes the same logits. Anything else (another head, a mixture
+of experts, sliding-window attention, a RoPE scaling we do not implement) is refused before a
+weight is read, naming the config field and its value. `hf_config` writes the config back for the
+architecture the model came from (`ModelConfig.hf_model_type`). Nothing here imports transformers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llmflow.model.config import ROPE_TYPES, ModelConfig
+from llmflow.tasks.framework.errors import BadInputError
+
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "SmolLM3ForCausalLM": "smollm3",
+}
+"""transformers class -> its `model_type`, for every class `config_from_hf` maps."""
+CLASS_OF = {kind: name for name, kind in ARCHITECTURES.items()}
+_DEFAULTS = {  # transformers' values for keys a config.json may leave out
+    "llama": {"tie_word_embeddings": False, "rope_theta": 10000.0, "max_position_embeddings": 2048},
+    "qwen2": {
+        "tie_word_embeddings": False,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 32768,
+    },
+    "qwen3": {
+        "tie_word_embeddings": False,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 32768,
+        "head_dim": 128,
+    },
+    "smollm3": {
+        "tie_word_embeddings": True,
+        "rope_theta": 2000000.0,
+        "max_position_embeddings": 32768,
+    },
+}
+MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+"""Config fields that give a mixture of experts its expert count."""
+_REQUIRED = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+)
+
+
+def config_from_hf(config: dict, source: str = "config.json") -> ModelConfig:
+    """The `ModelConfig` of a transformers `config.json`, or `BadInputError` naming the field.
+
+    Args:
+        config: the parsed `config.json`.
+        source: where it came from, for the messages.
+    """
+    _refuse_other_heads(config, source)
+    _refuse_moe(config, source)
+    kind = _model_type(config, source)
+    missing = [name for name in _REQUIRED if config.get(name) is None]
+    if missing:
+        raise BadInputError(f"{source}: {CLASS_OF[kind]} config has no {', '.join(missing)}")
+    num_layers, hidden = config["num_hidden_layers"], config["hidden_size"]
+    heads = config["num_attention_heads"]
+    _refuse_sliding_window(config, kind, num_layers, source)
+    _refuse_unsupported_layers(config, kind, source)
+    defaults = _DEFAULTS[kind]
+    head_dim = config.get("head_dim") or defaults.get("head_dim") or hidden // heads
+    rope_theta, rope_scaling = _rope(config, kind, source)
+    nope_interval, nope_layers = (
+        _nope(config, num_layers, source) if kind == "smollm3" else (0, None)
+    )
+    eos = config.get("eos_token_id")
+    fields = dict(
+        vocab_size=config["vocab_size"],
+        hidden_size=hidden,
+        num_layers=num_layers,
+        num_heads=heads,
+        num_kv_heads=config.get("num_key_value_heads") or heads,
+        intermediate_size=config["intermediate_size"],
+        max_seq_len=config.get("max_position_embeddings") or defaults["max_position_embeddings"],
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        nope_interval=nope_interval,
+        nope_layers=nope_layers,
+        tie_embeddings=config.get("tie_word_embeddings", defaults["tie_word_embeddings"]),
+        rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+        init_std=config.get("initializer_range", 0.02),
+        qk_norm=kind == "qwen3",
+        attention_bias=kind == "qwen2",
+        explicit_head_dim=None if head_dim * heads == hidden else head_dim,
+        bos_token_id=config.get("bos_token_id"),
+        eos_token_id=eos[0] if isinstance(eos, list) and eos else eos,
+        pad_token_id=config.get("pad_token_id"),
+        hf_model_type=kind,
+    )
+    try:
+        return ModelConfig(**fields)
+    except ValueError as err:
+        raise BadInputError(f"{source}: {CLASS_OF[kind]} config does not map: {err}") from err
+
+
+def _refuse_other_heads(config: dict, source: str) -> None:
+    architectures = config.get("architectures") or []
+    others = [name for name in architectures if "For" in name and not name.endswith("ForCausalLM")]
+    if others:
+        raise BadInputError(
+            f"{source}: architectures={architectures} is not a causal language model "
+            f"({others[0]} has another head than ...ForCausalLM); import a causal LM checkpoint"
+        )
+
+
+def _refuse_moe(config: dict, source: str) -> None:
+    for name in MOE_FIELDS:
+        value = config.get(name)
+        if isinstance(value, int) and value > 1:
+            raise BadInputError(
+                f"{source}: {name}={value}: mixture-of-experts models are not supported "
+                f"(dense {', '.join(CLASS_OF[k] for k in CLASS_OF)} only)"
+            )
+
+
+def _model_type(config: dict, source: str) -> str:
+    architectures = config.get("architectures") or []
+    model_type = config.get("model_type")
+    supported = sorted(ARCHITECTURES)
+    if not architectures:
+        if model_type in CLASS_OF:
+            return model_type
+        raise BadInputError(
+            f"{source}: model_type={model_type!r} is not supported (supported: {sorted(CLASS_OF)})"
+        )
+    known = [ARCHITECTURES[name] for name in architectures if name in ARCHITECTURES]
+    if not known:
+        raise BadInputError(
+            f"{source}: architectures={architectures} is not supported (supported: {supported})"
+        )
+    if model_type is not None and model_type != known[0]:
+        raise BadInputError(
+            f"{source}: model_type={model_type!r} does not match architectures={architectures} "
+            f"(expected {known[0]!r})"
+        )
+    return known[0]
+
+
+def _refuse_sliding_window(config: dict, kind: str, num_layers: int, source: str) -> None:
+    layer_types = config.get("layer_types")
+    window = config.get("sliding_window")
+    if layer_types is not None:
+        other = sorted({t for t in layer_types if t != "full_attention"})
+        if other:
+            raise BadInputError(
+                f"{source}: layer_types={layer_types} has {other} layers (use_sliding_window="
+                f"{config.get('use_sliding_window')}, sliding_window={window}); only full "
+                "attention is supported"
+            )
+        return
+    if not (config.get("use_sliding_window") and window):
+        return
+    if kind in ("qwen2", "qwen3") and config.get("max_window_layers", 28) >= num_layers:
+        return  # Qwen applies the window only from layer max_window_layers on: to no layer here
+    raise BadInputError(
+        f"{source}: use_sliding_window=True with sliding_window={window}: sliding-window "
+        "attention is not supported"
+    )
+
+
+def _refuse_unsupported_layers(config: dict, kind: str, source: str) -> None:
+    act = config.get("hidden_act", "silu")
+    if act != "silu":
+        raise BadInputError(f"{source}: hidden_act={act!r} is not supported (silu only)")
+    if config.get("mlp_bias"):
+        raise BadInputError(f"{source}: mlp_bias={config['mlp_bias']} is not supported")
+    if kind != "qwen2" and config.get("attention_bias"):
+        raise BadInputError(
+            f"{source}: attention_bias={config['attention_bias']} is not supported for "
+            f"{CLASS_OF[kind]} (it puts a bias on o_proj too; only Qwen2's q/k/v bias is)"
+        )
+
+
+def _rope(config: dict, kind: str, source: str) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) from transformers 5's `rope_parameters` or 4.x's keys."""
+    field = "rope_parameters" if config.get("rope_parameters") is not None else "rope_scaling"
+    params = dict(config.get(field) or {})
+    theta = params.pop("rope_theta", None)
+    if theta is None:
+        theta = config.get("rope_theta", _DEFAULTS[kind]["rope_theta"])
+    legacy_type = params.pop("type", None)
+    rope_type = params.setdefault("rope_type", legacy_type or "default")
+    partial = params.pop("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise BadInputError(
+            f"{source}: partial_rotary_factor={partial} is not supported (RoPE on whole heads)"
+        )
+    if rope_type not in ROPE_TYPES:
+        raise BadInputError(
+            f"{source}: {field}.rope_type={rope_type!r} is not implemented "
+            f"(supported: {', '.join(ROPE_TYPES)})"
+        )
+    return float(theta), None if rope_type == "default" else params
+
+
+def _nope(config: dict, num_layers: int, source: str) -> tuple[int, list[int] | None]:
+    """(nope_interval, nope_layers) from SmolLM3's `no_rope_layers` (1 = RoPE, 0 = NoPE)."""
+    uses_rope = config.get("no_rope_layers")
+    interval = config.get("no_rope_layer_interval", 4)
+    if uses_rope is None:
+        return interval, None
+    uses_rope = list(uses_rope)
+    if len(uses_rope) < num_layers:
+        raise BadInputError(
+            f"{source}: no_rope_layers has {len(uses_rope)} entries for "
+            f"num_hidden_layers={num_layers}"
+        )
+    uses_rope = uses_rope[:num_layers]
+    if all(uses_rope):
+        return 0, None
+    for k in range(1, num_layers + 1):
+        if uses_rope == [int((i + 1) % k != 0) for i in range(num_layers)]:
+            return k, None
+    return 0, [i for i, rope in enumerate(uses_rope) if not rope]
+
+
+def hf_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
+    """`config.json` contents for the transformers class of `cfg.hf_model_type`."""
+    kind = cfg.hf_model_type
+    if kind == "smollm3" and cfg.qk_norm:
+        raise ValueError(
+            "qk_norm=True has no equivalent in transformers' SmolLM3/Llama (no q_norm/k_norm "
+            "weights), so this model cannot be exported; train with qk_norm=False to export"
+        )
+    pad = cfg.pad_token_id
+    if kind == "smollm3":
+        # NOTE: SmolLM3Config defaults pad_token_id to 128004, which fails ("Padding_idx must
+        # be within num_embeddings") for small vocabularies, so it is always written.
+        pad = cfg.pad_token_id if cfg.pad_token_id is not None else cfg.eos_token_id
+        pad = pad if pad is not None else 0
+    rope_parameters = {"rope_type": "default", **(cfg.rope_scaling or {})}
+    rope_parameters["rope_theta"] = cfg.rope_theta
+    dtype_name = str(dtype).removeprefix("torch.")
+    config = {
+        "architectures": [CLASS_OF[kind]],
+        "model_type": kind,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_seq_len,
+        "initializer_range": cfg.init_std,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "use_cache": True,
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": cfg.eos_token_id,
+        "pad_token_id": pad,
+        # transformers >= 5 reads rope_parameters; 4.x reads rope_theta and rope_scaling.
+        "rope_parameters": rope_parameters,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": cfg.rope_scaling,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "dtype": dtype_name,
+        "torch_dtype": dtype_name,
+    }
+    if cfg.explicit_head_dim is not None or kind in ("llama", "qwen3"):
+        config["head_dim"] = cfg.head_dim
+    if kind != "qwen2":
+        config["attention_bias"] = False
+    if kind in ("llama", "smollm3"):
+        config["mlp_bias"] = False
+    if kind == "llama":
+        config["pretraining_tp"] = 1
+    if kind != "llama":
+        config["use_sliding_window"] = False
+        config["sliding_window"] = None
+    if kind in ("qwen2", "qwen3"):
+        config["max_window_layers"] = cfg.num_layers
+        config["layer_types"] = ["full_attention"] * cfg.num_layers
+    if kind == "smollm3":
+        config["no_rope_layers"] = [int(cfg.uses_rope(i)) for i in range(cfg.num_layers)]
+        if cfg.nope_interval:
+            config["no_rope_layer_interval"] = cfg.nope_interval
+    return config
