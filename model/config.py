@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-ROPE_TYPES = ("default", "yarn")
+ROPE_TYPES = ("default", "yarn", "linear", "llama3")
 HF_MODEL_TYPES = ("smollm3", "llama", "qwen2", "qwen3")
 """transformers architectures a model is exported as (`model_type` in its config.json)."""
 ADDED = {"omit_default": True}
@@ -35,7 +35,8 @@ class ModelConfig:
     """RoPE base; raising it is ABF (adjusted base frequency)."""
     rope_scaling: dict | None = None
     """RoPE scaling in transformers' `rope_parameters` form, e.g. `{"rope_type": "yarn",
-    "factor": 4.0, "original_max_position_embeddings": 256, "beta_fast": 32, "beta_slow": 1}`."""
+    "factor": 4.0, "original_max_position_embeddings": 256, "beta_fast": 32, "beta_slow": 1}`;
+    "linear" and "llama3" (Llama 3.1+) are read from imported models."""
     nope_interval: int = 0
     """0: RoPE in every layer; k: layer i has no RoPE when (i + 1) % k == 0 (SmolLM3 uses 4)."""
     tie_embeddings: bool = True
@@ -175,6 +176,12 @@ def _validate_rope_scaling(rope_scaling: dict | None) -> None:
     rope_type = rope_scaling.get("rope_type")
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"rope_scaling.rope_type={rope_type!r} must be one of {ROPE_TYPES}")
+    if rope_type == "linear":
+        factor = rope_scaling.get("factor")
+        if factor is None or factor <= 0:
+            raise ValueError(f"rope_scaling.factor={factor} must be > 0 for linear")
+    if rope_type == "llama3":
+        _validate_llama3(rope_scaling)
     if rope_type != "yarn":
         return
     factor = rope_scaling.get("factor")
@@ -189,6 +196,23 @@ def _validate_rope_scaling(rope_scaling: dict | None) -> None:
     if beta_fast < beta_slow:
         raise ValueError(
             f"rope_scaling.beta_fast={beta_fast} must be >= rope_scaling.beta_slow={beta_slow}"
+        )
+
+
+def _validate_llama3(rope_scaling: dict) -> None:
+    for name in ("factor", "low_freq_factor", "high_freq_factor"):
+        value = rope_scaling.get(name)
+        if value is None or value <= 0:
+            raise ValueError(f"rope_scaling.{name}={value} must be > 0 for llama3")
+    low, high = rope_scaling["low_freq_factor"], rope_scaling["high_freq_factor"]
+    if high <= low:
+        raise ValueError(
+            f"rope_scaling.high_freq_factor={high} must be > rope_scaling.low_freq_factor={low}"
+        )
+    original = rope_scaling.get("original_max_position_embeddings")
+    if original is None or original <= 0:
+        raise ValueError(
+            f"rope_scaling.original_max_position_embeddings={original} must be > 0 for llama3"
         )
 
 

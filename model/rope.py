@@ -1,4 +1,4 @@
-"""Rotary position embeddings: the default RoPE, ABF (a larger base) and YaRN.
+"""Rotary position embeddings: the default RoPE, ABF (a larger base), YaRN, linear and llama3.
 
 The frequencies are computed op for op as transformers' `modeling_rope_utils` does, so an exported
 model gives the same cos/sin tables under `AutoModelForCausalLM`.
@@ -86,11 +86,47 @@ def _linear_ramp(low: float, high: float, dim: int) -> Tensor:
     return torch.clamp((torch.arange(dim, dtype=torch.float32) - low) / (high - low), 0, 1)
 
 
+LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+"""The `rope_scaling` entries a "llama3" RoPE reads."""
+
+
+def llama3_inv_freq(
+    head_dim: int,
+    theta: float,
+    factor: float,
+    low_freq_factor: float,
+    high_freq_factor: float,
+    original_max_position_embeddings: int,
+) -> Tensor:
+    """Llama 3.1's inverse frequencies: long wavelengths divided by `factor`, short ones kept.
+
+    Wavelengths above `original / low_freq_factor` are interpolated, those below
+    `original / high_freq_factor` kept, and the band between blended linearly in
+    `original / wavelength`.
+    """
+    inv_freq = default_inv_freq(head_dim, theta)
+    low_freq_wavelen = original_max_position_embeddings / low_freq_factor
+    high_freq_wavelen = original_max_position_embeddings / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (
+        high_freq_factor - low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
 def rope_parameters(cfg: ModelConfig) -> tuple[Tensor, float]:
-    """Inverse frequencies and cos/sin scaling for a config (default RoPE or YaRN)."""
+    """Inverse frequencies and cos/sin scaling for a config (default, YaRN, linear, llama3)."""
     scaling = cfg.rope_scaling or {"rope_type": "default"}
     if scaling["rope_type"] == "default":
         return default_inv_freq(cfg.head_dim, cfg.rope_theta), 1.0
+    if scaling["rope_type"] == "linear":
+        return default_inv_freq(cfg.head_dim, cfg.rope_theta) / scaling["factor"], 1.0
+    if scaling["rope_type"] == "llama3":
+        params = {name: scaling[name] for name in LLAMA3_KEYS}
+        return llama3_inv_freq(cfg.head_dim, cfg.rope_theta, **params), 1.0
     return yarn_inv_freq(
         cfg.head_dim,
         cfg.rope_theta,

@@ -40,6 +40,8 @@ SHAPES = dict(
 )
 YARN = {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 4.0,
         "original_max_position_embeddings": 64}  # fmt: skip
+LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 64}  # fmt: skip
 CASES = {
     # untied, YaRN RoPE
     "llama": (LlamaConfig, LlamaForCausalLM, dict(tie_word_embeddings=False, rope_parameters=YARN)),
@@ -48,6 +50,18 @@ CASES = {
         Qwen2Config,
         Qwen2ForCausalLM,
         dict(tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+    ),
+    # Llama 3.1's RoPE, tied (as Llama 3.2 1B)
+    "llama-llama3": (
+        LlamaConfig,
+        LlamaForCausalLM,
+        dict(tie_word_embeddings=True, rope_parameters=LLAMA3),
+    ),
+    # linear RoPE scaling
+    "qwen2-linear": (
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        dict(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}),
     ),
     # per-head q/k RMSNorm, head_dim (32) != hidden_size / num_attention_heads (16)
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(head_dim=32, tie_word_embeddings=False)),
