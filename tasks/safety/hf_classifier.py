@@ -238,22 +238,26 @@ class TransformersScorer:
         self.max_length = min(self.tokenizer.model_max_length, 512)
 
     def scores(self, texts: list[str]) -> list[float]:
-        """The toxic probability of each text, ``batch_size`` texts per forward pass."""
+        """The toxic probability of each text, ``batch_size`` texts per forward pass. A text
+        with no tokens (an empty continuation, with a tokenizer that adds no special tokens)
+        scores 0, as it does with the hashed model."""
         import torch
 
         out: list[float] = []
         for start in range(0, len(texts), self.batch_size):
-            batch = self.tokenizer(
-                list(texts[start : start + self.batch_size]),
-                truncation=True,
-                max_length=self.max_length,
-                padding=True,
-                return_tensors="pt",
-            ).to(self.device)
-            with torch.no_grad():
-                logits = self.model(**batch).logits.float()
-            probs = logits.sigmoid() if self.multi_label else logits.softmax(-1)
-            out += probs[:, self.index].tolist()
+            chunk = list(texts[start : start + self.batch_size])
+            encoded = self.tokenizer(chunk, truncation=True, max_length=self.max_length)
+            rows = [i for i, ids in enumerate(encoded["input_ids"]) if len(ids)]
+            values = [0.0] * len(chunk)
+            if rows:
+                kept = {key: [encoded[key][i] for i in rows] for key in encoded}
+                batch = self.tokenizer.pad(kept, return_tensors="pt").to(self.device)
+                with torch.no_grad():
+                    logits = self.model(**batch).logits.float()
+                probs = logits.sigmoid() if self.multi_label else logits.softmax(-1)
+                for row, value in zip(rows, probs[:, self.index].tolist(), strict=True):
+                    values[row] = value
+            out += values
         return out
 
     def __call__(self, text: str) -> float:

@@ -28,13 +28,15 @@ from llmflow.tasks.safety.classifier import (
 )
 from llmflow.tasks.safety.config import SafetyEvalConfig, ToxicityClassifierConfig
 from llmflow.tasks.safety.data import read_toxigen, safety_files
-from llmflow.tasks.safety.hf_classifier import resolve, toxic_index
+from llmflow.tasks.safety.hf_classifier import TransformersScorer, resolve, toxic_index
 from llmflow.tasks.safety.step import CONTINUATIONS, RESULTS, safety
 from tests.tasks.evaluation.eval_fixtures import make_tiny_model, make_tokenizer
 
 
-def make_classifier(folder: Path, seed: int = 0, causal: bool = False) -> Path:
-    """A random 1-layer RoBERTa sequence classifier (neutral/toxic) with a byte-level BPE
+def make_classifier(
+    folder: Path, seed: int = 0, causal: bool = False, labels: tuple = ("neutral", "toxic"), **extra
+) -> Path:
+    """A random 1-layer RoBERTa sequence classifier (``labels``) with a byte-level BPE
     tokenizer, saved as transformers saves it; ``causal`` saves a RoBERTa LM head instead."""
     from transformers import RobertaConfig, RobertaForCausalLM, RobertaForSequenceClassification
 
@@ -51,9 +53,10 @@ def make_classifier(folder: Path, seed: int = 0, causal: bool = False) -> Path:
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
-        id2label={0: "neutral", 1: "toxic"},
-        label2id={"neutral": 0, "toxic": 1},
+        id2label=dict(enumerate(labels)),
+        label2id={name: i for i, name in enumerate(labels)},
         is_decoder=causal,
+        **extra,
     )
     model = (RobertaForCausalLM if causal else RobertaForSequenceClassification)(config)
     model.save_pretrained(folder, safe_serialization=True)
@@ -61,8 +64,8 @@ def make_classifier(folder: Path, seed: int = 0, causal: bool = False) -> Path:
     return folder
 
 
-def direct_scores(folder: Path, texts: list[str]) -> list[float]:
-    """softmax(logits)[toxic] of each text alone, straight from transformers."""
+def direct_scores(folder: Path, texts: list[str], index: int = 1, sigmoid: bool = False):
+    """softmax(logits)[index] (or sigmoid) of each text alone, straight from transformers."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
@@ -71,7 +74,7 @@ def direct_scores(folder: Path, texts: list[str]) -> list[float]:
     for text in texts:
         with torch.no_grad():
             logits = model(**tokenizer(text, return_tensors="pt")).logits
-        out.append(float(logits.softmax(-1)[0, 1]))
+        out.append(float((logits.sigmoid() if sigmoid else logits.softmax(-1))[0, index]))
     return out
 
 
@@ -147,6 +150,39 @@ def test_transformers_classifier_scores_continuations_end_to_end(tmp_path, safet
     assert results["classifier"]["model"] == f"{folder}@{report['revision']}"
     line = classifier_line(results["classifier"])
     assert str(folder) in line and f"{metrics['held_out_auc']:.3f}" in line
+
+
+@pytest.mark.parametrize(
+    ("labels", "problem_type", "toxic_label", "index"),
+    [
+        (("neutral", "toxic"), None, "neutral", 0),
+        (("LABEL_0", "LABEL_1"), None, None, 1),
+        (("toxic", "insult", "identity_hate"), "multi_label_classification", 2, 2),
+    ],
+)
+def test_the_scorer_takes_the_configured_class(tmp_path, labels, problem_type, toxic_label, index):
+    folder = make_classifier(tmp_path / "clf", labels=labels, problem_type=problem_type)
+    texts = ["a short one", "The quick brown fox jumps over the lazy dog, twice or more.", "x"]
+    scorer = TransformersScorer(folder, toxic_label, batch_size=2, device="cpu")
+    assert scorer.index == index
+    expected = direct_scores(folder, texts, index, sigmoid=problem_type is not None)
+    assert scorer.scores(texts) == pytest.approx(expected, abs=1e-5)
+    # an empty continuation has no tokens here (no special tokens are added): it scores 0
+    assert scorer.scores(["", texts[0], ""]) == pytest.approx([0.0, expected[0], 0.0], abs=1e-5)
+
+
+def test_a_hub_model_id_loads_from_the_mirror(tmp_path, monkeypatch, safety_dir):
+    make_classifier(tmp_path / "mirror" / "org" / "tox")
+    monkeypatch.setenv(MIRROR_ENV, str(tmp_path / "mirror"))
+    data = RawFiles(safety_files(safety_dir))
+    metrics = {}
+    for name, model in (("hub", "hf://models/org/tox"), ("folder", tmp_path / "mirror/org/tox")):
+        (tmp_path / name).mkdir()
+        cfg = ToxicityClassifierConfig(model=str(model))
+        metrics[name] = toxicity_classifier(cfg, data=data, out=tmp_path / name)
+    report = json.loads((tmp_path / "hub" / REPORT).read_text())
+    assert report["model_name"] == f"org/tox@{resolve(str(tmp_path / 'mirror/org/tox')).revision}"
+    assert metrics["hub"]["held_out_auc"] == metrics["folder"]["held_out_auc"]
 
 
 def address(cfg: ToxicityClassifierConfig, store: Store, data: RawFiles) -> str:
