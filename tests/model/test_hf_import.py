@@ -235,3 +235,18 @@ def test_pickle_checkpoint_imports(tmp_path):
     cfg_bin, state_bin = import_hf(tmp_path / "bin")
     assert cfg_bin == cfg_st
     assert all(torch.equal(state_bin[k], state_st[k]) for k in state_st)
+
+
+def test_sharded_checkpoint_imports(tmp_path):
+    """A checkpoint saved in shards (model.safetensors.index.json) imports the same."""
+    theirs = _tiny("qwen2", tmp_path / "one")
+    theirs.save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
+    assert len(list((tmp_path / "sharded").glob("*.safetensors"))) > 1
+    cfg_one, state_one = import_hf(tmp_path / "one")
+    cfg_sharded, state_sharded = import_hf(tmp_path / "sharded")
+    assert cfg_sharded == cfg_one
+    assert state_sharded.keys() == state_one.keys()
+    assert all(torch.equal(state_sharded[k], state_one[k]) for k in state_one)
+    sorted((tmp_path / "sharded").glob("*.safetensors"))[-1].unlink()
+    _raises(tmp_path / "sharded", "lists shards that are missing")
