@@ -22,8 +22,20 @@ class DecontamSettings(BaseModel):
         "remove",
         description="remove: contaminated documents leave the corpus; flag: they stay, recorded.",
     )
-    query_ngrams: bool = Field(
-        False, description="Also match n-grams of the question alone (datatrove's default: no)."
+    query_ngrams: bool | Literal["auto"] = Field(
+        "auto",
+        description=(
+            "Also match n-grams of the question alone: true always, false never (datatrove's "
+            "default), auto for an item whose gold answer is shorter than n words."
+        ),
+    )
+    min_item_words: int = Field(
+        8,
+        ge=1,
+        description=(
+            "An item shorter than n words, but of at least this many, is matched as its whole "
+            "normalized question + answer; a shorter one cannot be checked and is reported."
+        ),
     )
     overlap_ngrams: bool = Field(
         True, description="Match n-grams that span the end of the question and the answer."

@@ -11,6 +11,8 @@ construction: their documents are split from this very corpus after decontaminat
 from __future__ import annotations
 
 import json
+import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -160,17 +162,71 @@ def _custom_task_names(paths: list[str]) -> list[str]:
 
 
 def task_items(name: str, task) -> list[Item]:
-    """One lm-eval task's evaluation documents as items: the prompt and the gold text."""
+    """One lm-eval task's evaluation documents as items: what a web page holding the item would
+    contain, not the prompt. The template's own text (``Question:`` ... ``Answer:``, constant
+    across documents) is cut from the rendered ``doc_to_text``, lettered option lines
+    (``A. ...``) are taken out of the question, and a gold that is an option's letter becomes
+    that option's text."""
     output_type = task.config.output_type
+    docs = list(task.eval_docs)
+    if output_type == "loglikelihood_rolling":
+        return [Item(name, i, None, (str(task.doc_to_target(d)),)) for i, d in enumerate(docs)]
+    rendered = [str(task.doc_to_text(doc)) for doc in docs]
+    prefix, suffix = template_text(task.config.doc_to_text, rendered)
     items = []
-    for index, doc in enumerate(task.eval_docs):
+    for index, (doc, text) in enumerate(zip(docs, rendered, strict=True)):
+        question, options = split_options(text)
+        question = _cut(question, prefix, suffix)
         target = task.doc_to_target(doc)
-        if output_type == "loglikelihood_rolling":
-            items.append(Item(name, index, None, (str(target),)))
-            continue
-        query = task.doc_to_text(doc)
-        items.append(Item(name, index, str(query), _golds(task, doc, target, output_type)))
+        golds = _golds(task, doc, target, output_type)
+        golds = tuple(options.get(g.strip(), g) for g in golds)
+        items.append(Item(name, index, question or None, golds))
     return items
+
+
+OPTION_LINE = re.compile(r"^\s*\(?([A-Za-z]|[0-9]{1,2})[.):]\s+(\S.*?)\s*$")
+
+
+def split_options(text: str) -> tuple[str, dict[str, str]]:
+    """The text less its lettered or numbered option lines (two or more, ``A. ...``), and the
+    options by label."""
+    kept, options = [], {}
+    for line in text.split("\n"):
+        match = OPTION_LINE.match(line)
+        if match:
+            options[match.group(1)] = match.group(2)
+        else:
+            kept.append(line)
+    if len(options) < 2:
+        return text, {}
+    return "\n".join(kept), options
+
+
+def template_text(template, rendered: list[str]) -> tuple[str, str]:
+    """The text every rendering starts and ends with that is the template's, not a field's.
+
+    A Jinja template says it: the literal text before its first and after its last
+    expression. A template written as a function cannot say it: the text common to every
+    rendering (cut at whitespace) is taken instead, when there are several documents."""
+    if isinstance(template, str) and "{{" in template:
+        first = min(i for i in (template.find("{{"), template.find("{%")) if i >= 0)
+        last = max(template.rfind("}}"), template.rfind("%}")) + 2
+        return template[:first], template[last:]
+    if callable(template) and len(rendered) > 1:
+        prefix = os.path.commonprefix(rendered)
+        suffix = os.path.commonprefix([r[::-1] for r in rendered])[::-1]
+        prefix = prefix[: max(prefix.rfind(" "), prefix.rfind("\n")) + 1]
+        cut = min(i for i in (suffix.find(" "), suffix.find("\n"), len(suffix)) if i >= 0)
+        return prefix, suffix[cut:]
+    return "", ""
+
+
+def _cut(text: str, prefix: str, suffix: str) -> str:
+    if prefix.strip() and text.startswith(prefix):
+        text = text[len(prefix) :]
+    if suffix.strip() and text.endswith(suffix):
+        text = text[: len(text) - len(suffix)]
+    return text.strip()
 
 
 def _golds(task, doc, target, output_type: str) -> tuple[str, ...]:

@@ -130,17 +130,24 @@ def _ranges(begin: np.ndarray, end: np.ndarray) -> np.ndarray:
 
 
 def item_starts(
-    offset: np.ndarray, query_len: np.ndarray, total: np.ndarray, n: int, query: bool, overlap: bool
+    offset: np.ndarray,
+    query_len: np.ndarray,
+    total: np.ndarray,
+    n: int,
+    query: bool | np.ndarray,
+    overlap: bool,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Window starts in each ``question + answer`` segment, as datatrove's indexer takes them,
     and the segment each belongs to.
 
-    The answer's own windows always; windows of the question alone if ``query``; windows that
-    hold at least one word of each if ``overlap`` (and there is a question).
+    The answer's own windows always; windows of the question alone if ``query`` (a bool, or one
+    per segment); windows that hold at least one word of each if ``overlap`` (and there is a
+    question).
     """
     spans = [(query_len, total - n + 1)]
-    if query:
-        spans.append((np.zeros_like(query_len), query_len - n + 1))
+    query = np.broadcast_to(np.asarray(query, dtype=bool), query_len.shape)
+    if query.any():
+        spans.append((np.zeros_like(query_len), np.where(query, query_len - n + 1, 0)))
     if overlap:
         spans.append((np.maximum(0, query_len - n + 1), np.minimum(query_len, total - n + 1)))
     segment = np.arange(len(offset))
@@ -151,8 +158,14 @@ def item_starts(
     return np.concatenate(starts), np.concatenate(owners)
 
 
-def build_index(items: list[Item], n: int, query: bool = False, overlap: bool = True):
-    """The index of every item's n-grams (see ``item_starts``)."""
+QueryNgrams = bool | str
+"""``True``: every question's own n-grams too; ``False``: never (datatrove's default);
+``"auto"``: the question's n-grams of an item whose gold answer is shorter than n words (a short
+answer has no n-gram of its own, and a templated question shares none with the web)."""
+
+
+def _segments(items: list[Item]) -> tuple[list[list[str]], list[int], list[int]]:
+    """Each ``question + gold`` as normalized words, its item, and its question's length."""
     segments, owner_of, query_lens = [], [], []
     for key, item in enumerate(items):
         q_words = words(item.query) if item.query else []
@@ -160,6 +173,14 @@ def build_index(items: list[Item], n: int, query: bool = False, overlap: bool = 
             segments.append(q_words + words(gold))
             owner_of.append(key)
             query_lens.append(len(q_words))
+    return segments, owner_of, query_lens
+
+
+def build_index(items: list[Item], n: int, query: QueryNgrams = False, overlap: bool = True):
+    """The index of every item's n-grams (see ``item_starts``; ``query`` as ``QueryNgrams``)."""
+    segments, owner_of, query_lens = _segments(items)
+    if query == "auto":
+        query = np.array([len(s) - q < n for s, q in zip(segments, query_lens, strict=True)])
     flat = [w for seg in segments for w in seg]
     vocab = {w: i for i, w in enumerate(dict.fromkeys(flat), start=1)}
     all_ids = np.fromiter(map(vocab.__getitem__, flat), dtype=np.int32, count=len(flat))
@@ -170,6 +191,42 @@ def build_index(items: list[Item], n: int, query: bool = False, overlap: bool = 
     owners = np.asarray(owner_of, dtype=np.int32)[segment]
     keys = [(item.task, item.index) for item in items]
     return _sorted_index(n, vocab, all_ids, starts, owners.astype(np.int32), keys)
+
+
+def whole_item_indexes(items: list[Item], n: int, min_words: int) -> list[NGramIndex]:
+    """For items too short for one n-gram (``min_words`` <= words < ``n``): one index per length
+    whose only window is the whole normalized ``question + answer``, matched exactly."""
+    segments, owner_of, _ = _segments(items)
+    keys = [(item.task, item.index) for item in items]
+    by_length: dict[int, list[int]] = {}
+    for i, seg in enumerate(segments):
+        if min_words <= len(seg) < n:
+            by_length.setdefault(len(seg), []).append(i)
+    indexes = []
+    for length, chosen in sorted(by_length.items()):
+        flat = [w for i in chosen for w in segments[i]]
+        vocab = {w: k for k, w in enumerate(dict.fromkeys(flat), start=1)}
+        all_ids = np.fromiter(map(vocab.__getitem__, flat), dtype=np.int32, count=len(flat))
+        starts = np.arange(len(chosen), dtype=np.int64) * length
+        owners = np.asarray([owner_of[i] for i in chosen], dtype=np.int32)
+        indexes.append(_sorted_index(length, vocab, all_ids, starts, owners, keys))
+    return indexes
+
+
+def unindexed_items(items: list[Item], n: int, min_words: int) -> dict[tuple[str, int], str]:
+    """Items no index can find, with the reason: no segment of ``min_words`` words or more."""
+    segments, owner_of, _ = _segments(items)
+    longest: dict[int, int] = {}
+    for seg, owner in zip(segments, owner_of, strict=True):
+        longest[owner] = max(longest.get(owner, 0), len(seg))
+    out = {}
+    for key, item in enumerate(items):
+        size = longest.get(key, 0)
+        if size < min_words:
+            out[(item.task, item.index)] = (
+                f"{size} words < min_item_words={min_words}" if size else "no text"
+            )
+    return out
 
 
 def _sorted_index(n, vocab, all_ids, starts, owners, keys) -> NGramIndex:

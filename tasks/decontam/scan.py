@@ -44,14 +44,14 @@ def corpus_files(corpus: Path) -> list[Path]:
     return files
 
 
-def scan_corpus(index: NGramIndex, corpus: Path, out: Path, mode: str) -> ScanResult:
+def scan_corpus(indexes: list[NGramIndex], corpus: Path, out: Path, mode: str) -> ScanResult:
     """Scan every shard; write each to ``out`` with contaminated documents removed (``remove``)
     or all kept (``flag``)."""
     result = ScanResult()
     for path in tqdm(corpus_files(corpus), desc="decontaminate", leave=False):
         relative = path.relative_to(corpus)
         table = pq.read_table(path)
-        contaminated = scan_shard(index, table, relative.as_posix(), mode, result)
+        contaminated = scan_shard(indexes, table, relative.as_posix(), mode, result)
         write_shard(path, table, contaminated, out / relative, mode)
         result.documents += table.num_rows
         result.contaminated += int(contaminated.sum())
@@ -60,23 +60,27 @@ def scan_corpus(index: NGramIndex, corpus: Path, out: Path, mode: str) -> ScanRe
 
 
 def scan_shard(
-    index: NGramIndex, table: pa.Table, shard: str, mode: str, result: ScanResult
+    indexes: list[NGramIndex], table: pa.Table, shard: str, mode: str, result: ScanResult
 ) -> np.ndarray:
-    """A mask of the shard's contaminated rows; their matches are appended to ``result``."""
+    """A mask of the shard's contaminated rows; their matches are appended to ``result``.
+
+    ``indexes``: the n-gram index, then the whole-item indexes of shorter items."""
     mask = np.zeros(table.num_rows, dtype=bool)
-    if not len(index.hashes):  # no eval item is long enough: nothing can match
+    indexes = [index for index in indexes if len(index.hashes)]
+    if not indexes:  # no eval item is long enough: nothing can match
         return mask
     texts = [t if isinstance(t, str) else "" for t in table.column("text").to_pylist()]
     ids, domains = table.column("id").to_pylist(), table.column("domain").to_pylist()
     action = "removed" if mode == "remove" else "flagged"
     for start in range(0, len(texts), BATCH_DOCS):
         seen: dict[tuple[int, str, int], str] = {}
-        for hit in scan_texts(index, texts[start : start + BATCH_DOCS]):
-            row = start + hit.row
-            mask[row] = True
-            for owner in index.owners[hit.owner_slice[0] : hit.owner_slice[1]].tolist():
-                task, item = index.items[owner]
-                seen.setdefault((row, task, item), hit.ngram)
+        for index in indexes:
+            for hit in scan_texts(index, texts[start : start + BATCH_DOCS]):
+                row = start + hit.row
+                mask[row] = True
+                for owner in index.owners[hit.owner_slice[0] : hit.owner_slice[1]].tolist():
+                    task, item = index.items[owner]
+                    seen.setdefault((row, task, item), hit.ngram)
         for (row, task, item), ngram in seen.items():
             result.matches.append(
                 {
@@ -111,15 +115,29 @@ def link_or_copy(source: Path, dest: Path) -> None:
         shutil.copyfile(source, dest)
 
 
-def task_counts(index: NGramIndex, items: dict[str, list], matches: list[dict]) -> list[dict]:
-    """Per task: items, items long enough to index, n-grams, contaminated items, the share of
-    the set seen in training (None when no item is long enough to tell), documents."""
+def task_counts(
+    indexes: list[NGramIndex],
+    items: dict[str, list],
+    matches: list[dict],
+    unindexed: dict[tuple[str, int], str] | None = None,
+) -> list[dict]:
+    """Per task: items, items long enough to index (by n-grams or whole), n-grams, contaminated
+    items, the share of the set seen in training (None when no item is long enough to tell),
+    documents, and the items that could not be indexed, counted by reason."""
     indexed: dict[str, set[int]] = defaultdict(set)
     ngrams: dict[str, int] = defaultdict(int)
-    for owner in index.owners.tolist():
-        task, item = index.items[owner]
-        indexed[task].add(item)
-        ngrams[task] += 1
+    whole: dict[str, set[int]] = defaultdict(set)
+    for position, index in enumerate(indexes):
+        for owner in index.owners.tolist():
+            task, item = index.items[owner]
+            indexed[task].add(item)
+            ngrams[task] += 1
+            if position:
+                whole[task].add(item)
+    reasons: dict[str, dict[str, int]] = defaultdict(dict)
+    for (task, _), reason in (unindexed or {}).items():
+        kind = reason.split(" ", 1)[1] if reason[0].isdigit() else reason
+        reasons[task][kind] = reasons[task].get(kind, 0) + 1
     hit_items: dict[str, set[int]] = defaultdict(set)
     hit_docs: dict[str, set[str]] = defaultdict(set)
     for m in matches:
@@ -133,6 +151,9 @@ def task_counts(index: NGramIndex, items: dict[str, list], matches: list[dict]) 
                 "task": task,
                 "items": count,
                 "indexed_items": len(indexed[task]),
+                "whole_items": len(whole[task]),
+                "unindexed_items": count - len(indexed[task]),
+                "unindexed_reasons": reasons[task],
                 "ngrams": ngrams[task],
                 "contaminated_items": contaminated,
                 "share": round(contaminated / count, 6) if indexed[task] else None,

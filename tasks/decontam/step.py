@@ -21,7 +21,12 @@ from fsspec.implementations.local import LocalFileSystem
 from llmflow.tasks.decontam.config import DecontamConfig, decontam_config
 from llmflow.tasks.decontam.evalsets import eval_items
 from llmflow.tasks.decontam.lineage import REPORT_FILE
-from llmflow.tasks.decontam.ngrams import NGramIndex, build_index
+from llmflow.tasks.decontam.ngrams import (
+    NGramIndex,
+    build_index,
+    unindexed_items,
+    whole_item_indexes,
+)
 from llmflow.tasks.decontam.scan import ScanResult, scan_corpus, task_counts, write_matches
 from llmflow.tasks.evaluation.suite import REAL_SET_FILES
 from llmflow.tasks.framework.errors import BadInputError
@@ -42,15 +47,17 @@ def decontaminate(
     with tempfile.TemporaryDirectory(prefix="llmflow-evalsets-") as tmp:
         items, skipped = eval_items(cfg, _local_files(eval_files, Path(tmp)))
     flat = [item for task_items in items.values() for item in task_items]
-    index = build_index(flat, cfg.n, cfg.query_ngrams, cfg.overlap_ngrams)
+    indexes = [build_index(flat, cfg.n, cfg.query_ngrams, cfg.overlap_ngrams)]
+    indexes += whole_item_indexes(flat, cfg.n, cfg.min_item_words)
     indexed = time.perf_counter()
-    result = scan_corpus(index, corpus, out, cfg.mode)
+    result = scan_corpus(indexes, corpus, out, cfg.mode)
     result.scan_seconds = time.perf_counter() - indexed
     carry_reports(corpus, out)
-    rows = task_counts(index, items, result.matches)
+    unindexed = unindexed_items(flat, cfg.n, cfg.min_item_words)
+    rows = task_counts(indexes, items, result.matches, unindexed)
     write_matches(result.matches, out / MATCHES_FILE)
     seconds = time.perf_counter() - started
-    report = contamination_report(cfg, index, rows, skipped, result, seconds)
+    report = contamination_report(cfg, indexes, rows, skipped, result, seconds)
     (out / REPORT_FILE).write_text(json.dumps(report, indent=1))
     report_table("contamination", rows, "Eval items seen in the training corpus, per task")
     _log_uncheckable(rows, cfg.n)
@@ -80,7 +87,7 @@ def carry_reports(corpus: Path, out: Path) -> None:
 
 def contamination_report(
     cfg: DecontamConfig,
-    index: NGramIndex,
+    indexes: list[NGramIndex],
     rows: list[dict],
     skipped: dict[str, str],
     result: ScanResult,
@@ -92,9 +99,11 @@ def contamination_report(
         "mode": cfg.mode,
         "query_ngrams": cfg.query_ngrams,
         "overlap_ngrams": cfg.overlap_ngrams,
+        "min_item_words": cfg.min_item_words,
         "tasks": {row["task"]: {k: v for k, v in row.items() if k != "task"} for row in rows},
         "skipped": skipped,
-        "index_ngrams": int(len(index.hashes)),
+        "index_ngrams": int(len(indexes[0].hashes)),
+        "whole_item_windows": int(sum(len(index.hashes) for index in indexes[1:])),
         "documents": result.documents,
         "documents_contaminated": result.contaminated,
         "documents_removed": result.removed,
@@ -117,13 +126,16 @@ def metrics(report: dict) -> Metrics:
 
 
 def _log_uncheckable(rows: list[dict], n: int) -> None:
-    short = [row["task"] for row in rows if row["indexed_items"] == 0]
-    if short:
-        log.info(
-            "decontaminate: no item of %s has %d words; their contamination cannot be measured",
-            ", ".join(short),
-            n,
-        )
+    for row in rows:
+        if row["unindexed_items"]:
+            reasons = ", ".join(f"{c} {r}" for r, c in sorted(row["unindexed_reasons"].items()))
+            log.info(
+                "decontaminate: %d of %d items of %s cannot be checked (%s)",
+                row["unindexed_items"],
+                row["items"],
+                row["task"],
+                reasons,
+            )
 
 
 def eval_set_files(cfg: DecontamConfig, data_root: str | None) -> tuple[str, ...]:

@@ -100,3 +100,24 @@ def test_a_hash_collision_is_not_a_match():
 
 def test_words_drop_diacritics_and_numbers():
     assert normalize("Café 42.5").split() == ["cafe", "0"]
+
+
+def test_short_items_match_whole_and_tiny_ones_are_reported():
+    from llmflow.tasks.decontam.ngrams import unindexed_items, whole_item_indexes
+
+    nine = Item("t", 0, "Which planet is the largest", ("Jupiter is largest",))  # 8 words
+    tiny = Item("t", 1, "Why?", ("Because.",))
+    (index,) = whole_item_indexes([nine, tiny], 13, min_words=8)
+    assert index.n == 8 and len(index.hashes) == 1
+    text = "Notes. WHICH planet is the largest? Jupiter, is largest! More."
+    assert [index.items[o] for h in scan_texts(index, [text]) for o in index.owners] == [("t", 0)]
+    assert scan_texts(index, ["which planet is the largest jupiter is big"]) == []
+    assert unindexed_items([nine, tiny], 13, 8) == {("t", 1): "2 words < min_item_words=8"}
+
+
+def test_auto_query_ngrams_index_the_question_only_when_the_answer_is_short():
+    question = distinct_words("q", 20)
+    short = build_index([Item("q", 0, question, ("a",))], 13, "auto")
+    assert len(short.hashes) == 9  # 8 of the question alone, 1 spanning into the answer
+    long = build_index([Item("q", 0, question, (distinct_words("a", 13),))], 13, "auto")
+    assert len(long.hashes) == 1 + 12  # the answer's own window and the 12 spanning ones
