@@ -105,7 +105,9 @@ def resolve(uri: str) -> ClassifierSource:
     return ClassifierSource(uri, _hub_commit(repo, revision, uri), None, repo)
 
 
+@lru_cache(maxsize=32)
 def _hub_commit(repo: str, revision: str | None, uri: str) -> str:
+    """The commit the Hub resolves ``revision`` to (asked once per process: one run, one pin)."""
     from huggingface_hub import HfApi
 
     try:
