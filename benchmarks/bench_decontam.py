@@ -17,6 +17,16 @@ median scan times (documents per second, ours over datatrove's), with the index 
 JSON line.
 
     python benchmarks/bench_decontam.py --data DIR [--rounds 3] [--clean 600] [--per-set 40]
+        [--lm-eval]
+
+``--lm-eval`` adds a second line, ``decontam_lm_eval``: eval sets defined by lm-eval's own task
+YAMLs (ARC-Easy, PIQA, HellaSwag, GSM8K, MMLU astronomy, included and pointed at local data, and
+a custom task templated ``Question: {{q}}`` ... ``Answer:``), their items planted verbatim and
+edited in prose with near misses (the test's corpus). Per task, the share of items of >= 13
+words whose documents each side flags, and the clean documents flagged. Ours indexes as the
+``decontaminate`` step does (template cut, options resolved, question n-grams for short
+answers, short items whole); datatrove indexes each item as lm-eval renders it, the prompt
+(``doc_to_text``) as the query and the gold choice as the answer, with its default settings.
 
 ``DIR`` holds ``eval/`` (piqa_valid.jsonl, piqa_valid_labels.lst, gsm8k_test.jsonl,
 wikitext2_test.txt) and ``text/`` (tinyshakespeare.txt).
@@ -91,6 +101,56 @@ def datatrove_scan(folder: Path, docs) -> set[str]:
     return flagged
 
 
+def lm_eval_case(data: Path, tmp: Path) -> dict:
+    """Per-task recall of both sides on lm-eval task YAMLs (see the module docstring)."""
+    from lm_eval.tasks import TaskManager
+
+    from llmflow.tasks.decontam.evalsets import _golds, lm_eval_items
+    from llmflow.tasks.decontam.ngrams import Item, unindexed_items, whole_item_indexes, words
+    from tests.tasks.decontam.lm_eval_sets import corpus, write_tasks
+
+    planted = write_tasks(data / "eval", tmp / "tasks")
+    docs = corpus(planted, data / "text")
+    names = sorted({p.task for p in planted})
+    ours_items = [i for items in lm_eval_items([], [str(tmp / "tasks")]).values() for i in items]
+    indexes = [build_index(ours_items, N, "auto")] + whole_item_indexes(ours_items, N, 8)
+    ours = set()
+    for index in indexes:
+        ours |= ours_scan(index, docs)
+    manager = TaskManager(include_path=str(tmp / "tasks"), include_defaults=False)
+    prompts = []
+    for name, task in manager.load(names)["tasks"].items():
+        for i, doc in enumerate(task.eval_docs):
+            golds = _golds(task, doc, task.doc_to_target(doc), task.config.output_type)
+            prompts.append(Item(name, i, str(task.doc_to_text(doc)), golds))
+    theirs = datatrove_scan(datatrove_index(prompts, tmp / "dt"), docs)
+    rows = {}
+    for item in planted:
+        if len(words(item.web_text)) < N:
+            continue
+        row = rows.setdefault(item.task, {"items": 0, "ours": [0, 0], "datatrove": [0, 0]})
+        row["items"] += 1
+        for side, flagged in (("ours", ours), ("datatrove", theirs)):
+            for k, kind in enumerate(("exact", "edited")):
+                row[side][k] += f"{kind}-{item.task}-{item.index}" in flagged
+    clean = {d["id"] for d in docs if d["id"].startswith(("clean-", "near-", "stem-"))}
+    unchecked = unindexed_items(ours_items, N, 8)
+    return {
+        "bench": "decontam_lm_eval",
+        "recall_verbatim_edited": {
+            task: {
+                side: [round(v / r["items"], 3) for v in r[side]] for side in ("ours", "datatrove")
+            }
+            | {"items": r["items"]}
+            for task, r in sorted(rows.items())
+        },
+        "clean_documents": len(clean),
+        "clean_flagged": {"ours": len(ours & clean), "datatrove": len(theirs & clean)},
+        "ours_unchecked_items": len(unchecked),
+        "load_avg": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
 def alternate(sides: dict, rounds: int) -> dict[str, list[float]]:
     """Wall seconds per round, sides called in ABBA order."""
     names, times = list(sides), {name: [] for name in sides}
@@ -108,6 +168,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--clean", type=int, default=600, help="Clean documents in the corpus.")
     parser.add_argument("--per-set", type=int, default=40, help="Planted items per eval set.")
+    parser.add_argument(
+        "--lm-eval", action="store_true", help="Also the lm-eval task YAML case (second line)."
+    )
     args = parser.parse_args()
     try:
         from datatrove.utils.logging import logger
@@ -161,6 +224,9 @@ def main() -> None:
         "load_avg": [round(x, 2) for x in os.getloadavg()],
     }
     print(json.dumps(record))
+    if args.lm_eval:
+        with tempfile.TemporaryDirectory() as tmp:
+            print(json.dumps(lm_eval_case(args.data, Path(tmp))))
 
 
 if __name__ == "__main__":
