@@ -250,3 +250,62 @@ def test_sharded_checkpoint_imports(tmp_path):
     assert all(torch.equal(state_sharded[k], state_one[k]) for k in state_one)
     sorted((tmp_path / "sharded").glob("*.safetensors"))[-1].unlink()
     _raises(tmp_path / "sharded", "lists shards that are missing")
+
+
+def _released(num_layers: int, **fields) -> dict:
+    common = dict(hidden_act="silu", rms_norm_eps=1e-6, attention_dropout=0.0, use_cache=True)
+    return {**common, "num_hidden_layers": num_layers, **fields}
+
+
+# The shape fields of released models' config.json files.
+RELEASED = {
+    "SmolLM3-3B": _released(
+        36, architectures=["SmolLM3ForCausalLM"], model_type="smollm3", vocab_size=128256,
+        hidden_size=2048, intermediate_size=11008, num_attention_heads=16, num_key_value_heads=4,
+        max_position_embeddings=65536, rope_theta=5e6, rope_scaling=None,
+        no_rope_layers=[int((i + 1) % 4 != 0) for i in range(36)], no_rope_layer_interval=4,
+        use_sliding_window=False, sliding_window=None, tie_word_embeddings=True,
+        bos_token_id=None, eos_token_id=128012, pad_token_id=128004,
+    ),
+    "Llama-3.2-1B": _released(
+        16, architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256,
+        hidden_size=2048, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=64, max_position_embeddings=131072, rope_theta=5e5, rms_norm_eps=1e-5,
+        rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        tie_word_embeddings=True, bos_token_id=128000, eos_token_id=128001,
+    ),
+    "Qwen2.5-0.5B": _released(
+        24, architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_size=151936,
+        hidden_size=896, intermediate_size=4864, num_attention_heads=14, num_key_value_heads=2,
+        max_position_embeddings=32768, rope_theta=1e6, use_sliding_window=False,
+        sliding_window=32768, max_window_layers=24, tie_word_embeddings=True,
+        bos_token_id=151643, eos_token_id=151643,
+    ),
+    "Qwen3-0.6B": _released(
+        28, architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936,
+        hidden_size=1024, intermediate_size=3072, num_attention_heads=16, num_key_value_heads=8,
+        head_dim=128, max_position_embeddings=40960, rope_theta=1e6, rope_scaling=None,
+        use_sliding_window=False, sliding_window=None, max_window_layers=28,
+        tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645,
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(RELEASED))
+def test_released_configs_map_to_transformers_shapes(name):
+    """Each released config maps to tensors of transformers' shapes, and its export maps back."""
+    from transformers import AutoConfig
+
+    from llmflow.model.hf import _expected_shapes
+    from llmflow.model.hf_arch import config_from_hf, hf_config
+
+    cfg = config_from_hf(RELEASED[name])
+    with torch.device("meta"):
+        theirs = AutoModelForCausalLM.from_config(AutoConfig.for_model(**RELEASED[name]))
+    shapes = {k: tuple(v.shape) for k, v in theirs.state_dict().items()}
+    if cfg.tie_embeddings:
+        del shapes["lm_head.weight"]
+    assert _expected_shapes(cfg) == shapes
+    assert cfg.num_parameters() == sum(p.numel() for p in theirs.parameters())
+    assert config_from_hf(hf_config(cfg)) == cfg
