@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from llmflow.flows.recipe import recipe
+from llmflow.tasks.config import load_config
 from llmflow.tasks.curation.quality_model import HashedLinearModel, features
 from llmflow.tasks.evaluation.card import classifier_line
 from llmflow.tasks.framework.errors import BadInputError
@@ -242,6 +244,10 @@ def test_a_bad_classifier_folder_fails_before_compute(tmp_path, problem, message
     data = RawFiles([str(tmp_path / "demo.txt")])
     with pytest.raises(BadInputError, match=f"safety.classifier.model=.*{message}"):
         toxicity_classifier.address(Store(tmp_path / "store"), cfg, "run", {"data": data})
+    # the run's graph is not even built (its cards hash the config), so nothing runs
+    overrides = [f"root={tmp_path / 'root'}", f"safety.classifier.model={folder}"]
+    with pytest.raises(BadInputError, match=f"safety.classifier.model=.*{message}"):
+        recipe(load_config(None, overrides))
     out = tmp_path / "out"
     out.mkdir()
     with pytest.raises(BadInputError, match=message):
