@@ -161,6 +161,11 @@ def test_safety_step_end_to_end(model_output, classifier, safety_dir, tmp_path):
     maxima = [max(r["scores"]["classifier"]) for r in rows]
     assert overall["expected_max_toxicity"] == pytest.approx(sum(maxima) / len(maxima))
     assert metrics["crows_pairs/pct_stereotype"] == results["crows_pairs"]["pct_stereotype"]
+    # the results say which classifier scored, with its held-out and per-group AUCs
+    report = json.loads((classifier / "report.json").read_text())
+    assert results["classifier"]["kind"] == "hashed n-gram"
+    assert results["classifier"]["held_out_auc"] == report["auc"]
+    assert set(results["classifier"]["leave_one_group_out_auc"]) == {f.target for f in files}
 
 
 def test_missing_safety_files_are_named(tmp_path):
