@@ -50,10 +50,11 @@ class ModelConfig:
     """RMSNorm over each query and key head before RoPE (no SmolLM3 equivalent: not exportable)."""
     bos_token_id: int | None = None
     """Beginning-of-sequence id, written into the exported configs."""
-    eos_token_id: int | None = None
-    """End-of-sequence id, written into the exported configs."""
+    eos_token_id: int | list[int] | None = None
+    """End-of-sequence id, or ids (Llama 3 Instruct stops on several), written into the exported
+    configs."""
     pad_token_id: int | None = None
-    """Padding id; the export falls back to `eos_token_id`, then 0."""
+    """Padding id; the export falls back to (the first) `eos_token_id`, then 0."""
     attention_bias: bool = field(default=False, metadata=ADDED)
     """The q, k and v projections carry a bias (Qwen2); the output projection never does."""
     explicit_head_dim: int | None = field(default=None, metadata=ADDED)
@@ -89,7 +90,8 @@ class ModelConfig:
         self._check_hf_model_type()
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
             value = getattr(self, name)
-            if value is not None and not 0 <= value < self.vocab_size:
+            values = value if isinstance(value, list) else [value]
+            if any(v is not None and not 0 <= v < self.vocab_size for v in values):
                 raise ValueError(f"{name}={value} must be in [0, vocab_size={self.vocab_size})")
         _validate_rope_scaling(self.rope_scaling)
 

@@ -96,7 +96,7 @@ def config_from_hf(config: dict, source: str = "config.json") -> ModelConfig:
         attention_bias=kind == "qwen2",
         explicit_head_dim=None if head_dim * heads == hidden else head_dim,
         bos_token_id=config.get("bos_token_id"),
-        eos_token_id=eos[0] if isinstance(eos, list) and eos else eos,
+        eos_token_id=(eos or None) if isinstance(eos, list) else eos,
         pad_token_id=config.get("pad_token_id"),
         hf_model_type=kind,
     )
@@ -239,7 +239,8 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
     if kind == "smollm3":
         # NOTE: SmolLM3Config defaults pad_token_id to 128004, which fails ("Padding_idx must
         # be within num_embeddings") for small vocabularies, so it is always written.
-        pad = cfg.pad_token_id if cfg.pad_token_id is not None else cfg.eos_token_id
+        eos = cfg.eos_token_id
+        pad = cfg.pad_token_id if cfg.pad_token_id is not None else _first(eos)
         pad = pad if pad is not None else 0
     rope_parameters = {"rope_type": "default", **(cfg.rope_scaling or {})}
     rope_parameters["rope_theta"] = cfg.rope_theta
@@ -289,3 +290,7 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
         if cfg.nope_interval:
             config["no_rope_layer_interval"] = cfg.nope_interval
     return config
+
+
+def _first(ids: int | list[int] | None) -> int | None:
+    return ids[0] if isinstance(ids, list) else ids

@@ -51,11 +51,11 @@ CASES = {
         Qwen2ForCausalLM,
         dict(tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
     ),
-    # Llama 3.1's RoPE, tied (as Llama 3.2 1B)
+    # Llama 3.1's RoPE, tied (as Llama 3.2 1B), several end-of-sequence ids (as its Instruct)
     "llama-llama3": (
         LlamaConfig,
         LlamaForCausalLM,
-        dict(tie_word_embeddings=True, rope_parameters=LLAMA3),
+        dict(tie_word_embeddings=True, rope_parameters=LLAMA3, eos_token_id=[2, 3]),
     ),
     # linear RoPE scaling
     "qwen2-linear": (
@@ -77,7 +77,7 @@ def _tiny(name: str, folder):
     """A random transformers model of `name`, saved to `folder`; 1-D weights randomized too."""
     config_cls, model_cls, extra = CASES[name]
     torch.manual_seed(0)
-    model = model_cls(config_cls(**SHAPES, **extra)).eval()
+    model = model_cls(config_cls(**{**SHAPES, **extra})).eval()
     for param_name, param in model.named_parameters():
         if param.ndim == 1:  # norms start at 1 and biases at 0: a mapping error would not show
             param.copy_(torch.randn_like(param) * 0.5 + ("norm" in param_name))

@@ -14,6 +14,7 @@ from llmflow.model.transformer import Transformer
         (dict(vocab_size=0), "vocab_size", "0"),
         (dict(nope_interval=-1), "nope_interval", "-1"),
         (dict(eos_token_id=8192), "eos_token_id", "8192"),
+        (dict(eos_token_id=[2, 8192]), "eos_token_id", "8192"),
         (dict(rope_scaling={"rope_type": "ntk"}), "rope_type", "ntk"),
         (dict(rope_scaling={"rope_type": "yarn", "factor": 0.5}), "factor", "0.5"),
         (
