@@ -157,10 +157,14 @@ def import_hf(hf_dir: Path) -> tuple[ModelConfig, dict[str, Tensor]]:
     tensor. Weights keep their saved dtype.
     """
     hf_dir = Path(hf_dir)
+    if not hf_dir.is_dir():
+        raise BadInputError(f"{hf_dir}: no such folder")
     if not (hf_dir / "config.json").is_file():
-        what = "folder" if hf_dir.is_dir() else "no such folder"
-        raise BadInputError(f"{hf_dir}: {what} without config.json; not a transformers model")
-    config = json.loads((hf_dir / "config.json").read_text())
+        raise BadInputError(f"{hf_dir} has no config.json; not a transformers model folder")
+    try:
+        config = json.loads((hf_dir / "config.json").read_text())
+    except json.JSONDecodeError as err:
+        raise BadInputError(f"{hf_dir / 'config.json'} is not JSON: {err}") from err
     cfg = config_from_hf(config, source=str(hf_dir / "config.json"))
     files = _weight_files(hf_dir)
     expected = _expected_shapes(cfg)

@@ -192,6 +192,30 @@ def test_sliding_window_on_no_layer_imports(tmp_path):
         torch.testing.assert_close(ours(_batch()), model(_batch()).logits, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize(
+    "model_cls, config, message",
+    [
+        (LlamaForCausalLM, LlamaConfig(**SHAPES, mlp_bias=True), "mlp_bias=True"),
+        (LlamaForCausalLM, LlamaConfig(**SHAPES, attention_bias=True), "attention_bias=True"),
+        (LlamaForCausalLM, LlamaConfig(**SHAPES, hidden_act="gelu"), "hidden_act='gelu'"),
+        (  # SmolLM3 slides the window on its NoPE layers
+            SmolLM3ForCausalLM,
+            SmolLM3Config(**SHAPES, use_sliding_window=True, sliding_window=8),
+            "sliding_window=8",
+        ),
+    ],
+)
+def test_layers_we_do_not_have_are_refused(model_cls, config, message, tmp_path):
+    _raises(_save(model_cls(config), tmp_path), message)
+
+
+def test_weights_of_another_shape_are_refused(tmp_path):
+    _tiny("llama", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "intermediate_size": 96}))
+    _raises(tmp_path, "mlp.down_proj.weight has shape [64, 128], config.json implies [64, 96]")
+
+
 def test_unimplemented_rope_scaling_is_refused(tmp_path):
     rope = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
     folder = _save(LlamaForCausalLM(LlamaConfig(**SHAPES, rope_parameters=rope)), tmp_path)
@@ -215,7 +239,9 @@ def test_folder_without_weights_is_refused(tmp_path):
     (tmp_path / "bare").mkdir()
     shutil.copy(tmp_path / "full" / "config.json", tmp_path / "bare" / "config.json")
     _raises(tmp_path / "bare", "has no weights", "model.safetensors")
-    _raises(tmp_path / "missing", "without config.json")
+    _raises(tmp_path / "missing", "no such folder")
+    (tmp_path / "bare" / "config.json").unlink()
+    _raises(tmp_path / "bare", "has no config.json")
 
 
 def test_vocab_size_disagreeing_with_the_embedding_is_refused(tmp_path):
