@@ -92,11 +92,6 @@ class ToxicityScorer:
         return [self(t) for t in texts]
 
 
-def read_classifier_config(folder: Path) -> ToxicityClassifierConfig:
-    """The settings a classifier output was trained with."""
-    return ToxicityClassifierConfig(**read_report(folder)["config"])
-
-
 def read_report(folder: Path) -> dict[str, Any]:
     """A classifier output's report (its settings, held-out scores, which classifier it is)."""
     return json.loads((Path(folder) / REPORT).read_text())
