@@ -97,7 +97,9 @@ def read_report(folder: Path) -> dict[str, Any]:
     return json.loads((Path(folder) / REPORT).read_text())
 
 
-def classifier_scorer(folder: Path, device: str | None = None, dtype: str = "float32"):
+def classifier_scorer(
+    folder: Path, device: str | None = None, dtype: str = "float32"
+) -> ToxicityScorer | hf_classifier.TransformersScorer:
     """The scorer a classifier output stands for: its hashed model, or the transformers model it
     pinned (which must still have the pinned content), on ``device`` in ``dtype``."""
     report = read_report(folder)
