@@ -20,6 +20,7 @@ from llmflow.tasks.config import PHASES, PipelineConfig
 from llmflow.tasks.curation.recipe import add_curation
 from llmflow.tasks.dataprep.mixture import mixture, validation
 from llmflow.tasks.dataprep.tokenize import tokenize_corpus
+from llmflow.tasks.decontam.posttrain import add_posttrain_check
 from llmflow.tasks.decontam.step import add_decontamination
 from llmflow.tasks.evaluation.card import card_config, model_card
 from llmflow.tasks.evaluation.export import ExportConfig, export
@@ -263,15 +264,29 @@ def posttraining(
 ) -> None:
     """SFT of the (extended) base export, DPO of the SFT model, GRPO (after SFT or DPO), then
     the last of them merged with the base (SmolLM3's recipe); each evaluated."""
-    tuned = graph.add(sft, config.sft, config.name, model=base, data=user_file(config.sft.data))
+    def check(kind: str):  # the data, against the eval sets (a record holding an item drops)
+        return add_posttrain_check(
+            graph, kind, getattr(config, kind), config.decontaminate, config.evaluate,
+            config.name, phase=kind,
+        )  # fmt: skip
+
+    tuned = graph.add(
+        sft, config.sft, config.name, model=base, data=user_file(config.sft.data),
+        data_check=check("sft"),
+    )  # fmt: skip
     evaluate_model(graph, config, models, "sft", tuned, tokenized, phase="sft")
-    aligned = graph.add(dpo, config.dpo, config.name, model=tuned, data=user_file(config.dpo.data))
+    aligned = graph.add(
+        dpo, config.dpo, config.name, model=tuned, data=user_file(config.dpo.data),
+        data_check=check("dpo"),
+    )  # fmt: skip
     evaluate_model(graph, config, models, "dpo", aligned, tokenized, phase="dpo")
     trained = {"sft": tuned, "dpo": aligned}
     if config.grpo.enabled:
         start = trained[config.grpo.after]
         data = user_file(config.grpo.data)
-        trained["grpo"] = graph.add(grpo, config.grpo, config.name, model=start, data=data)
+        trained["grpo"] = graph.add(
+            grpo, config.grpo, config.name, model=start, data=data, data_check=check("grpo")
+        )
         evaluate_model(graph, config, models, "grpo", trained["grpo"], tokenized, phase="grpo")
     if config.merge.enabled:
         source = config.merge.source

@@ -126,6 +126,7 @@ def training_facts(model: Path) -> dict[str, Any]:
         "sources": data_sources(by_step),
         "curation": curation_stages(by_step),
         "decontamination": _metrics_of(by_step, "decontaminate"),
+        "posttrain_contamination": posttrain_contamination(by_step),
         "stages": training_stages(by_step),
         "posttraining": [
             {"step": s, "name": r.get("name"), **(r.get("metrics") or {})}
@@ -135,6 +136,16 @@ def training_facts(model: Path) -> dict[str, Any]:
         "parameters": _metrics_of(by_step, "export").get("num_parameters"),
         "base_model": base_model(model),
     }
+
+
+def posttrain_contamination(by_step: dict[str, list[tuple[str, dict]]]) -> list[dict[str, Any]]:
+    """The post-training data checks in the lineage (SFT, DPO, GRPO): their reports."""
+    found = []
+    for uri, _ in by_step.get("decontaminate-posttrain", []):
+        report = read_json(f"{uri}/contamination.json")
+        if report is not None:
+            found.append(report)
+    return found
 
 
 def base_model(model: Path) -> str | None:
@@ -283,7 +294,7 @@ def render_card(
         f"# {cfg.model_name}\n\nA causal language model trained from scratch with llmflow"
         + (f", fine-tuned from `{cfg.base_model}`." if cfg.base_model else "."),
         "## How it was trained\n\n" + training_section(facts),
-        "## Evaluation\n\n" + evaluation_section(results),
+        "## Evaluation\n\n" + evaluation_section(results, facts.get("posttrain_contamination")),
         "## Bias and toxicity\n\n" + safety_section(safety, classifier),
         "## Intended use and limitations\n\n" + limitations_section(cfg, facts),
         "## How to reproduce\n\n" + reproduce_section(cfg),
@@ -344,7 +355,20 @@ def compute_line(facts: dict[str, Any]) -> str:
     )
 
 
-def evaluation_section(results: dict[str, Any]) -> str:
+def posttrain_label(report: dict[str, Any], task: str) -> str:
+    """A task's share in one post-training data set: '0.0% (0/80 items)', removed or kept."""
+    counts = report.get("tasks", {}).get(task)
+    if counts is None or counts.get("share") is None:
+        return NOT_RECORDED
+    label = f"{100 * counts['share']:.1f}% ({counts['contaminated_items']}/{counts['items']} items)"
+    if counts["contaminated_items"] and report.get("mode") == "remove":
+        label += ", removed"
+    return label
+
+
+def evaluation_section(
+    results: dict[str, Any], posttrain: list[dict[str, Any]] | None = None
+) -> str:
     if not results.get("metrics"):
         return NOT_RECORDED
     marks = results.get("contamination", {})
@@ -354,6 +378,7 @@ def evaluation_section(results: dict[str, Any]) -> str:
             "metric": metric,
             "value": value,
             "seen in training": (marks.get(task) or {}).get("label", NOT_RECORDED),
+            **{f"in {r['kind']} data": posttrain_label(r, task) for r in posttrain or []},
         }
         for task, values in sorted(results["metrics"].items())
         for metric, value in sorted(values.items())
@@ -368,7 +393,13 @@ def evaluation_section(results: dict[str, Any]) -> str:
     )
     return (
         "Scores from lm-eval; 'seen in training' is the share of the task's items whose "
-        f"word {grams} occur in the training corpus (the decontaminate step).{removal}\n\n"
+        f"word {grams} occur in the training corpus (the decontaminate step).{removal}"
+        + (
+            " 'in sft/dpo/grpo data': the same check on each post-training data set."
+            if posttrain
+            else ""
+        )
+        + "\n\n"
         + markdown_table(rows)
     )
 

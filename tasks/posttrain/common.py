@@ -40,9 +40,16 @@ def load_normalized(
     tokenizer: PreTrainedTokenizerBase,
     max_length: int,
     key: str,
+    exclude: dict[int, str] | None = None,
 ) -> tuple[list[Record], list[Record]]:
-    """Read, normalize and length-check records; rejects name their position in the file."""
+    """Read, normalize and length-check records; rejects name their position in the file.
+
+    ``exclude``: positions to drop (eval items found in them), each with its reason."""
+    from llmflow.tasks.decontam.posttrain import drop_excluded
+
     kept, indices, rejects = normalize_records(read_records(path), normalize)
+    kept, indices, contaminated = drop_excluded(kept, indices, exclude or {})
+    rejects += contaminated
     kept, too_long = drop_long_prompts(kept, indices, tokenizer, max_length, key)
     return kept, rejects + too_long
 

@@ -23,6 +23,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from trl import DPOConfig, DPOTrainer
 from trl.trainer.dpo_trainer import DataCollatorForPreference
 
+from llmflow.tasks.decontam.posttrain import excluded_records
 from llmflow.tasks.evaluation.models import hf_dir
 from llmflow.tasks.framework.step import Metrics, RawFiles, report_table, step
 from llmflow.tasks.posttrain.common import (
@@ -216,14 +217,24 @@ def heldout_rows(metrics: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-def prepare_pairs(cfg: DPOStepConfig, model_dir: Path, data_file: Path) -> tuple[list, list]:
+def prepare_pairs(
+    cfg: DPOStepConfig, model_dir: Path, data_file: Path, exclude: dict[int, str] | None = None
+) -> tuple[list, list]:
     """Load, normalize and length-check pairs; rejects carry the record index and reason."""
     tokenizer = chat_tokenizer(model_dir)
-    return load_normalized(data_file, normalize_preference, tokenizer, cfg.max_length, "prompt")
+    return load_normalized(
+        data_file, normalize_preference, tokenizer, cfg.max_length, "prompt", exclude
+    )
 
 
 @step("dpo", gpu=True, execution=TRAIN_EXECUTION)
-def dpo(cfg: DPOStepConfig, model: Path, out: Path, data: RawFiles | None = None) -> Metrics:
+def dpo(
+    cfg: DPOStepConfig,
+    model: Path,
+    out: Path,
+    data: RawFiles | None = None,
+    data_check: Path | None = None,
+) -> Metrics:
     """DPO of an SFT model output (also the frozen reference) with TRL; the model lands in hf/.
 
     Args:
@@ -232,6 +243,8 @@ def dpo(cfg: DPOStepConfig, model: Path, out: Path, data: RawFiles | None = None
         out: Existing local folder; receives ``hf/``, ``rejects.jsonl``, ``metrics.json``,
             ``progress.json``.
         data: The user's preference file (overrides ``cfg.data``); None: ``cfg.data``.
+        data_check: The data's ``decontaminate-posttrain`` output (``remove`` mode: records
+            holding eval items are dropped, listed in the rejects).
 
     Returns:
         Headline metrics: pair and reject counts, train loss, and on held-out pairs before and
@@ -243,7 +256,8 @@ def dpo(cfg: DPOStepConfig, model: Path, out: Path, data: RawFiles | None = None
     offline_environment()
     sft_model_dir = hf_dir(model)
     data_file = resolve_dpo_data(cfg, out, local_data(data, out))
-    pairs, rejects = prepare_pairs(cfg, sft_model_dir, data_file)
+    exclude = excluded_records(data_check)
+    pairs, rejects = prepare_pairs(cfg, sft_model_dir, data_file, exclude)
     metrics: dict[str, Any] = write_rejects(out, rejects)
     require_examples(pairs, "preference pairs", str(data_file), rejects)
     train, heldout = split_heldout(pairs, cfg.num_heldout, cfg.seed)

@@ -28,6 +28,7 @@ from datasets import Dataset
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from trl import GRPOConfig, GRPOTrainer
 
+from llmflow.tasks.decontam.posttrain import drop_excluded, excluded_records
 from llmflow.tasks.evaluation.models import hf_dir
 from llmflow.tasks.framework.errors import BadInputError
 from llmflow.tasks.framework.step import Metrics, RawFiles, report_table, step
@@ -140,15 +141,22 @@ def load_grpo_records(path: Path) -> tuple[list[Record], list[int], list[Record]
 
 
 def prepare_prompts(
-    cfg: GRPOStepConfig, tokenizer: PreTrainedTokenizerBase, data_file: Path | None
+    cfg: GRPOStepConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    data_file: Path | None,
+    exclude: dict[int, str] | None = None,
 ) -> tuple[list[Record], list[Record], list[Record]]:
-    """``(train, heldout, rejects)``: training and held-out prompts never share a prompt."""
+    """``(train, heldout, rejects)``: training and held-out prompts never share a prompt;
+    ``exclude``: positions holding eval items (the file's, or the generated training list's)."""
     if data_file is None:
         train, heldout = quickstart_grpo_prompts(
             cfg.num_quickstart_examples, cfg.num_heldout, cfg.seed
         )
-        return train, heldout, []
+        train, _, dropped = drop_excluded(train, list(range(len(train))), exclude or {})
+        return train, heldout, dropped
     records, indices, rejects = load_grpo_records(data_file)
+    records, indices, dropped = drop_excluded(records, indices, exclude or {})
+    rejects = rejects + dropped
     kept, too_long = drop_long_prompts(records, indices, tokenizer, cfg.max_length, "prompt")
     rejects = rejects + too_long
     require_examples(kept, "GRPO prompts with answers", str(data_file), rejects)
@@ -359,7 +367,13 @@ def evaluate_heldout(trainer, heldout, rewards, cfg, reference=None) -> dict[str
 
 
 @step("grpo", gpu=True, execution=TRAIN_EXECUTION)
-def grpo(cfg: GRPOStepConfig, model: Path, out: Path, data: RawFiles | None = None) -> Metrics:
+def grpo(
+    cfg: GRPOStepConfig,
+    model: Path,
+    out: Path,
+    data: RawFiles | None = None,
+    data_check: Path | None = None,
+) -> Metrics:
     """GRPO of an SFT or DPO model output on prompts with verifiable answers; model in hf/.
 
     Args:
@@ -368,6 +382,8 @@ def grpo(cfg: GRPOStepConfig, model: Path, out: Path, data: RawFiles | None = No
         out: Existing local folder; receives ``hf/``, ``metrics.json``, ``rejects.jsonl``,
             ``reward_failures.jsonl``, ``leaderboard_metrics.json``, ``progress.json``.
         data: The user's prompt file (overrides ``cfg.data``); None: ``cfg.data``.
+        data_check: The data's ``decontaminate-posttrain`` output (``remove`` mode: prompts
+            holding eval items are dropped, listed in the rejects).
 
     Returns:
         Prompt counts, train loss and held-out exact match, mean reward, completion length
@@ -381,7 +397,8 @@ def grpo(cfg: GRPOStepConfig, model: Path, out: Path, data: RawFiles | None = No
     model_dir = hf_dir(model)
     tokenizer = chat_tokenizer(model_dir)
     data_file = resolve_grpo_data(cfg, local_data(data, out))
-    train, heldout, rejects = prepare_prompts(cfg, tokenizer, data_file)
+    exclude = excluded_records(data_check)
+    train, heldout, rejects = prepare_prompts(cfg, tokenizer, data_file, exclude)
     metrics: dict[str, Any] = write_rejects(out, rejects)
     rewards = guarded_rewards(cfg.rewards, cfg.max_failure_rate)
     trainer = build_grpo_trainer(cfg, model_dir, out, train, rewards)

@@ -27,6 +27,7 @@ from typing import Any
 from datasets import Dataset
 from trl import SFTConfig, SFTTrainer
 
+from llmflow.tasks.decontam.posttrain import excluded_records
 from llmflow.tasks.evaluation.models import hf_dir
 from llmflow.tasks.framework.step import Metrics, RawFiles, step
 from llmflow.tasks.posttrain.common import (
@@ -85,15 +86,22 @@ def build_sft_trainer(
 
 
 def prepare_sft_examples(
-    cfg: SFTStepConfig, model_dir: Path, data_file: Path
+    cfg: SFTStepConfig, model_dir: Path, data_file: Path, exclude: dict[int, str] | None = None
 ) -> tuple[list[Record], list[Record]]:
-    """Load, normalize and length-check examples; rejects carry the record index and reason."""
+    """Load, normalize and length-check examples; rejects carry the record index and reason
+    (``exclude``: positions holding eval items, dropped)."""
     tokenizer = chat_tokenizer(model_dir)
-    return load_normalized(data_file, normalize_sft, tokenizer, cfg.max_length, "messages")
+    return load_normalized(data_file, normalize_sft, tokenizer, cfg.max_length, "messages", exclude)
 
 
 @step("sft", gpu=True, execution=TRAIN_EXECUTION)
-def sft(cfg: SFTStepConfig, model: Path, out: Path, data: RawFiles | None = None) -> Metrics:
+def sft(
+    cfg: SFTStepConfig,
+    model: Path,
+    out: Path,
+    data: RawFiles | None = None,
+    data_check: Path | None = None,
+) -> Metrics:
     """Supervised fine-tuning of a model output with TRL; the chat model lands in hf/.
 
     Args:
@@ -103,6 +111,8 @@ def sft(cfg: SFTStepConfig, model: Path, out: Path, data: RawFiles | None = None
         out: Existing local folder; receives ``hf/``, ``rejects.jsonl``, ``metrics.json``,
             ``progress.json``.
         data: The user's data file (overrides ``cfg.data``); None: ``cfg.data``.
+        data_check: The data's ``decontaminate-posttrain`` output; in ``remove`` mode the
+            records holding eval items are dropped (listed in the rejects).
 
     Returns:
         Headline metrics: example and reject counts, held-out loss before and after, train loss.
@@ -113,7 +123,8 @@ def sft(cfg: SFTStepConfig, model: Path, out: Path, data: RawFiles | None = None
     offline_environment()
     model_dir = hf_dir(model)
     data_file = resolve_sft_data(cfg, out, local_data(data, out))
-    examples, rejects = prepare_sft_examples(cfg, model_dir, data_file)
+    exclude = excluded_records(data_check)
+    examples, rejects = prepare_sft_examples(cfg, model_dir, data_file, exclude)
     metrics: dict[str, Any] = write_rejects(out, rejects)
     require_examples(examples, "SFT examples", str(data_file), rejects)
     train, heldout = split_heldout(examples, cfg.num_heldout, cfg.seed)

@@ -1,0 +1,194 @@
+"""The ``decontaminate-posttrain`` step: SFT, DPO and GRPO data checked against the eval sets.
+
+Each post-training step's data (the user's file, or the generated quickstart data, resolved as
+the step resolves it) is scanned with the same index as the pretraining corpus: every string
+of a record (prompts, answers, chosen and rejected replies) is one text. The output holds
+``contamination.json`` (per task: items found in the data and their share; records matched) and
+``examples.json`` (per matched record: its position in the data and the items it holds). In
+``remove`` mode the post-training step drops those records, each listed in its rejects with the
+item it matched; in ``flag`` mode they stay, recorded.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from llmflow.tasks.decontam.config import DecontamConfig
+from llmflow.tasks.decontam.evalsets import eval_items
+from llmflow.tasks.decontam.ngrams import build_index, scan_texts, whole_item_indexes
+from llmflow.tasks.framework.step import Metrics, RawFiles, report_table, step
+
+REPORT_FILE = "contamination.json"
+EXAMPLES_FILE = "examples.json"
+STEP_NAME = "decontaminate-posttrain"
+BATCH = 512
+
+
+class PostTrainDecontConfig(BaseModel):
+    """Which post-training data to check (as its step resolves it) and against what."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["sft", "dpo", "grpo"]
+    data: str = Field("quickstart", description="The step's data: 'quickstart' or a file.")
+    num_quickstart_examples: int = 0
+    num_heldout: int = 0
+    seed: int = 0
+    decontam: DecontamConfig
+
+
+def record_text(value: Any) -> str:
+    """Every string of a record, in order, one per line (any chat or preference layout)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict):
+        return "\n".join(record_text(v) for v in value.values())
+    if isinstance(value, list):
+        return "\n".join(record_text(v) for v in value)
+    return ""
+
+
+def posttrain_records(cfg: PostTrainDecontConfig, data_file: Path | None) -> list[Any]:
+    """The records the post-training step reads, in its order (positions match its rejects)."""
+    from llmflow.tasks.posttrain.formats import read_records
+    from llmflow.tasks.posttrain.quickstart import (
+        quickstart_grpo_prompts,
+        quickstart_preference_pairs,
+        quickstart_sft_examples,
+    )
+
+    if data_file is not None:
+        return read_records(data_file)
+    if cfg.data != "quickstart":
+        return read_records(Path(cfg.data))
+    n, seed = cfg.num_quickstart_examples, cfg.seed
+    if cfg.kind == "sft":
+        return quickstart_sft_examples(n, seed)
+    if cfg.kind == "dpo":
+        return quickstart_preference_pairs(n, seed)
+    return quickstart_grpo_prompts(n, cfg.num_heldout, seed)[0]
+
+
+@step(STEP_NAME, version=1)
+def decontaminate_posttrain(
+    cfg: PostTrainDecontConfig,
+    out: Path,
+    data: RawFiles | None = None,
+    eval_files: RawFiles | None = None,
+) -> Metrics:
+    """Scan one post-training data set for eval items; write the report and matched records."""
+    from llmflow.tasks.decontam.step import _local_files
+    from llmflow.tasks.posttrain.common import local_data
+
+    records = posttrain_records(cfg, local_data(data, out))
+    decont = cfg.decontam
+    with tempfile.TemporaryDirectory(prefix="llmflow-evalsets-") as tmp:
+        items, _ = eval_items(decont, _local_files(eval_files, Path(tmp)))
+    flat = [item for task_items in items.values() for item in task_items]
+    indexes = [build_index(flat, decont.n, decont.query_ngrams, decont.overlap_ngrams)]
+    indexes += whole_item_indexes(flat, decont.n, decont.min_item_words)
+    texts = [record_text(r) for r in records]
+    matched: dict[int, set[tuple[str, int]]] = defaultdict(set)
+    for index in (i for i in indexes if len(i.hashes)):
+        for start in range(0, len(texts), BATCH):
+            for hit in scan_texts(index, texts[start : start + BATCH]):
+                owners = index.owners[hit.owner_slice[0] : hit.owner_slice[1]].tolist()
+                matched[start + hit.row].update(index.items[o] for o in owners)
+    report = posttrain_report(cfg, items, matched, len(records))
+    (out / REPORT_FILE).write_text(json.dumps(report, indent=1))
+    examples = {str(i): sorted([t, k] for t, k in found) for i, found in sorted(matched.items())}
+    (out / EXAMPLES_FILE).write_text(json.dumps({"mode": decont.mode, "records": examples}))
+    rows = [{"task": t, **counts} for t, counts in report["tasks"].items()]
+    report_table("posttrain-contamination", rows, f"Eval items in the {cfg.kind} data, per task")
+    metrics: Metrics = {
+        "records": report["records"],
+        "records_contaminated": report["records_contaminated"],
+    }
+    metrics.update({f"{t}/share": c["share"] for t, c in report["tasks"].items()})
+    return metrics
+
+
+def posttrain_report(cfg, items: dict[str, list], matched, num_records: int) -> dict[str, Any]:
+    found: dict[str, set[int]] = defaultdict(set)
+    records: dict[str, set[int]] = defaultdict(set)
+    for row, owners in matched.items():
+        for task, item in owners:
+            found[task].add(item)
+            records[task].add(row)
+    return {
+        "kind": cfg.kind,
+        "n": cfg.decontam.n,
+        "mode": cfg.decontam.mode,
+        "records": num_records,
+        "records_contaminated": len(matched),
+        "tasks": {
+            task: {
+                "items": len(task_items),
+                "contaminated_items": len(found[task]),
+                "share": round(len(found[task]) / len(task_items), 6) if task_items else None,
+                "records": len(records[task]),
+            }
+            for task, task_items in items.items()
+        },
+    }
+
+
+def excluded_records(check: Path | None) -> dict[int, str]:
+    """Positions of the records a post-training step drops (``remove`` mode), with the reason."""
+    if check is None:
+        return {}
+    found = json.loads((Path(check) / EXAMPLES_FILE).read_text())
+    if found["mode"] != "remove":
+        return {}
+    return {
+        int(i): "contaminated: " + ", ".join(f"{t}#{k}" for t, k in owners)
+        for i, owners in found["records"].items()
+    }
+
+
+def drop_excluded(
+    records: list, indices: list[int], exclude: dict[int, str]
+) -> tuple[list, list[int], list[dict]]:
+    """``records`` (at source ``indices``) less the excluded ones, and a reject for each."""
+    kept, kept_indices, rejects = [], [], []
+    for record, index in zip(records, indices, strict=True):
+        if index in exclude:
+            rejects.append({"index": index, "reason": "contaminated", "detail": exclude[index]})
+        else:
+            kept.append(record)
+            kept_indices.append(index)
+    return kept, kept_indices, rejects
+
+
+def add_posttrain_check(graph, kind: str, step_cfg, settings, evaluate, name: str, phase: str):
+    """The ``decontaminate-posttrain`` node of one post-training step's data (the data input is
+    the step's own: the user's file, hashed, or None for the generated quickstart data)."""
+    from llmflow.tasks.decontam.config import decontam_config
+    from llmflow.tasks.decontam.step import eval_set_files
+    from llmflow.tasks.framework.graph import Raw
+
+    decont = decontam_config(settings, evaluate)
+    files = eval_set_files(decont, evaluate.data_root)
+    cfg = PostTrainDecontConfig(
+        kind=kind,
+        data=step_cfg.data,
+        num_quickstart_examples=step_cfg.num_quickstart_examples,
+        num_heldout=getattr(step_cfg, "num_heldout", 0) if kind == "grpo" else 0,
+        seed=step_cfg.seed,
+        decontam=decont,
+    )
+    data = None if step_cfg.data == "quickstart" else Raw((step_cfg.data,))
+    return graph.add(
+        decontaminate_posttrain,
+        cfg,
+        f"{name}-{kind}",
+        phase=phase,
+        data=data,
+        eval_files=Raw(files) if files else None,
+    )
