@@ -71,7 +71,17 @@ def cmd_run(args: argparse.Namespace) -> int:
             list_files(local)
     from llmflow.flows.recipe import recipe
 
-    recipe(config)  # and so does a misnamed input of any step
+    graph = recipe(config)  # and so does a misnamed input of any step
+    if not os.environ.get("PREFECT_API_URL"):
+        # Every output already in the store: say so without starting a temporary API (against
+        # a real server, the run goes through Prefect so the UI records each step as Cached).
+        from llmflow.tasks.framework.executor import all_cached
+
+        outcome = all_cached(graph.until(config.until) if config.until else graph, config.root)
+        if outcome is not None:
+            print("every step's output is already in the store: nothing to run")
+            print(_summary(outcome.rows(), time.perf_counter() - started))
+            return 0
     from llmflow.flows.pipeline import run_pipeline
 
     results = run_pipeline(config)

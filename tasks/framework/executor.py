@@ -9,6 +9,7 @@ over the shards of its input; one failing shard retries alone. Prefect is import
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -137,6 +138,31 @@ class Executor:
 
 def _as_list(value: Any) -> list[Any]:
     return value if isinstance(value, list) else [value]
+
+
+class NotCached(Exception):
+    """A step's output is not in the store (the cached-only walk stops there)."""
+
+
+class CachedOnly(Executor):
+    """The walk without computing anything: every node's cached result when every output is
+    already in the store; ``NotCached`` at the first that is not. No Prefect, no API."""
+
+    def call(self, step: Step, config: Any, name: str, inputs: dict[str, Any]) -> StepResult:
+        started = time.perf_counter()
+        present = {k: v for k, v in inputs.items() if v is not None}
+        uri, digest, _ = step.address(self.store, config, name, present)
+        if not self.store.is_complete(uri):
+            raise NotCached(uri)
+        return step._cached(self.store, uri, digest, started)
+
+
+def all_cached(graph: Graph, root: str) -> Outcome | None:
+    """Every node's result if the whole graph is in the store, else None (nothing computed)."""
+    try:
+        return CachedOnly(root).run(graph)
+    except NotCached:
+        return None
 
 
 def run_graph(graph: Graph, root: str, **options: Any) -> Outcome:

@@ -64,3 +64,42 @@ def test_user_data_lineage_reaches_raw_files(run_pipeline, tmp_path):
     )
     assert "raw: " + str(raw / "a.jsonl") in out.stdout
     assert "ingest" in out.stdout
+
+
+def _cli_run(root: Path, env: dict) -> subprocess.CompletedProcess:
+    cmd = [
+        sys.executable,
+        "-m",
+        "llmflow.flows.cli",
+        "run",
+        "--root",
+        str(root),
+        "--until",
+        "ingest",
+    ]
+    cmd += [arg for o in SMALL for arg in ("--set", o)]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env, timeout=600)
+
+
+def test_cli_rerun_of_a_cached_graph_starts_no_api_unless_a_server_is_set(tmp_path):
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env["PREFECT_HOME"] = str(tmp_path / "prefect")
+    first = _cli_run(tmp_path / "runs", env)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert "nothing to run" not in first.stdout
+    env["PREFECT_HOME"] = str(tmp_path / "prefect-again")  # the re-run's own Prefect home
+    again = _cli_run(tmp_path / "runs", env)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "every step's output is already in the store: nothing to run" in again.stdout
+    assert "sample" in again.stdout and "ingest" in again.stdout
+    # no flow run was created: the temporary API never started, so Prefect's home holds no db
+    assert not list((tmp_path / "prefect-again").rglob("*.db"))
+    # a half-deleted store is not "all cached": the missing step runs again
+    ingest_dirs = list((tmp_path / "runs" / "ingest").iterdir())
+    for marker in (tmp_path / "runs" / "ingest").rglob("_COMMITTED"):
+        marker.unlink()
+    third = _cli_run(tmp_path / "runs", env)
+    assert third.returncode == 0 and "nothing to run" not in third.stdout
+    assert ingest_dirs
