@@ -27,7 +27,7 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from llmflow.tasks.framework import lineage
+from llmflow.tasks.framework import lineage, s3config
 
 COMMIT_MARKER = "_COMMITTED"
 PARTIAL_DIR = ".partial"
@@ -44,7 +44,7 @@ class Store:
 
     def __init__(self, root: str | os.PathLike, cache_dir: Path | None = None):
         root = str(root)
-        self.fs, _ = fsspec.core.url_to_fs(root)
+        self.fs, _ = fsspec.core.url_to_fs(root, **s3config.storage_options(root))
         self.is_local = isinstance(self.fs, LocalFileSystem)
         self.root = str(Path(root).expanduser().resolve()) if self.is_local else root.rstrip("/")
         self.cache_dir = cache_dir or default_cache_dir()
@@ -165,7 +165,12 @@ class Store:
         state_path.write_text(json.dumps(current))
 
     def commit(self, work: Path, uri: str, step: str, name: str, digest: str) -> None:
-        """Publish a finished working directory at ``uri``; the commit marker comes last."""
+        """Publish a finished working directory at ``uri``; the commit marker comes last.
+
+        Each file's size and sha256 go into the output's ``lineage.json`` first (what
+        ``llmflow verify`` checks).
+        """
+        lineage.add_file_manifest(work, skip=(COMMIT_MARKER,))
         if self.is_local:
             (work / COMMIT_MARKER).write_text(now())
             final = Path(uri)
