@@ -109,10 +109,24 @@ def _shares(counts: dict[str, Any]) -> dict[str, Any]:
     return {k: counts.get(k) for k in keys}
 
 
-def mark_results(results: dict[str, Any], model: Path | str) -> dict[str, Any]:
+def corpus_contamination(corpus: Path | str) -> dict[str, Any] | None:
+    """The ``contamination.json`` of a corpus given by hand (a ``decontaminate`` output, or an
+    output downstream of one): the corpus itself if it holds one, else the nearest upstream."""
+    uri = str(corpus).rstrip("/")
+    report = read_json(f"{uri}/{REPORT_FILE}")
+    if report is not None:
+        report["uri"] = uri
+        return report
+    return training_contamination(uri)
+
+
+def mark_results(
+    results: dict[str, Any], model: Path | str, corpus: Path | str | None = None
+) -> dict[str, Any]:
     """``results`` with ``contamination``: per task, the share of its items seen in the
-    training corpus of ``model`` (from its lineage), and where that was measured."""
-    report = training_contamination(model)
+    training corpus of ``model`` (from its lineage), or in ``corpus`` when one is given (a
+    model trained elsewhere, checked against a curated output), and where that was measured."""
+    report = training_contamination(model) if corpus is None else corpus_contamination(corpus)
     marked = dict(results)
     marked["contamination"] = task_marks(report, sorted(results.get("metrics", {})))
     marked["contamination_source"] = (report or {}).get("uri")

@@ -53,12 +53,19 @@ class ModelLoadError(BadInputError):
     gpu=True,
     execution=("batch_size", "max_batch_size", "device", "log_samples"),
 )
-def evaluate(cfg: EvalConfig, model: Path, out: Path, heldout: Path | None = None) -> Metrics:
+def evaluate(
+    cfg: EvalConfig,
+    model: Path,
+    out: Path,
+    heldout: Path | None = None,
+    corpus: Path | None = None,
+) -> Metrics:
     """Run the lm-eval suite on one model output's Hugging Face folder; report the scores,
-    each marked with the share of its task's items seen in the model's training corpus."""
+    each marked with the share of its task's items seen in the model's training corpus (found
+    through its lineage), or in ``corpus`` (a decontaminate output) when given."""
     docs = heldout / HELDOUT_DOCS if heldout is not None else None
     metrics = evaluate_hf(cfg, hf_dir(model), out, heldout_dir=docs)
-    results = mark_results(json.loads((out / RESULTS_FILE).read_text()), model)
+    results = mark_results(json.loads((out / RESULTS_FILE).read_text()), model, corpus)
     (out / RESULTS_FILE).write_text(json.dumps(results, indent=1, sort_keys=True))
     shares = {f"{t}/contamination": m["share"] for t, m in results["contamination"].items()}
     report_table("evaluation", table_rows(results), f"lm-eval scores of {model.name}")
