@@ -15,160 +15,53 @@ the labels.
 
 from __future__ import annotations
 
-import json
-import os
 import re
-from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 
 from llmflow.tasks.framework.errors import BadInputError
-from llmflow.tasks.ingest.hub import MIRROR_ENV, folder_fingerprint
+from llmflow.tasks.ingest import models
+from llmflow.tasks.ingest.models import MODEL_PREFIX, TOKENIZER_FILES, WEIGHT_FILES  # noqa: F401
 
-MODEL_PREFIX = "hf://models/"
 FIELD = "safety.classifier.model"
-_URI = re.compile(r"^hf://models/(?P<repo>[\w.-]+/[\w.-]+)(?:@(?P<revision>[\w./-]+))?$")
-WEIGHT_FILES = (
-    "model.safetensors",
-    "model.safetensors.index.json",
-    "pytorch_model.bin",
-    "pytorch_model.bin.index.json",
-)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt")
 _TOXIC = re.compile(r"toxic|hate")
 _NEGATED = re.compile(r"(?:^|[\W_])(?:non|not|no)[\W_]?(?:toxic|hate)")
 
-
-@dataclass(frozen=True)
-class ClassifierSource:
-    """Where a configured classifier loads from, and what it is pinned to."""
-
-    uri: str
-    revision: str
-    folder: Path | None  # None: the Hub (loaded through the Hub cache at ``revision``)
-    repo: str | None = None
-
-    @property
-    def name(self) -> str:
-        """How cards and reports name it: ``OWNER/NAME@revision`` or ``FOLDER@fingerprint``."""
-        return f"{self.repo or self.uri}@{self.revision}"
+ClassifierSource = models.ModelSource
 
 
 def check_uri(uri: str) -> str:
     """A configured model name, checked for form only (no file or network access)."""
-    if uri.startswith("hf://") and not _URI.match(uri):
-        raise BadInputError(
-            f"{FIELD}={uri!r} is not a Hub model URI; expected "
-            "hf://models/OWNER/NAME[@REVISION] or a local folder"
-        )
-    if not uri.strip():
-        raise BadInputError(f"{FIELD} is empty; give hf://models/OWNER/NAME or a folder")
-    return uri
+    return models.check_uri(uri, FIELD)
 
 
 def resolve(uri: str) -> ClassifierSource:
-    """The source a configured model names, pinned; a local folder (or mirror folder) is checked
-    to be a loadable sequence classifier.
+    """The source a configured model names, pinned (``tasks/ingest/models.py``); a local or
+    mirror folder is checked to be a loadable sequence classifier.
 
     Raises:
         BadInputError: a malformed URI, an unreachable repo, a missing or changed mirror folder,
             or a folder that is not a sequence classifier, each naming the field and value.
     """
-    match = _URI.match(check_uri(uri))
-    if match is None:
-        folder = Path(uri).expanduser()
-        if not folder.is_dir():
-            raise BadInputError(f"{FIELD}={uri!r}: no such folder")
-        check_folder(folder, uri)
-        return ClassifierSource(uri, _fingerprint(folder), folder.resolve())
-    repo, revision = match["repo"], match["revision"]
-    mirror = os.environ.get(MIRROR_ENV)
-    if mirror:
-        folder = Path(mirror) / repo
-        if not folder.is_dir():
-            raise BadInputError(
-                f"{FIELD}={uri!r} is unreachable: no folder {folder} in the mirror ({MIRROR_ENV})"
-            )
-        check_folder(folder, uri)
-        found = _fingerprint(folder)
-        if (revision or "").startswith("local-") and revision != found:
-            raise BadInputError(
-                f"{FIELD}={uri!r}: the mirror folder {folder} now fingerprints as {found}, not "
-                f"the pinned {revision}: its files changed"
-            )
-        return ClassifierSource(uri, found, folder, repo)
-    if (revision or "").startswith("local-"):
-        raise BadInputError(
-            f"{FIELD}={uri!r} is pinned to a mirror folder's fingerprint, but {MIRROR_ENV} is "
-            "not set: set it to the mirror that holds the pinned files"
-        )
-    return ClassifierSource(uri, _hub_commit(repo, revision, uri), None, repo)
-
-
-@lru_cache(maxsize=32)
-def _hub_commit(repo: str, revision: str | None, uri: str) -> str:
-    """The commit the Hub resolves ``revision`` to (asked once per process: one run, one pin)."""
-    from huggingface_hub import HfApi
-
-    try:
-        return HfApi().model_info(repo, revision=revision).sha
-    except Exception as err:  # noqa: BLE001  (offline, 404, gated, auth: all say "unreachable")
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise BadInputError(f"{FIELD}={uri!r} is unreachable: {first}") from None
-
-
-def _fingerprint(folder: Path) -> str:
-    """The folder's fingerprint, computed once per content listing (names, sizes, mtimes)."""
-    listing = tuple(
-        (str(p.relative_to(folder)), p.stat().st_size, p.stat().st_mtime_ns)
-        for p in sorted(folder.rglob("*"))
-        if p.is_file() and ".cache" not in p.parts
-    )
-    return _cached_fingerprint(str(folder.resolve()), listing)
-
-
-@lru_cache(maxsize=32)
-def _cached_fingerprint(folder: str, listing: tuple) -> str:
-    return folder_fingerprint(Path(folder))
+    return models.resolve(uri, FIELD, check_folder)
 
 
 def local_folder(source: ClassifierSource) -> Path:
     """The folder the classifier loads from: its own, the mirror's, or the Hub cache's snapshot
     of the pinned commit (downloaded once)."""
-    if source.folder is not None:
-        return source.folder
-    from huggingface_hub import snapshot_download
-
-    try:
-        folder = Path(snapshot_download(source.repo, revision=source.revision))
-    except Exception as err:  # noqa: BLE001
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise BadInputError(f"{FIELD}={source.uri!r} cannot be downloaded: {first}") from None
-    check_folder(folder, source.uri)
-    return folder
+    return models.local_folder(source, FIELD, check_folder)
 
 
 def check_folder(folder: Path, uri: str) -> dict:
     """The folder's config.json, once it is known to hold a sequence classifier with weights and
     a tokenizer; otherwise a BadInputError naming what is missing."""
-    config_file = folder / "config.json"
-    if not config_file.is_file():
-        raise BadInputError(f"{FIELD}={uri!r}: {folder} has no config.json (not a model folder)")
-    config = json.loads(config_file.read_text(encoding="utf-8"))
+    config = models.read_config(folder, uri, FIELD)
     architectures = config.get("architectures") or []
     if not any(a.endswith("ForSequenceClassification") for a in architectures):
         raise BadInputError(
             f"{FIELD}={uri!r}: {folder} is not a sequence classifier (config.json names "
             f"architectures {architectures}; a ...ForSequenceClassification model is needed)"
         )
-    if not any((folder / name).is_file() for name in WEIGHT_FILES):
-        raise BadInputError(
-            f"{FIELD}={uri!r}: {folder} holds no weights (none of {', '.join(WEIGHT_FILES)})"
-        )
-    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
-        raise BadInputError(
-            f"{FIELD}={uri!r}: {folder} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)})"
-        )
+    models.check_files(folder, uri, FIELD)
     return config
 
 
