@@ -103,6 +103,14 @@ def cmd_lineage(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_verify(args: argparse.Namespace) -> int:
+    from llmflow.tasks.framework.verify import format_check, summary_line, verify_root
+
+    checks = verify_root(args.root, on_output=lambda c: print(format_check(c), flush=True))
+    print(summary_line(checks))
+    return 1 if any(c.status == "corrupt" for c in checks) else 0
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from llmflow.tasks.pretrain.planner import extension_memory, format_plan, recipe_plan
 
@@ -243,6 +251,11 @@ def build_parser() -> argparse.ArgumentParser:
     lin = sub.add_parser("lineage", help="Print the upstream tree of an output.")
     lin.add_argument("uri", help="An output directory or URI.")
     lin.set_defaults(func=cmd_lineage)
+    ver = sub.add_parser(
+        "verify", help="Check every committed output's files against its recorded checksums."
+    )
+    ver.add_argument("root", help="Artifact root: a folder or s3://bucket/prefix.")
+    ver.set_defaults(func=cmd_verify)
     planner = sub.add_parser("plan", help="Parameters, FLOPs, memory per GPU, tokens and time.")
     _add_config_args(planner)
     planner.add_argument("--gpus", type=int, help="Data-parallel GPUs (default: hardware.*).")

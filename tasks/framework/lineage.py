@@ -186,6 +186,47 @@ def _source_record(uri: str, stamp: str) -> dict[str, Any]:
     return {"uri": uri, "sha256": digest.hexdigest(), "bytes": fs.size(path)}
 
 
+FILES_KEY = "files"
+
+
+def file_digest(path: Path) -> str:
+    """sha256 of one file, read in 1 MiB blocks."""
+    import hashlib
+
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def file_manifest(folder: Path, skip: tuple[str, ...] = ()) -> dict[str, dict[str, Any]]:
+    """Size and sha256 of every file under ``folder`` (relative POSIX paths, sorted).
+
+    ``lineage.json`` itself and the names in ``skip`` (at the top level) are left out.
+    """
+    folder = Path(folder)
+    manifest: dict[str, dict[str, Any]] = {}
+    for path in sorted(folder.rglob("*")):
+        rel = path.relative_to(folder).as_posix()
+        if not path.is_file() or rel == LINEAGE_FILE or rel in skip:
+            continue
+        manifest[rel] = {"bytes": path.stat().st_size, "sha256": file_digest(path)}
+    return manifest
+
+
+def add_file_manifest(folder: Path, skip: tuple[str, ...] = ()) -> bool:
+    """Record the size and sha256 of each file of ``folder`` in its ``lineage.json``.
+
+    Called when an output is committed, so ``llmflow verify`` can later tell a truncated, changed
+    or missing file. Returns False (nothing written) when the folder has no lineage record.
+    """
+    path = Path(folder) / LINEAGE_FILE
+    if not path.exists():
+        return False
+    record = json.loads(path.read_text())
+    record[FILES_KEY] = file_manifest(folder, skip)
+    path.write_text(dumps(record))
+    return True
+
+
 def dumps(record: dict[str, Any]) -> str:
     """Serialize a lineage record, masking anything that looks like a credential."""
     return json.dumps(mask_secrets(record), indent=2, sort_keys=False, default=str)
