@@ -225,6 +225,28 @@ def cmd_ablate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    started = time.perf_counter()
+    from llmflow.flows.evaluate_models import EvaluateModelsRun, plan_evaluation
+
+    run = EvaluateModelsRun(
+        models=args.models,
+        preset=str(Path(args.config).resolve()) if args.config else "quickstart",
+        overrides=args.overrides,
+        root=args.root,
+        name=args.name,
+        corpus=args.corpus,
+        heldout=args.heldout,
+    )
+    plan_evaluation(run)  # every model pinned and checked before Prefect starts
+    from llmflow.flows.evaluate_models import evaluate_models
+
+    results = evaluate_models(run)
+    print()
+    print(_summary(results, time.perf_counter() - started))
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from llmflow.flows.deploy import serve
 
@@ -300,6 +322,20 @@ def build_parser() -> argparse.ArgumentParser:
     ablate.add_argument("--candidate", required=True, help="Domain to test as late-stage data.")
     ablate.add_argument("--num-tokens", type=int, default=50_000, help="Annealing budget per arm.")
     ablate.set_defaults(func=cmd_ablate)
+    ev = sub.add_parser(
+        "evaluate", help="Evaluate model folders or hf://models/ ids: suite, cards, leaderboard."
+    )
+    ev.add_argument("models", nargs="+", help="Folders or hf://models/OWNER/NAME[@REVISION].")
+    ev.add_argument("--config", help="YAML preset whose evaluate/safety settings to use.")
+    ev.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="a.b=value",
+        help="Dotted override of any config field; repeatable.",
+    )  # fmt: skip
+    ev.add_argument("--root", help="Artifact root: a folder or s3://bucket/prefix.")
+    ev.add_argument("--name", help="Leaderboard label (default: the preset's name).")
+    ev.add_argument("--corpus", help="A decontaminate output: contamination shares against it.")
+    ev.add_argument("--heldout", help="A tokenize output: documents for the perplexity tasks.")
+    ev.set_defaults(func=cmd_evaluate)
     serve = sub.add_parser("serve", help="Serve the deployments from this process (no worker).")
     serve.add_argument("names", nargs="*", help="Deployment names (default: all local ones).")
     serve.add_argument("--limit", type=int, help="Concurrent flow runs.")
