@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from llmflow.tasks.decontam.lineage import read_json, upstream_records
 from llmflow.tasks.decontam.scan import link_or_copy
+from llmflow.tasks.evaluation.external import STEP_NAME as EXTERNAL_STEP
 from llmflow.tasks.evaluation.harness import RESULTS_FILE
 from llmflow.tasks.evaluation.leaderboard import markdown_table
 from llmflow.tasks.evaluation.models import hf_dir
@@ -133,8 +134,10 @@ def training_facts(model: Path) -> dict[str, Any]:
             for s in ("sft", "dpo", "grpo")
             for _, r in by_step.get(s, [])
         ],
-        "parameters": _metrics_of(by_step, "export").get("num_parameters"),
-        "base_model": base_model(model),
+        "parameters": _metrics_of(by_step, "export").get("num_parameters")
+        or _metrics_of(by_step, EXTERNAL_STEP).get("num_parameters"),
+        "base_model": external_source(model) or base_model(model),
+        "external": external_source(model),
     }
 
 
@@ -146,6 +149,24 @@ def posttrain_contamination(by_step: dict[str, list[tuple[str, dict]]]) -> list[
         if report is not None:
             found.append(report)
     return found
+
+
+def external_source(model: Path) -> str | None:
+    """The pinned source of the model made elsewhere that ``model`` is, or starts from
+    (``hf://models/OWNER/NAME@COMMIT``, or ``FOLDER@local-<fingerprint>``); None for a model
+    llmflow trained from scratch. The nearest one upstream wins."""
+    for _, record in upstream_records(model):
+        if record.get("step") == EXTERNAL_STEP:
+            return (record.get("config") or {}).get("pinned")
+    return None
+
+
+def hub_id(base: str | None) -> str | None:
+    """The Hub's ``base_model`` metadata for a base: ``OWNER/NAME`` of an ``hf://models/`` source
+    (the Hub links the model tree by repo id), else the name as it is."""
+    if base is None or not base.startswith("hf://models/"):
+        return base
+    return base.removeprefix("hf://models/").split("@")[0]
 
 
 def base_model(model: Path) -> str | None:
@@ -171,7 +192,9 @@ def _metrics_of(by_step: dict, name: str) -> dict[str, Any]:
 def data_sources(by_step: dict) -> list[dict[str, Any]]:
     """Raw files read (with their sha256) and generated samples (with their output hash)."""
     sources = []
-    for records in by_step.values():
+    for step_name, records in by_step.items():
+        if step_name == EXTERNAL_STEP:  # the base model's files, not training data
+            continue
         for _, record in records:
             for raw in record.get("sources", []):
                 sources.append({"source": raw.get("uri"), "sha256": raw.get("sha256")})
@@ -264,11 +287,11 @@ def card_data(cfg: CardConfig, facts: dict[str, Any], results: dict[str, Any]):
         language=cfg.language,
         library_name="transformers",
         pipeline_tag="text-generation",
-        base_model=cfg.base_model,
+        base_model=hub_id(cfg.base_model),
         datasets=sorted(set(names)) or [NOT_RECORDED],
         model_name=cfg.model_name,
         eval_results=eval_results(results) or None,
-        tags=["llmflow", "from-scratch"],
+        tags=["llmflow", "from-scratch" if not facts.get("external") else "external-base"],
     )
 
 
@@ -291,8 +314,7 @@ def render_card(
     """The whole README.md: YAML metadata between ``---`` lines, then the sections."""
     data = card_data(cfg, facts, results)
     sections = [
-        f"# {cfg.model_name}\n\nA causal language model trained from scratch with llmflow"
-        + (f", fine-tuned from `{cfg.base_model}`." if cfg.base_model else "."),
+        f"# {cfg.model_name}\n\n" + origin_line(cfg, facts),
         "## How it was trained\n\n" + training_section(facts),
         "## Evaluation\n\n" + evaluation_section(results, facts.get("posttrain_contamination")),
         "## Bias and toxicity\n\n" + safety_section(safety, classifier),
@@ -300,6 +322,18 @@ def render_card(
         "## How to reproduce\n\n" + reproduce_section(cfg),
     ]
     return f"---\n{data.to_yaml()}\n---\n\n" + "\n\n".join(sections) + "\n"
+
+
+def origin_line(cfg: CardConfig, facts: dict[str, Any]) -> str:
+    """Where the model comes from: trained from scratch, or made elsewhere (pinned source)."""
+    external = facts.get("external")
+    if external is None:
+        return "A causal language model trained from scratch with llmflow" + (
+            f", fine-tuned from `{cfg.base_model}`." if cfg.base_model else "."
+        )
+    if facts.get("posttraining") or facts.get("stages"):
+        return f"A causal language model trained with llmflow from `{cfg.base_model}`."
+    return f"The causal language model `{cfg.base_model}`, evaluated with llmflow."
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
