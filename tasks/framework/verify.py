@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from llmflow.tasks.framework import lineage
@@ -61,23 +62,38 @@ def _sizes(store: Store, uri: str) -> dict[str, int]:
 
 def _check_file(store: Store, path: str, size: int | None, expected: dict[str, Any]) -> str | None:
     """The reason a file does not match its record, or None when it does."""
-    want = int(expected["bytes"])
+    problem = size_problem(size, int(expected["bytes"]))
+    if problem:
+        return problem
+    digest = hashlib.sha256()
+    with store.fs.open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest_problem(digest.hexdigest(), expected["sha256"])
+
+
+def size_problem(size: int | None, want: int) -> str | None:
+    """Why a file of ``size`` bytes (None: absent) is not the recorded one of ``want`` bytes."""
     if size is None:
         return f"missing (recorded {want} bytes)"
     if size < want:
         return f"truncated: {size} of {want} bytes"
     if size > want:
         return f"size changed: {size} bytes, recorded {want}"
-    digest = hashlib.sha256()
-    with store.fs.open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    if digest.hexdigest() != expected["sha256"]:
-        return (
-            f"content changed: sha256 {digest.hexdigest()[:12]}..., "
-            f"recorded {expected['sha256'][:12]}..."
-        )
     return None
+
+
+def digest_problem(found: str, recorded: str) -> str | None:
+    if found == recorded:
+        return None
+    return f"content changed: sha256 {found[:12]}..., recorded {recorded[:12]}..."
+
+
+def local_file_problem(path: Path, expected: dict[str, Any]) -> str | None:
+    """The reason a local file does not match its recorded size and sha256, or None."""
+    size = path.stat().st_size if path.is_file() else None
+    problem = size_problem(size, int(expected["bytes"]))
+    return problem or digest_problem(lineage.file_digest(path), expected["sha256"])
 
 
 def committed_outputs(store: Store) -> Iterator[str]:

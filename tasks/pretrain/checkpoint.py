@@ -6,7 +6,11 @@ Layout of one checkpoint folder (``checkpoints/step-000100/`` or ``final/``)::
     rank-00000.pt        per-rank RNG states and data-loader state
     trainer_state.json   step, start step, tokens seen, guard state, ... (rank 0)
     model_config.json    the architecture, checked on resume and init_from
+    checksums.json       size and sha256 of every other file (rank 0, after every rank wrote)
     COMPLETE             written last; a folder without it is not a checkpoint
+
+A resume checks the newest checkpoint against its ``checksums.json`` and falls back to the
+previous good one when a file is missing, truncated or changed (:func:`latest_intact`).
 
 Every rank writes into ``.tmp-<name>/``; after a barrier rank 0 renames it into place, so a crash
 never leaves a folder that looks complete.
@@ -44,9 +48,12 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from llmflow.tasks.framework.errors import BadInputError
+from llmflow.tasks.framework.lineage import file_manifest
+from llmflow.tasks.framework.verify import local_file_problem
 
 STEP_DIR = re.compile(r"^step-(\d{6,})$")
 MARKER = "COMPLETE"
+CHECKSUMS = "checksums.json"
 
 
 def barrier() -> None:
@@ -94,6 +101,54 @@ def latest_checkpoint(out_dir: Path) -> Path | None:
         return final
     found = list_checkpoints(out_dir)
     return found[-1] if found else None
+
+
+def write_checksums(folder: Path) -> None:
+    """Record the size and sha256 of every file of a checkpoint folder (before its marker)."""
+    manifest = file_manifest(folder, skip=(CHECKSUMS, MARKER))
+    (Path(folder) / CHECKSUMS).write_text(json.dumps(manifest, indent=1))
+
+
+def checkpoint_problems(path: Path) -> list[str]:
+    """Each file of a checkpoint that no longer matches its ``checksums.json``: path and reason.
+
+    A checkpoint written before checksums were recorded has none to check (empty list).
+    """
+    path = Path(path)
+    if not (path / CHECKSUMS).exists():
+        return []
+    try:
+        recorded = json.loads((path / CHECKSUMS).read_text())
+    except ValueError as err:
+        return [f"{path / CHECKSUMS}: unreadable ({err})"]
+    problems = []
+    for rel, expected in recorded.items():
+        problem = local_file_problem(path / rel, expected)
+        if problem:
+            problems.append(f"{path / rel}: {problem}")
+    return problems
+
+
+def latest_intact(out_dir: Path, log: Callable[[str], Any] = print) -> Path | None:
+    """The newest complete checkpoint whose files match their checksums (``final/`` first).
+
+    Each corrupt one passed over is logged with its first bad file and the checkpoint taken
+    instead, so a resume from an older step is never silent.
+    """
+    final = Path(out_dir) / "final"
+    candidates = ([final] if is_complete(final) else []) + list_checkpoints(out_dir)[::-1]
+    skipped: list[tuple[Path, list[str]]] = []
+    for candidate in candidates:
+        problems = checkpoint_problems(candidate)
+        if not problems:
+            for bad, found in skipped:
+                more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+                log(f"checkpoint {bad} is corrupt: {found[0]}{more}; resuming from {candidate}")
+            return candidate
+        skipped.append((candidate, problems))
+    for bad, found in skipped:
+        log(f"checkpoint {bad} is corrupt: {found[0]}; no intact checkpoint before it")
+    return None
 
 
 def resolve_init_from(path: Path) -> Path:
@@ -180,6 +235,7 @@ def _commit(tmp: Path, path: Path) -> None:
     rank, _ = rank_and_world()
     barrier()
     if rank == 0:
+        write_checksums(tmp)
         (tmp / MARKER).write_text("ok\n")
         if path.exists():  # NOTE: a rewind may re-save a step; replace the older copy.
             shutil.rmtree(path)

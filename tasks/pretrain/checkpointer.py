@@ -57,6 +57,18 @@ class Checkpointer(Callback):
         self.finish_pending()
         return ckpt.latest_checkpoint(self.out_dir)
 
+    def latest_intact(self) -> Path | None:
+        """The newest checkpoint whose files match their checksums, chosen by rank 0 (all ranks).
+
+        Corrupt newer ones are passed over, and rank 0 says so in the log.
+        """
+        self.finish_pending()
+        rank, world = ckpt.rank_and_world()
+        chosen = [ckpt.latest_intact(self.out_dir) if rank == 0 else None]
+        if world > 1:  # NOTE: one rank reads the files; every rank must load the same one.
+            torch.distributed.broadcast_object_list(chosen, src=0)
+        return chosen[0]
+
     # ------------------------------------------------------------------------- the cadence
     def on_step_end(self, trainer: Trainer, out: StepOutput) -> None:
         if self.pending is not None and self._written_everywhere(trainer):
@@ -179,7 +191,7 @@ class Checkpointer(Callback):
         if trainer.runtime.is_main:
             ckpt.clean_tmp(self.out_dir)
         ckpt.barrier()
-        latest = self.latest()
+        latest = self.latest_intact()
         if latest is None:
             return None
         check_source(trainer.cfg, latest)

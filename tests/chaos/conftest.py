@@ -91,3 +91,34 @@ def file_digests(root: Path, pattern: str = "**/*") -> dict[str, str]:
         for p in sorted(root.glob(pattern))
         if p.is_file()
     }
+
+
+def run_trainer(cfg, data_dir: Path, out_dir: Path, *, faults=None, timeout: float = 300, **popen):
+    """Run the trainer as its own process (as production does); return the CompletedProcess.
+
+    ``faults`` (a dict) turns on the trainer's fault injector through ``LLMFLOW_FAULTS``; extra
+    keyword arguments go to ``subprocess.run`` (e.g. ``preexec_fn`` to set a resource limit).
+    """
+    import json
+    import subprocess
+
+    from llmflow.tasks.pretrain.faults import ENV
+    from llmflow.tasks.pretrain.launch import build_command, train_arguments
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config_path = out_dir / "train_config.json"
+    cfg.save(config_path)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop(ENV, None)
+    if faults:
+        env[ENV] = json.dumps(faults)
+    return subprocess.run(
+        build_command(train_arguments(config_path, data_dir, out_dir)),
+        cwd=out_dir,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        **popen,
+    )
