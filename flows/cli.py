@@ -227,6 +227,10 @@ def cmd_ablate(args: argparse.Namespace) -> int:
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
     started = time.perf_counter()
+    from llmflow.tasks.evaluation.external import pin_model
+
+    for model in args.models:  # a bad model fails here, before the recipe's heavy imports
+        pin_model(model)
     from llmflow.flows.evaluate_models import EvaluateModelsRun, plan_evaluation
 
     run = EvaluateModelsRun(
