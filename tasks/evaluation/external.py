@@ -38,7 +38,11 @@ class ExternalModelConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    source: str = Field(description="As given: hf://models/OWNER/NAME[@REVISION] or a folder.")
+    source: str = Field(
+        description="As given: hf://models/OWNER/NAME[@REVISION] or a folder (a label: the pin "
+        "is what is hashed, so @main and @<its commit> are one output).",
+        json_schema_extra={"versioned": False},
+    )
     pinned: str = Field(
         description="hf://models/OWNER/NAME@<commit or local-fingerprint>, or FOLDER@local-..."
     )
@@ -126,11 +130,12 @@ def external_model(cfg: ExternalModelConfig, out: Path, files: RawFiles | None =
             # otherwise change a committed output.
             shutil.copyfile(name, target)
     else:
-        source = models.ModelSource(cfg.source, cfg.revision, None, cfg.repo)
+        source = models.ModelSource(cfg.pinned, cfg.revision, None, cfg.repo)
         snapshot = models.local_folder(source, "model", lambda f, u: check_causal_lm(f, u))
         shutil.copytree(snapshot, folder, ignore=shutil.ignore_patterns(".cache"))
-    config = check_causal_lm(folder, cfg.source)
-    (out / SOURCE_FILE).write_text(json.dumps(cfg.model_dump(mode="json"), indent=1) + "\n")
+    config = check_causal_lm(folder, cfg.pinned)
+    record = cfg.model_dump(mode="json", exclude={"source"})
+    (out / SOURCE_FILE).write_text(json.dumps(record, indent=1) + "\n")
     write_progress(out, tokens_seen=None, step=None)
     return {
         "source": cfg.pinned,
