@@ -183,6 +183,15 @@ class CheckpointConfig(_Section):
         "goes on; a checkpoint is marked complete only once written.",
         json_schema_extra=UNVERSIONED,
     )
+    preempt_grace_s: float = Field(
+        30.0,
+        gt=0,
+        description="On SIGTERM (a preemption, as Kubernetes and Slurm send it) the trainer "
+        "finishes its step, saves a checkpoint and exits with code 75 within this many seconds "
+        "(Kubernetes' default terminationGracePeriodSeconds is 30); past it, it exits at once "
+        "and the retry resumes from the previous checkpoint.",
+        json_schema_extra=UNVERSIONED,
+    )
 
 
 class GuardConfig(_Section):
