@@ -31,6 +31,7 @@ from llmflow.tasks.extend.longctx import LongContextEval, longctx
 from llmflow.tasks.framework.errors import BadInputError
 from llmflow.tasks.framework.graph import Graph, Node, Raw
 from llmflow.tasks.ingest.hub import data_sources
+from llmflow.tasks.ingest.import_model import ImportTokenizerConfig, add_init, import_tokenizer
 from llmflow.tasks.ingest.ingest import ingest_sources, list_files
 from llmflow.tasks.ingest.sample import sample
 from llmflow.tasks.posttrain.average import average
@@ -63,27 +64,35 @@ class Models:
 def recipe(config: PipelineConfig) -> Graph:
     """The whole pipeline as a graph of steps, in run order."""
     graph = Graph(PHASES)
+    config, imported = add_init(graph, config)  # init: pinned, its architecture for pretrain
     curated = add_curation(graph, config.curate, ingested(graph, config), config.name)
     curated = add_decontamination(
         graph, config.decontaminate, config.evaluate, curated, config.name
     )
-    tokenizer = graph.add(train_tokenizer, config.tokenizer, config.name, corpus=curated)
+    if imported is None:
+        tokenizer = graph.add(train_tokenizer, config.tokenizer, config.name, corpus=curated)
+    else:
+        tokenizer = graph.add(
+            import_tokenizer, ImportTokenizerConfig(), config.name, phase="tokenizer",
+            model=imported,
+        )  # fmt: skip
     tokenized = graph.add(
         tokenize_corpus, config.tokenize, config.name, corpus=curated, tokenizer=tokenizer
     )
-    base = curriculum(graph, config, tokenized)
+    base = curriculum(graph, config, tokenized, init=imported)
     averaged = average_checkpoints(graph, config, base) if config.average.enabled else None
     extended = extension(graph, config, tokenized, base)
-    graph.add(
-        longctx,
-        LongContextEval(extend=config.extend),
-        config.name,
-        phase="extend",
-        before=base,
-        after=extended,
-        tokenizer=tokenizer,
-        tokenized=tokenized,
-    )
+    if config.extend.stages:  # long-context scores before vs after the extension
+        graph.add(
+            longctx,
+            LongContextEval(extend=config.extend),
+            config.name,
+            phase="extend",
+            before=base,
+            after=extended,
+            tokenizer=tokenizer,
+            tokenized=tokenized,
+        )
     models = Models(safety_inputs=safety_inputs(graph, config, curated))
     base_export = export_and_evaluate(graph, config, models, "base", base, tokenizer, tokenized)
     if averaged is not None:
@@ -119,8 +128,11 @@ def ingested(graph: Graph, config: PipelineConfig) -> Node:
     return graph.add(ingest_sources, config.ingest, config.name, sample=generated)
 
 
-def curriculum(graph: Graph, config: PipelineConfig, tokenized: Node) -> Node:
-    """The validation set, each stage's mixture, then the stages in order; the last checkpoint."""
+def curriculum(
+    graph: Graph, config: PipelineConfig, tokenized: Node, init: Node | None = None
+) -> Node:
+    """The validation set, each stage's mixture, then the stages in order, the first from
+    ``init`` (an imported model) if given; the last checkpoint (``init`` without stages)."""
     held_out = graph.add(
         validation, config.validation, config.name, phase="mixture", tokenized=tokenized
     )
@@ -129,7 +141,7 @@ def curriculum(graph: Graph, config: PipelineConfig, tokenized: Node) -> Node:
         graph.add(mixture, s.mixture, f"{config.name}-{s.name}", tokenized=tokenized)
         for s in stages
     ]
-    checkpoint = None
+    checkpoint = init
     for index, (stage, data) in enumerate(zip(stages, mixtures, strict=True)):
         run = stage_run(config, stage_train_config(config.pretrain, index))
         checkpoint = graph.add(

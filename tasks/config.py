@@ -11,14 +11,21 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from llmflow.tasks.curation.config import CurateConfig
 from llmflow.tasks.dataprep.config import TokenizeConfig, ValidationConfig
 from llmflow.tasks.decontam.config import DecontamSettings
 from llmflow.tasks.evaluation.config import EvalConfig
 from llmflow.tasks.extend.config import ExtendConfig
-from llmflow.tasks.framework.errors import ConfigError
+from llmflow.tasks.framework.errors import BadInputError, ConfigError
 from llmflow.tasks.framework.resources import data_dir
 from llmflow.tasks.ingest.ingest import IngestConfig
 from llmflow.tasks.ingest.sample import SampleConfig
@@ -103,6 +110,12 @@ class PipelineConfig(BaseModel):
         default_factory=list,
         description="Raw data files, folders or globs (local or s3://). Empty: the generated sample.",
     )
+    init: str | None = Field(
+        None,
+        description="Start from an existing model: hf://models/OWNER/NAME[@REVISION] or a "
+        "folder (pinned when the recipe is built). Its tokenizer replaces the trained one and "
+        "its architecture pretrain.train.model; pretrain.stages: [] post-trains it directly.",
+    )
     until: str | None = Field(
         None,
         description=f"Stop after this phase of the recipe; one of {', '.join(PHASES)}.",
@@ -137,6 +150,29 @@ class PipelineConfig(BaseModel):
         if value is not None and value not in PHASES:
             raise ValueError(f"not a phase of the recipe; allowed: {', '.join(PHASES)}")
         return value
+
+    @field_validator("init")
+    @classmethod
+    def _model_uri(cls, value: str | None) -> str | None:
+        if value is not None:
+            from llmflow.tasks.ingest.models import check_uri
+
+            try:
+                check_uri(value, "init")
+            except BadInputError as err:
+                raise ValueError(str(err)) from None
+        return value
+
+    @model_validator(mode="after")
+    def _stages_or_init(self) -> PipelineConfig:
+        if not self.pretrain.stages and self.init is None:
+            raise ValueError(
+                "pretrain.stages is empty: give at least one stage, or init (a model to "
+                "post-train directly)"
+            )
+        if not self.pretrain.stages and self.average.enabled:
+            raise ValueError("average.enabled needs pretrain.stages (it averages the last one's)")
+        return self
 
 
 def required_extras(config: PipelineConfig) -> set[str]:

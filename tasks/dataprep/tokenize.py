@@ -41,6 +41,8 @@ from llmflow.tasks.tokenizer.corpus import (
 )
 
 SPLITS = ("train", "validation")
+VOCAB_META = "vocab_meta.json"
+"""An imported model's vocabulary size and special ids, beside its tokenizer (``import_model``)."""
 
 
 def load_tokenizer(tokenizer_dir: Path) -> Tokenizer:
@@ -134,6 +136,16 @@ def _special_ids(tokenizer: Tokenizer) -> dict[str, int]:
     return ids
 
 
+def _vocabulary(tokenizer: Tokenizer, folder: Path) -> tuple[int, dict[str, int | None]]:
+    """The vocabulary size and special ids: an imported model's (``vocab_meta.json``, written by
+    ``import-tokenizer``: the embedding's rows, the model's eos), else our trained tokenizer's."""
+    path = Path(folder) / VOCAB_META
+    if path.is_file():
+        meta = json.loads(path.read_text())
+        return meta["vocab_size"], {k: meta[k] for k in ("eos_id", "pad_id", "bos_id")}
+    return tokenizer.get_vocab_size(), _special_ids(tokenizer)
+
+
 @step("tokenize", execution=("encode_batch_size", "read_batch_rows"))
 def tokenize_corpus(cfg: TokenizeConfig, corpus: Path, tokenizer: Path, out: Path) -> Metrics:
     """Tokenize every curated document once, split into train and held-out validation.
@@ -141,7 +153,7 @@ def tokenize_corpus(cfg: TokenizeConfig, corpus: Path, tokenizer: Path, out: Pat
     Args:
         cfg: The step's config.
         corpus: Curated corpus (``shards/**/*.parquet`` with id, text, domain, source).
-        tokenizer: Output of `train_tokenizer` (holds ``tokenizer.json``).
+        tokenizer: Output of `train_tokenizer` or `import_tokenizer` (holds ``tokenizer.json``).
         out: Existing directory for the layout described in this module's docstring.
 
     Returns:
@@ -150,8 +162,7 @@ def tokenize_corpus(cfg: TokenizeConfig, corpus: Path, tokenizer: Path, out: Pat
     out_dir, files = Path(out), corpus_files(corpus)
     bpe = load_tokenizer(tokenizer)
     encoder = _Encoder(bpe)
-    special = _special_ids(bpe)
-    vocab_size = bpe.get_vocab_size()
+    vocab_size, special = _vocabulary(bpe, tokenizer)
     dtype = token_dtype(vocab_size)
     rejects = RejectLog(out_dir / "rejects.jsonl")
     writer = _CorpusWriter(out_dir, dtype)
@@ -195,7 +206,8 @@ def _corpus_schema() -> pa.Schema:
 
 
 class _Encoder:
-    """`ByteLevelEncoder` for the layout `train_tokenizer` writes, else `tokenizers` itself."""
+    """`ByteLevelEncoder` for the layout `train_tokenizer` writes, else `tokenizers` itself
+    (an imported model's tokenizer: Llama 3's or Qwen's split pattern, a normalizer, ...)."""
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
@@ -204,7 +216,10 @@ class _Encoder:
     def encode_batch(self, texts: list[str], dtype: np.dtype) -> list[np.ndarray]:
         if self.fast is not None:
             return self.fast.encode_batch(texts, dtype)
-        return [np.array(e.ids, dtype) for e in self.tokenizer.encode_batch_fast(texts)]
+        # NOTE: documents are packed as tokens + eos; an imported tokenizer's post-processor
+        # (a bos per text, as Llama's adds) is left out, as the fast encoder leaves it out.
+        encoded = self.tokenizer.encode_batch_fast(texts, add_special_tokens=False)
+        return [np.array(e.ids, dtype) for e in encoded]
 
 
 def _tokenize_batch(cfg, encoder, cols, writer, holdout, dtype) -> None:

@@ -69,7 +69,7 @@ class ExtendConfig(BaseModel):
     @model_validator(mode="after")
     def _increasing(self) -> ExtendConfig:
         lengths = [s.seq_len for s in self.stages]
-        if not lengths or lengths != sorted(set(lengths)):
+        if lengths != sorted(set(lengths)):  # empty: no extension (the base is the last model)
             raise ValueError(f"stages[].seq_len must be strictly increasing, got {lengths}")
         return self
 

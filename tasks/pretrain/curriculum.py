@@ -31,14 +31,15 @@ class PretrainConfig(LaunchSettings):
     model_config = ConfigDict(extra="forbid")
 
     train: TrainConfig = Field(description="Trainer settings shared by all stages.")
-    stages: list[CurriculumStage] = Field(description="Stages in order; the last one anneals.")
+    stages: list[CurriculumStage] = Field(
+        description="Stages in order; the last one anneals. Empty only with init (a model to "
+        "post-train directly)."
+    )
     anneal_schedule: str = Field("wsd", description="Schedule of the last stage (wsd decays).")
 
     @field_validator("stages")
     @classmethod
     def _unique_names(cls, value: list[CurriculumStage]) -> list[CurriculumStage]:
-        if not value:
-            raise ValueError("at least one stage is needed")
         names = [s.name for s in value]
         if len(set(names)) != len(names):
             raise ValueError(f"stage names must be unique, got {names}")

@@ -47,6 +47,7 @@ from llmflow.tasks.pretrain.distributed import (
 )
 from llmflow.tasks.pretrain.faults import FaultInjector
 from llmflow.tasks.pretrain.guard import StabilityGuard
+from llmflow.tasks.pretrain.init_weights import is_weights_only, load_weights
 from llmflow.tasks.pretrain.optim import build_optimizers, set_lr
 from llmflow.tasks.pretrain.schedule import lr_multiplier, micro_batch_size, steps_for_tokens
 from llmflow.tasks.pretrain.state import StepOutput, TrainState
@@ -133,7 +134,9 @@ class Trainer:
         if self.checkpointer.resume(self) is not None:
             return
         self.seed_rng()
-        if init_from is not None:
+        if init_from is not None and is_weights_only(init_from):  # an imported model
+            load_weights(self, init_from)
+        elif init_from is not None:
             self.checkpointer.initialise(self, init_from)
         self.state.end_step = self.state.start_step + self._stage_steps()
 

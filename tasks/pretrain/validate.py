@@ -69,6 +69,8 @@ def check_world_size(cfg: TrainConfig, world_size: int) -> None:
 def check_source(cfg: TrainConfig, checkpoint: Path) -> None:
     """Refuse a checkpoint of another architecture or optimizer (resume or init_from)."""
     check_same_architecture(checkpoint, cfg.model_config_obj())
+    if not (Path(checkpoint) / "trainer_state.json").exists():
+        return  # weights only (an imported model): any optimizer starts from it
     state = json.loads((Path(checkpoint) / "trainer_state.json").read_text())
     if state.get("optimizer") != cfg.optimizer.name:
         raise BadInputError(
