@@ -6,7 +6,8 @@ spike or a NaN; ``{"crash_after_step": 6}`` kills the process abruptly (exit cod
 and its checkpoint, as a lost machine would. ``{"slow_storage_after_step": 6}`` makes storage slow
 from then on (each rank's background checkpoint write first sleeps ``checkpoint_write_delay_s``),
 and ``{"sigkill_after_step": 8}`` sends the process SIGKILL after step 8 (with an asynchronous save
-of step 8 in flight, if one was started). Unset, the trainer has no such component at all.
+of step 8 in flight, if one was started); ``{"sigterm_after_step": 5}`` sends it SIGTERM, as a
+preempting scheduler would. Unset, the trainer has no such component at all.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class FaultInjector(Callback):
     loss_scale: float = 100.0
     crash_after_step: int | None = None
     sigkill_after_step: int | None = None
+    sigterm_after_step: int | None = None
     slow_storage_after_step: int | None = None
     checkpoint_write_delay_s: float = 60.0
     fired: set[int] = field(default_factory=set)
@@ -76,6 +78,10 @@ class FaultInjector(Callback):
             busy = f"; {pending.tmp.name} in flight" if pending is not None else ""
             print(f"fault injection: SIGKILL after step {out.step}{busy}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
+        if out.step == self.sigterm_after_step and out.step not in self.fired:
+            self.fired.add(out.step)
+            print(f"fault injection: SIGTERM after step {out.step}", flush=True)
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 class SlowWriter(FileSystemWriter):

@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from llmflow.tasks.pretrain.checkpointer import NOTICES
 from llmflow.tasks.pretrain.config import UNVERSIONED, TrainConfig
+from llmflow.tasks.pretrain.preemption import PREEMPTED_EVENT, PREEMPTED_EXIT_CODE
 from llmflow.tasks.pretrain.ray_launch import (
     RayLines,
     RaySettings,
@@ -89,6 +90,14 @@ class TrainingFailed(RuntimeError):
         super().__init__(message + "\n--- last lines of output ---\n" + "\n".join(tail))
         self.returncode = returncode
         self.tail = tail
+
+
+class TrainingPreempted(TrainingFailed):
+    """The trainer got SIGTERM, saved a checkpoint and exited: retryable, a retry resumes it.
+
+    Recognised by the trainer's exit code (``PREEMPTED_EXIT_CODE``, 75) or, when a launcher in
+    between (torchrun) replaces that code, by the ``preempted`` event in ``checkpoints.jsonl``.
+    """
 
 
 def build_command(
@@ -295,13 +304,35 @@ def launch_training(
     if ray is not None:
         on_line = RayLines(on_line)
     on_line("launching: " + " ".join(command))
-    run_streaming(
-        command,
-        on_line=on_line,
-        timeout_s=timeout_s,
-        watch=out_dir / NOTICES,
-        on_notice=on_checkpoint,
-    )
+    preempted: list[dict[str, Any]] = []
+
+    def on_notice(notice: dict[str, Any]) -> None:
+        if notice.get("event") == PREEMPTED_EVENT:
+            preempted.append(notice)
+        else:
+            on_checkpoint(notice)
+
+    try:
+        run_streaming(
+            command,
+            on_line=on_line,
+            timeout_s=timeout_s,
+            watch=out_dir / NOTICES,
+            on_notice=on_notice,
+        )
+    except TrainingFailed as err:
+        if err.returncode != PREEMPTED_EXIT_CODE and not preempted:
+            raise
+        where = (
+            f" at step {preempted[-1]['step']}, checkpoint {preempted[-1]['path']}"
+            if preempted
+            else ""
+        )
+        message = (
+            f"trainer preempted (SIGTERM){where}; exit code {err.returncode}; "
+            "a retry resumes from its latest checkpoint"
+        )
+        raise TrainingPreempted(message, err.returncode, err.tail) from None
     summary = json.loads((out_dir / "summary.json").read_text())
     if workers > 1 and summary.get("world_size") != workers:
         # NOTE: accelerate's MULTI_CPU launch needs mpirun; on CPU use torchrun (no config).

@@ -32,6 +32,7 @@ EXECUTION = (
     "ray",
     "train.deterministic",
     "train.checkpoint.async_save",
+    "train.checkpoint.preempt_grace_s",
     "train.activation_checkpointing",
     "train.activation_checkpointing_every_k",
     "train.log_interval",

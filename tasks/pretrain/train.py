@@ -10,8 +10,11 @@ Run it as its own process (never imports Prefect)::
 ``out_dir`` may hold a previous attempt: training resumes exactly from its latest checkpoint.
 
 The train step (forward, backward, clip, step, schedule) is :meth:`Trainer.train_step`; everything
-with a cadence (logging, validation, checkpointing, the stability guard, test fault injection) is
-a component in ``Trainer.callbacks`` whose hooks the loop calls (``callbacks.py``).
+with a cadence (logging, validation, checkpointing, preemption, the stability guard, test fault
+injection) is a component in ``Trainer.callbacks`` whose hooks the loop calls (``callbacks.py``).
+
+Exit codes: 0 done; 75 (``PREEMPTED_EXIT_CODE``) stopped by SIGTERM after saving a checkpoint
+(``preemption.py``; a retry resumes it); anything else is a failure.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from llmflow.tasks.pretrain.faults import FaultInjector
 from llmflow.tasks.pretrain.guard import StabilityGuard
 from llmflow.tasks.pretrain.init_weights import is_weights_only, load_weights
 from llmflow.tasks.pretrain.optim import build_optimizers, set_lr
+from llmflow.tasks.pretrain.preemption import Preemption
 from llmflow.tasks.pretrain.schedule import lr_multiplier, micro_batch_size, steps_for_tokens
 from llmflow.tasks.pretrain.state import StepOutput, TrainState
 from llmflow.tasks.pretrain.validate import check_data, check_world_size
@@ -124,6 +128,7 @@ class Trainer:
             Validator(val_dir, self.cfg.eval_interval) if val_dir is not None else None,
             MetricsLogger(self.cfg, self.out_dir) if self.runtime.is_main else None,
             self.checkpointer,
+            Preemption(self.cfg.checkpoint.preempt_grace_s),
             RankInfo(self.out_dir),
             FaultInjector.from_env(),
         ]

@@ -1,0 +1,105 @@
+"""Preemption: on SIGTERM the trainer saves a checkpoint and exits with ``PREEMPTED_EXIT_CODE``.
+
+Kubernetes sends SIGTERM to a pod it evicts and SIGKILL ``terminationGracePeriodSeconds`` later;
+Slurm does the same to a job it preempts or cancels (``GraceTime``, ``KillWait``). The handler only
+sets a flag. At the end of the current step the ranks agree (one small all-reduce) that one of them
+was signalled, a checkpoint of that step is written (unless the cadence just wrote it), rank 0
+appends a ``{"event": "preempted"}`` line to ``checkpoints.jsonl`` and every rank exits with code
+75 (``EX_TEMPFAIL`` of sysexits.h: a temporary failure, retry). The launcher turns that into
+:class:`~llmflow.tasks.pretrain.launch.TrainingPreempted`, which the step's retries resume from the
+checkpoint exactly.
+
+``checkpoint.preempt_grace_s`` bounds it: a watchdog started by the signal exits the process at
+the deadline even when the step or the save has not finished (the half-written checkpoint is never
+taken for one; the retry resumes from the previous checkpoint).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from llmflow.tasks.pretrain import checkpoint as ckpt
+from llmflow.tasks.pretrain.callbacks import Callback, append_jsonl
+from llmflow.tasks.pretrain.checkpointer import NOTICES
+from llmflow.tasks.pretrain.distributed import all_reduce_sum
+from llmflow.tasks.pretrain.state import StepOutput
+
+if TYPE_CHECKING:
+    from llmflow.tasks.pretrain.train import Trainer
+
+PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: the run was stopped on purpose and a retry resumes it
+PREEMPTED_EVENT = "preempted"
+
+
+class Preemption(Callback):
+    """Turns SIGTERM into a checkpoint at the next step end and a distinct exit code."""
+
+    def __init__(self, grace_s: float) -> None:
+        self.grace_s = grace_s
+        self.signalled_at: float | None = None
+        self.previous: Any = None
+
+    def on_train_start(self, trainer: Trainer) -> None:
+        # NOTE: only the main thread may install handlers; the trainer's loop runs there.
+        if threading.current_thread() is threading.main_thread():
+            self.previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def on_train_end(self, trainer: Trainer) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGTERM, self.previous)
+            self.previous = None
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        if self.signalled_at is not None:
+            return  # a second SIGTERM (torchrun forwards one too): the first one's deadline holds
+        self.signalled_at = time.monotonic()
+        print(
+            f"SIGTERM received: saving a checkpoint after this step, then exiting with code "
+            f"{PREEMPTED_EXIT_CODE} (grace {self.grace_s:g} s)",
+            flush=True,
+        )
+        threading.Thread(target=self._watchdog, daemon=True).start()
+
+    def _watchdog(self) -> None:
+        time.sleep(max(self.grace_s - (time.monotonic() - self.signalled_at), 0.0))
+        print(
+            f"preemption grace of {self.grace_s:g} s ran out before a checkpoint was saved; "
+            f"exiting with code {PREEMPTED_EXIT_CODE} (the retry resumes from the previous one)",
+            flush=True,
+        )
+        os._exit(PREEMPTED_EXIT_CODE)
+
+    def on_step_end(self, trainer: Trainer, out: StepOutput) -> None:
+        if out.step >= trainer.state.end_step or not self._signalled_anywhere(trainer):
+            return  # the last step: final/ is written and the run ends normally anyway
+        checkpointer = trainer.checkpointer
+        checkpointer.finish_pending()
+        path = trainer.out_dir / "checkpoints" / ckpt.step_dir_name(trainer.state.step)
+        if not ckpt.is_complete(path):
+            checkpointer.save(trainer, path)
+        if trainer.runtime.is_main:
+            waited = time.monotonic() - self.signalled_at if self.signalled_at else 0.0
+            notice = {"event": PREEMPTED_EVENT, "path": str(path), "step": trainer.state.step}
+            append_jsonl(trainer.out_dir / NOTICES, {**notice, "seconds": round(waited, 3)})
+            print(
+                f"preempted at step {trainer.state.step}: checkpoint {path.name} saved "
+                f"{waited:.1f} s after SIGTERM; exiting with code {PREEMPTED_EXIT_CODE}",
+                flush=True,
+            )
+        ckpt.barrier()
+        os._exit(PREEMPTED_EXIT_CODE)  # NOTE: no teardown: the process group may be half gone
+
+    def _signalled_anywhere(self, trainer: Trainer) -> bool:
+        """Whether any rank got SIGTERM (ranks stop at the same step or a collective hangs)."""
+        if not trainer.runtime.distributed:
+            return self.signalled_at is not None
+        flag = torch.tensor(
+            [0.0 if self.signalled_at is None else 1.0], device=trainer.runtime.device
+        )
+        return float(all_reduce_sum(flag, trainer.runtime)) > 0
