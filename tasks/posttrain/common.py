@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import warnings
@@ -32,6 +33,7 @@ TRAIN_EXECUTION = ("gradient_checkpointing", "logging_steps", "dataloader_num_wo
 REJECTS_FILE = "rejects.jsonl"
 METRICS_FILE = "metrics.json"
 END_OF_TURN = "<|im_end|>"
+logger = logging.getLogger("llmflow.posttrain")
 
 
 def load_normalized(
@@ -55,21 +57,54 @@ def load_normalized(
 
 
 def chat_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
-    """The tokenizer saved beside a model, which must carry a chat template.
+    """The tokenizer saved beside a model, with its chat template.
 
-    Raises:
-        BadInputError: the tokenizer has no chat template.
+    A base model released without a chat template (a base Llama) gets the project's ChatML
+    template (``tasks/tokenizer/train.py``): post-training teaches it, and the tokenizer saved
+    with the result carries it. Its ``<|im_start|>``/``<|im_end|>`` are single tokens only where
+    the vocabulary has them (Qwen, SmolLM); elsewhere they are spelled out in ordinary tokens.
     """
     tokenizer = load_tokenizer(model_dir)
     if not tokenizer.chat_template:
-        raise BadInputError(
-            f"the tokenizer in {model_dir} has no chat_template; post-training needs one"
-        )
+        from llmflow.tasks.tokenizer.train import CHAT_TEMPLATE
+
+        _say_once(f"the tokenizer in {model_dir} has no chat template: using ChatML")
+        tokenizer.chat_template = CHAT_TEMPLATE
     if tokenizer.pad_token is None:
         # NOTE: padding with eos would mask eos out of the labels in some collators; the project's
         # tokenizer has <|pad|>, this is only for foreign models.
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+_SAID: set[str] = set()
+
+
+def _say_once(message: str) -> None:
+    if message not in _SAID:
+        _SAID.add(message)
+        logger.info(message)
+
+
+def check_assistant_masks(tokenizer: PreTrainedTokenizerBase, model_dir: Path) -> None:
+    """Assistant-only loss needs ``{% generation %}`` markers: the template's own, or those of
+    TRL's training version of a template it knows (Qwen2.5, Qwen3, Llama 3, ...).
+
+    Raises:
+        BadInputError: neither, naming the folder and the way out.
+    """
+    from trl.chat_template_utils import get_training_chat_template, has_generation_markers
+
+    if has_generation_markers(tokenizer.chat_template):
+        return
+    try:
+        get_training_chat_template(tokenizer)
+    except ValueError:
+        raise BadInputError(
+            f"sft.assistant_only_loss=true, but the chat template in {model_dir} has no "
+            "{% generation %} markers and TRL has no training version of it: add the markers "
+            "around the assistant turn, or set sft.assistant_only_loss=false"
+        ) from None
 
 
 def train_model(model_dir: Path, attn_implementation: str) -> PreTrainedModel:

@@ -33,6 +33,7 @@ from llmflow.tasks.framework.step import Metrics, RawFiles, step
 from llmflow.tasks.posttrain.common import (
     TRAIN_EXECUTION,
     chat_tokenizer,
+    check_assistant_masks,
     common_training_args,
     finish_step,
     load_normalized,
@@ -91,6 +92,8 @@ def prepare_sft_examples(
     """Load, normalize and length-check examples; rejects carry the record index and reason
     (``exclude``: positions holding eval items, dropped)."""
     tokenizer = chat_tokenizer(model_dir)
+    if cfg.assistant_only_loss:
+        check_assistant_masks(tokenizer, model_dir)  # before any record or weight is read
     return load_normalized(data_file, normalize_sft, tokenizer, cfg.max_length, "messages", exclude)
 
 
