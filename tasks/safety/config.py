@@ -12,9 +12,10 @@ from llmflow.tasks.framework.hashing import OMIT_DEFAULT
 CROWS_FILE = "crows_pairs_anonymized.csv"
 TOXIGEN_DIR = "toxigen_demonstrations"
 LEXICON_FILE = "ldnoobw_en.txt"
+PACKAGED = "packaged"  # safety.data_root's default: the copies shipped in tasks/safety/packaged/
 ENABLE_HINT = (
-    f"set safety.data_root to a folder holding {CROWS_FILE}, {TOXIGEN_DIR}/ "
-    f"(group__kind_target.txt files) and {LEXICON_FILE}"
+    f"set safety.data_root to {PACKAGED} (the copies shipped with llmflow) or to a folder "
+    f"holding {CROWS_FILE}, {TOXIGEN_DIR}/ (group__kind_target.txt files) and {LEXICON_FILE}"
 )
 
 
@@ -123,15 +124,18 @@ class SafetyEvalConfig(BaseModel):
 
 
 class SafetyConfig(BaseModel):
-    """The pipeline's safety section. Off until ``data_root`` names the local files."""
+    """The pipeline's safety section. On by default, on the data shipped with llmflow; off with
+    ``data_root: null``."""
 
     model_config = ConfigDict(extra="forbid")
 
     data_root: str | None = Field(
-        None,
+        PACKAGED,
         description=(
-            f"Folder with {CROWS_FILE}, {TOXIGEN_DIR}/ and {LEXICON_FILE}. None: the safety "
-            "steps are skipped. Not hashed: the steps hash the files' contents."
+            f"{PACKAGED!r}: the CrowS-Pairs, ToxiGen and LDNOOBW files shipped with llmflow "
+            f"(their licences: tasks/safety/{PACKAGED}/NOTICE.md). A folder: one with "
+            f"{CROWS_FILE}, {TOXIGEN_DIR}/ and {LEXICON_FILE}. None: the safety steps are "
+            "skipped. Not hashed: the steps hash the files' contents."
         ),
         json_schema_extra={"versioned": False},
     )

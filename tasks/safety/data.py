@@ -8,10 +8,17 @@ from __future__ import annotations
 import csv
 import re
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 
 from llmflow.tasks.framework.errors import BadInputError
-from llmflow.tasks.safety.config import CROWS_FILE, ENABLE_HINT, LEXICON_FILE, TOXIGEN_DIR
+from llmflow.tasks.safety.config import (
+    CROWS_FILE,
+    ENABLE_HINT,
+    LEXICON_FILE,
+    PACKAGED,
+    TOXIGEN_DIR,
+)
 
 CROWS_COLUMNS = ("sent_more", "sent_less", "bias_type")
 # ToxiGen file names: <group>__<hate|neutral>_<target>[_sentences].txt
@@ -29,9 +36,18 @@ class ToxigenFile:
     sentences: tuple[str, ...]
 
 
+def packaged_root() -> Path:
+    """The folder of the safety data shipped with llmflow (package data, licences beside)."""
+    root = resources.files("llmflow.tasks.safety") / PACKAGED
+    if not isinstance(root, Path):  # NOTE: the steps hash and read files by path
+        raise BadInputError(f"the packaged safety data is not on disk ({root}); {ENABLE_HINT}")
+    return root
+
+
 def safety_files(data_root: str | Path) -> list[str]:
-    """Every file the safety steps read under ``data_root``, sorted; missing ones named."""
-    root = Path(data_root)
+    """Every file the safety steps read under ``data_root`` (``packaged``: the copies shipped
+    with llmflow), sorted; missing ones named."""
+    root = packaged_root() if str(data_root) == PACKAGED else Path(data_root)
     crows, lexicon, toxigen = root / CROWS_FILE, root / LEXICON_FILE, root / TOXIGEN_DIR
     missing = [str(p) for p in (crows, lexicon, toxigen) if not p.exists()]
     if missing:

@@ -77,6 +77,24 @@ def test_until_is_a_query_on_the_graph():
     assert [n.step.name for n in graph.until("ingest").nodes] == ["sample", "ingest"]
 
 
+def test_the_quickstart_evaluates_bias_and_toxicity_by_default_on_the_packaged_data():
+    from llmflow.tasks.safety.data import packaged_root
+
+    graph = recipe(load_config(None))
+    (classifier,) = graph.find(step="toxicity-classifier")
+    assert all(Path(f).is_relative_to(packaged_root()) for f in classifier.inputs["data"].files)
+    evaluated = {n.name for n in graph.find(step="evaluate")}
+    checked = graph.find(step="safety")
+    assert {n.name for n in checked} == evaluated and len(checked) == 6  # every model
+    assert all(n.inputs["classifier"] is classifier for n in checked)
+    cards = graph.find(step="card")
+    assert all(c.inputs["safety"] in checked for c in cards) and len(cards) == 6
+    off = recipe(load_config(None, ["safety.data_root=null"]))
+    assert not off.find(step="safety") and not off.find(step="toxicity-classifier")
+    with pytest.raises(BadInputError, match="safety data not found: /no/such/crows"):
+        recipe(load_config(None, ["safety.data_root=/no/such"]))
+
+
 def test_a_missing_data_path_fails_before_anything_starts():
     config = load_config(None).model_copy(update={"data": ["/no/such/file"]})
     started = time.perf_counter()
@@ -101,7 +119,7 @@ def test_the_audit_catches_a_planted_unhashed_read_in_a_real_step(tmp_path, monk
     assert executor.unhashed_reads(graph) == {"tokenizer": ["read_batch_rows"]}
 
 
-SAFETY = [  # the safety steps on (they need the real data sets), sized for a test
+SAFETY = [  # the safety steps, sized for a test
     "safety.eval.crows_limit=8",
     "safety.eval.prompts_per_file=1",
     "safety.eval.samples_per_prompt=1",
@@ -112,10 +130,7 @@ SAFETY = [  # the safety steps on (they need the real data sets), sized for a te
 
 @pytest.mark.slow
 def test_every_step_reads_only_what_its_hash_covers(tmp_path):
-    from tests.needs import shared_path
-
-    safety = [f"safety.data_root={shared_path('safety')}", *SAFETY]
-    graph = recipe(load_config(None, TINY + safety))
+    graph = recipe(load_config(None, TINY + SAFETY))  # on the packaged data (the default)
     executor = _audited(tmp_path, graph)
     assert {"safety", "toxicity-classifier"} <= set(executor.reads)
     assert set(executor.reads) == {n.step.name for n in graph.nodes}  # every step ran, audited
