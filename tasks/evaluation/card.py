@@ -25,6 +25,7 @@ from llmflow.tasks.evaluation.models import hf_dir
 from llmflow.tasks.framework.hashing import digest, versioned_fields
 from llmflow.tasks.framework.step import Metrics, report_markdown, step
 
+IMPORT_STEP = "import-model"  # tasks/ingest/import_model.py (the recipe's init)
 CARD_FILE = "README.md"
 CONFIG_FILE = "llmflow_config.yaml"
 NOT_RECORDED = "not recorded"
@@ -155,9 +156,15 @@ def external_source(model: Path) -> str | None:
     """The pinned source of the model made elsewhere that ``model`` is, or starts from
     (``hf://models/OWNER/NAME@COMMIT``, or ``FOLDER@local-<fingerprint>``); None for a model
     llmflow trained from scratch. The nearest one upstream wins."""
-    for _, record in upstream_records(model):
-        if record.get("step") == EXTERNAL_STEP:
+    for uri, record in upstream_records(model):
+        if record.get("step") == EXTERNAL_STEP:  # evaluated or post-trained as it is
             return (record.get("config") or {}).get("pinned")
+        if record.get("step") == IMPORT_STEP:  # the recipe's init: continued pretraining
+            found = read_json(f"{uri}/final/source.json") or {}
+            pinned = found.get("model") or (record.get("config") or {}).get("model")
+            if pinned and not pinned.startswith("hf://") and found.get("revision"):
+                pinned = f"{pinned}@{found['revision']}"  # a folder: with its fingerprint
+            return pinned
     return None
 
 
