@@ -49,6 +49,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from llmflow.tasks.framework.errors import BadInputError
 from llmflow.tasks.framework.lineage import file_manifest
+from llmflow.tasks.framework.store import NoSpaceError, disk_error, no_space_message
 from llmflow.tasks.framework.verify import local_file_problem
 
 STEP_DIR = re.compile(r"^step-(\d{6,})$")
@@ -196,10 +197,38 @@ def save_checkpoint(
     """
     tmp = _prepare(path)
     model_sd, optim_sd = get_state_dict(model, optimizers)
-    with _quiet_single_process():
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "dcp"))
-    _write_small(tmp, trainer_state, loader_state, model_config, write_extra)
-    _commit(tmp, path)
+    state = {"model": model_sd, "optim": optim_sd}
+    with _no_space_named(tmp, path, state):
+        with _quiet_single_process():
+            dcp.save(state, checkpoint_id=str(tmp / "dcp"))
+        _write_small(tmp, trainer_state, loader_state, model_config, write_extra)
+        _commit(tmp, path)
+
+
+def state_bytes(state: Any) -> int:
+    """Bytes of the tensors in a (nested) state dict, this rank's shards only."""
+    if isinstance(state, dict):
+        return sum(state_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(state_bytes(v) for v in state)
+    if isinstance(state, torch.Tensor):
+        local = state.to_local() if hasattr(state, "to_local") else state
+        return local.numel() * local.element_size()
+    return 0
+
+
+@contextlib.contextmanager
+def _no_space_named(tmp: Path, path: Path, state: dict[str, Any]) -> Iterator[None]:
+    """Turn a full disk or a file size limit hit while writing a checkpoint into a clear error."""
+    try:
+        yield
+    except BaseException as exc:  # NOTE: DCP wraps a rank's failure in a BaseException
+        full = disk_error(exc)
+        if full is None or isinstance(exc, NoSpaceError):
+            raise
+        what = f"checkpoint {path} (model and optimizer state of this rank)"
+        message = no_space_message(full, tmp, what, state_bytes(state) or None)
+        raise NoSpaceError(full.errno, message) from exc
 
 
 def _prepare(path: Path) -> Path:
@@ -270,8 +299,9 @@ class PendingSave:
     def commit(self) -> None:
         """Wait for the write on this rank, then mark complete and rename (all ranks)."""
         started = time.perf_counter()
-        self.written.result()
-        _commit(self.tmp, self.path)
+        with _no_space_named(self.tmp, self.path, {}):
+            self.written.result()
+            _commit(self.tmp, self.path)
         self.blocked_s += time.perf_counter() - started
 
 
