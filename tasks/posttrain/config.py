@@ -109,8 +109,12 @@ class DPOStepConfig(_TrainStepConfig):
     beta: float = Field(
         0.1, gt=0, description="DPO beta: higher keeps the policy closer to the reference."
     )
-    loss_type: Literal["sigmoid", "hinge", "ipo"] = Field(
-        "sigmoid", description="TRL DPO loss; 'sigmoid' is the original DPO loss."
+    loss_type: Literal["sigmoid", "hinge", "ipo", "apo_zero", "apo_down"] = Field(
+        "sigmoid",
+        description="TRL DPO loss; 'sigmoid' is the original DPO loss, 'apo_zero' / 'apo_down' "
+        "Anchored Preference Optimization (D'Oosterlinck et al. 2024; SmolLM3's alignment): "
+        "apo_zero raises the chosen and lowers the rejected likelihood (chosen better than the "
+        "model), apo_down lowers both (neither better).",
     )
     sft_weight: float = Field(
         0.0,

@@ -1,4 +1,4 @@
-"""Post-training a model made elsewhere: SFT, DPO and merge from a tiny random Qwen2 (saved
+"""Post-training a model made elsewhere: SFT, DPO (APO) and merge from a tiny random Qwen2 (saved
 Hub-layout in a mirror, with Qwen2.5's released chat template), the card naming the base; a
 base model without a chat template, and a template TRL cannot mask, handled before compute."""
 
@@ -83,7 +83,8 @@ def test_sft_dpo_and_merge_from_a_tiny_qwen2_card_names_the_base(tmp_path, monke
     graph = Graph()
     base = graph.add(external_model, source, "tiny-qwen", files=Raw(files))
     tuned = graph.add(sft, SFTStepConfig(learning_rate=3e-3, **small), "t", model=base)
-    aligned = graph.add(dpo, DPOStepConfig(learning_rate=1e-3, **small), "t", model=tuned)
+    apo = DPOStepConfig(loss_type="apo_zero", learning_rate=1e-3, **small)  # SmolLM3's APO
+    aligned = graph.add(dpo, apo, "t", model=tuned)
     merged = graph.add(merge, MergeStepConfig(), "t", models=[aligned, base])
     scores = graph.add(
         evaluate, EvalConfig(tasks=["cf_arith"], num_items=8, limit=8), "t", model=aligned
@@ -96,6 +97,8 @@ def test_sft_dpo_and_merge_from_a_tiny_qwen2_card_names_the_base(tmp_path, monke
     sft_metrics = outcome[tuned].metrics
     assert sft_metrics["heldout_loss_after"] < sft_metrics["heldout_loss_before"]
     dpo_metrics = outcome[aligned].metrics
+    # APO-zero's loss 1 - sigmoid(b*dc) + sigmoid(b*dr) is exactly 1 while policy == reference
+    assert dpo_metrics["heldout_loss_before"] == pytest.approx(1.0, abs=1e-6)
     assert dpo_metrics["heldout_loss_after"] < dpo_metrics["heldout_loss_before"]
     dpo_dir = Path(outcome[aligned].uri) / "hf"
     assert isinstance(AutoModelForCausalLM.from_pretrained(dpo_dir), Qwen2ForCausalLM)
