@@ -40,7 +40,7 @@ CONFIG = "configs/continue-pretrain.yaml"
 # The quickstart's tiny sample (tests/flows/test_recipe.py), one short annealing stage.
 SMALL = [o for o in TINY if not o.startswith(("pretrain.stages", "extend.stages", "tokenizer."))]
 SMALL += [
-    "pretrain.stages.0.mixture.num_tokens=20000",  # 20 steps of 4 x 256 tokens
+    "pretrain.stages.0.mixture.num_tokens=12288",  # 12 steps of 4 x 256 tokens
     "pretrain.train.optimizer.lr=0.003",
     "pretrain.train.schedule.warmup_steps=2",
     "pretrain.train.log_interval=1",
@@ -255,3 +255,70 @@ def test_empty_stages_need_init():
         load_config(None, ["pretrain.stages=[]"])
     with pytest.raises(ConfigError, match="not a Hub model URI"):
         load_config(None, ["init=hf://models/only-owner"])
+
+
+# ----------------------------------------------------------------------------- training
+def _losses(run: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return {row["step"]: row["loss"] for row in rows if "loss" in row}
+
+
+def _transformers_loss(model_dir: Path, data_dir: Path, batch_size: int, seed: int) -> float:
+    """transformers' token-mean loss on the trainer's first batch: each document of a packed
+    row on its own (the trainer masks attention and restarts positions per document)."""
+    import torch.nn.functional as F
+    from transformers import LlamaForCausalLM
+
+    from llmflow.tasks.dataprep.loader import PackedLoader
+
+    batch = PackedLoader(data_dir, batch_size, 0, 1, seed=seed).next_batch()
+    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    total, count = torch.zeros((), dtype=torch.float64), 0
+    with torch.no_grad():
+        for row in range(batch["input_ids"].shape[0]):
+            starts = (batch["position_ids"][row] == 0).nonzero().flatten().tolist()
+            for a, b in zip(starts, [*starts[1:], batch["input_ids"].shape[1]], strict=True):
+                logits = model(batch["input_ids"][row, a:b][None]).logits[0]
+                labels = batch["labels"][row, a:b]
+                total += F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
+                count += int((labels != -100).sum())
+    return float(total / count)
+
+
+@pytest.mark.slow
+def test_continued_pretraining_starts_at_transformers_loss_lowers_it_and_resumes_exactly(
+    mirror, tmp_path, monkeypatch, caplog
+):
+    caplog.set_level("INFO", logger="llmflow.pretrain")
+    root = tmp_path / "runs"
+    graph = recipe(_config(root))
+    (stage,) = graph.find(step="pretrain")
+    closure = graph.closure([stage])
+
+    # A SIGKILL after step 7 (the step-6 checkpoint is complete): the step fails, nothing commits.
+    monkeypatch.setenv("LLMFLOW_FAULTS", json.dumps({"sigkill_after_step": 7}))
+    with pytest.raises(Exception):  # noqa: B017  (the launcher's error for a killed trainer)
+        Executor(str(root)).run(closure)
+    assert not list((root / "pretrain").glob("*/_COMMITTED"))
+    monkeypatch.delenv("LLMFLOW_FAULTS")
+    outcome = Executor(str(root)).run(closure)
+    resumed = Path(outcome[stage].uri)
+    assert "resumed from" in caplog.text and "at step 6" in caplog.text
+    losses = _losses(resumed)
+
+    # The same stage without the kill (its output moved aside): the same losses, bit for bit.
+    shutil.move(resumed, tmp_path / "resumed")
+    again = Path(Executor(str(root)).run(closure)[stage].uri)
+    assert again == resumed
+    assert _losses(again) == losses and sorted(losses) == list(range(1, 13))
+
+    # Step 1 trains the imported weights: its loss is transformers' loss on the same batch.
+    data = Path(outcome[stage.inputs["data"]].uri)
+    train = stage.config.train
+    reference = _transformers_loss(mirror / REPO, data, train.batch.micro_batch_size, train.seed)
+    assert losses[1] == pytest.approx(reference, abs=1e-4)
+    assert losses[1] > 5.5  # about ln(384): a random model
+    assert losses[12] < losses[1] - 0.8  # continued pretraining lowers it
+    summary = json.loads((again / "summary.json").read_text())
+    print(f"init loss: transformers {reference:.4f}, step 1 {losses[1]:.4f}, step 12 "
+          f"{losses[12]:.4f}, val {summary['val_loss']:.4f}")  # fmt: skip
