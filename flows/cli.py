@@ -111,10 +111,31 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 1 if any(c.status == "corrupt" for c in checks) else 0
 
 
+def _init_architecture(config):
+    """With ``init``: ``pretrain`` on the model's own architecture, read from its config.json
+    alone (planning needs no weights; a mirror folder may hold only that file); the configured
+    ``pretrain.train.model`` when it cannot be read (offline without a mirror), said once."""
+    if config.init is None:
+        return config
+    from llmflow.model.hf_arch import config_from_hf
+    from llmflow.tasks.ingest import import_model, models
+
+    try:
+        source = models.resolve(config.init, "init")
+        folder = import_model._config_folder(source)
+        found = config_from_hf(models.read_config(folder, config.init, "init"), source="init")
+    except BadInputError as err:
+        print(f"(init's config.json is unreadable, planned with pretrain.train.model: {err})")
+        return config
+    model = import_model.InitModel(source, found, found.vocab_size)
+    print(f"init: planned on the architecture of {source.name} ({found.hf_model_type})")
+    return config.model_copy(update={"pretrain": import_model._on_model(config, model)})
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from llmflow.tasks.pretrain.planner import extension_memory, format_plan, recipe_plan
 
-    config = _load(args)
+    config = _init_architecture(_load(args))
     result = recipe_plan(
         config.pretrain, config.hardware, num_gpus=args.gpus, gpu_mem_gb=args.gpu_mem, mfu=args.mfu
     )
