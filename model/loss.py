@@ -42,69 +42,124 @@ def causal_lm_loss(
     return loss, {"ce": ce.detach(), "z_loss": z_loss.detach()}
 
 
-def linear_cross_entropy(
-    hidden: Tensor, weight: Tensor, labels: Tensor, z_loss_weight: float = 0.0
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """`causal_lm_loss(F.linear(hidden, weight), labels)` with the output projection fused in.
+# Rows per chunk of the fused loss: a (rows, V) float32 block of about 16 MiB at a time.
+CHUNK_ELEMENTS = 1 << 22
 
-    Only the float32 log-probabilities are kept (the logits are freed in the forward pass), and
-    the backward pass turns them in place into the logits' gradient: no zero-filled one-hot
-    gradient and no separate softmax-gradient buffer, two N x V allocations and passes fewer,
-    which saves time and memory on CPU where every large allocation is page-faulted afresh.
+
+def linear_cross_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    z_loss_weight: float = 0.0,
+    chunk_rows: int | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """`causal_lm_loss(F.linear(hidden, weight), labels)` with the output projection fused in,
+    computed over chunks of rows so the (N, V) logits never exist at once.
+
+    With gradients needed, each chunk's logits become their gradient in place in the forward
+    pass, which adds its share to the (N, C) hidden and (V, C) weight gradients; the backward
+    pass only scales those. Memory holds one (rows, V) block instead of the full logits (with
+    full activation checkpointing, the logits were the largest buffer left). Without gradients
+    (evaluation, ``torch.no_grad``) only the loss is computed.
 
     Args:
         hidden: (B, T, C) or (N, C) final hidden states.
         weight: (V, C) output projection.
         labels: (B, T) or (N,) targets aligned with `hidden`, -100 where no loss is taken.
         z_loss_weight: weight of the z-loss `mean(logsumexp^2)`.
+        chunk_rows: rows per chunk; by default about ``CHUNK_ELEMENTS / V``.
 
     Returns:
         (loss, {"ce": cross-entropy, "z_loss": unweighted z-loss}), as `causal_lm_loss`.
     """
     hidden = hidden.reshape(-1, hidden.shape[-1])
-    loss, ce, z_loss = _LinearCrossEntropy.apply(hidden, weight, labels.reshape(-1), z_loss_weight)
+    labels = labels.reshape(-1)
+    rows = chunk_rows or max(1, CHUNK_ELEMENTS // weight.shape[0])
+    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+        loss, ce, z_loss = _LinearCrossEntropy.apply(hidden, weight, labels, z_loss_weight, rows)
+    else:
+        ce, z_loss, _, _ = _chunked(hidden, weight, labels, z_loss_weight, rows, None, None)
+        loss = ce + z_loss_weight * z_loss
     return loss, {"ce": ce.detach(), "z_loss": z_loss.detach()}
 
 
+def _chunked(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    z_weight: float,
+    rows: int,
+    grad_hidden: Tensor | None,
+    grad_weight: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """Cross-entropy and z-loss means over chunks of rows; when given, fills ``grad_hidden``
+    and adds to ``grad_weight`` the gradients of ``num_valid * (ce + z_weight * z_loss)``."""
+    valid = labels != IGNORE_INDEX
+    num_valid = valid.sum().clamp(min=1)
+    ce_sum = hidden.new_zeros((), dtype=torch.float32)
+    z_sum = hidden.new_zeros((), dtype=torch.float32)
+    compute_dtype = None
+    for start in range(0, hidden.shape[0], rows):
+        h, y, m = (
+            hidden[start : start + rows],
+            labels[start : start + rows],
+            valid[start : start + rows],
+        )
+        logits = F.linear(h, weight)  # (R, V), in the autocast dtype if any
+        compute_dtype = logits.dtype
+        logits = logits.float()
+        # NOTE: one fused log-softmax pass (torch.logsumexp on CPU makes two R x V temporaries)
+        logp = torch.log_softmax(logits, dim=-1)
+        lse = logits[:, 0] - logp[:, 0]  # (R,)
+        del logits
+        target = logp.gather(-1, y.clamp(min=0)[:, None]).squeeze(-1)
+        ce_sum -= (target * m).sum()
+        if z_weight:
+            z_sum += (lse.square() * m).sum()
+        if grad_hidden is None and grad_weight is None:
+            continue
+        # d/dlogits = softmax * (1 + 2 z lse) - onehot(label), on valid rows; in place
+        probs = logp.exp_().mul_((m * (1 + 2 * z_weight * lse))[:, None])
+        chosen = m.nonzero().squeeze(-1)
+        probs[chosen, y[chosen]] -= 1
+        grad = probs.to(compute_dtype)
+        if grad_hidden is not None:
+            grad_hidden[start : start + rows] = grad @ weight.to(compute_dtype)
+        if grad_weight is not None:
+            grad_weight.addmm_(grad.t(), h.to(compute_dtype))
+    z_loss = z_sum / num_valid if z_weight else torch.zeros_like(ce_sum)
+    return ce_sum / num_valid, z_loss, num_valid, compute_dtype
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
-    """Output projection + (z-)cross-entropy with a hand-written, allocation-free backward."""
+    """Output projection + (z-)cross-entropy, chunked, its gradients computed in the forward."""
 
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, z_weight: float):
-        logits = F.linear(hidden, weight)  # (N, V), in the autocast dtype if any
-        ctx.compute_dtype = logits.dtype
-        logits = logits.float()
-        # NOTE: one fused log-softmax pass (torch.logsumexp on CPU makes two N x V temporaries);
-        # the logits themselves are then free, only the log-probabilities are kept.
-        logp = torch.log_softmax(logits, dim=-1)
-        lse = logits[:, 0] - logp[:, 0]  # (N,)
-        del logits
-        valid = labels != IGNORE_INDEX
-        num_valid = valid.sum().clamp(min=1)
-        target = logp.gather(-1, labels.clamp(min=0)[:, None]).squeeze(-1)
-        ce = -(target * valid).sum() / num_valid
-        z_loss = (lse.square() * valid).sum() / num_valid if z_weight else torch.zeros_like(ce)
-        ctx.save_for_backward(hidden, weight, logp, lse, labels, num_valid)
-        ctx.z_weight, ctx.consumed = z_weight, False
+    def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, z_weight: float, rows: int):
+        grad_hidden = torch.empty_like(hidden) if hidden.requires_grad else None
+        grad_weight = None
+        if weight.requires_grad:
+            # NOTE: accumulated in the compute dtype's matmul, kept in float32 across chunks
+            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        ce, z_loss, num_valid, _ = _chunked(
+            hidden, weight, labels, z_weight, rows, grad_hidden, grad_weight
+        )
+        ctx.save_for_backward(num_valid)
+        ctx.grads, ctx.weight_dtype = (grad_hidden, grad_weight), weight.dtype
         ctx.mark_non_differentiable(ce, z_loss)
         return ce + z_weight * z_loss, ce, z_loss
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_loss: Tensor, *_):
-        if ctx.consumed:  # NOTE: the saved log-probabilities were overwritten by the first pass
+        if ctx.grads is None:  # NOTE: the gradients were scaled in place by the first pass
             raise RuntimeError("linear_cross_entropy supports one backward pass (no retain_graph)")
-        ctx.consumed = True
-        hidden, weight, probs, lse, labels, num_valid = ctx.saved_tensors
-        valid = labels != IGNORE_INDEX
+        (num_valid,) = ctx.saved_tensors
+        grad_hidden, grad_weight = ctx.grads
+        ctx.grads = None
         scale = grad_loss.float() / num_valid
-        # d/dlogits = scale * (softmax * (1 + 2 z lse) - onehot(label)) on valid rows.
-        row = valid * scale * (1 + 2 * ctx.z_weight * lse)  # (N,)
-        probs.exp_().mul_(row[:, None])  # in place: log-probabilities -> gradient
-        rows = valid.nonzero().squeeze(-1)
-        probs[rows, labels[rows]] -= scale
-        dtype = ctx.compute_dtype
-        grad = probs.to(dtype)
-        grad_hidden = (grad @ weight.to(dtype)).to(hidden.dtype)
-        grad_weight = (grad.t() @ hidden.to(dtype)).to(weight.dtype)
-        return grad_hidden, grad_weight, None, None
+        if grad_hidden is not None:
+            grad_hidden = grad_hidden.mul_(scale.to(grad_hidden.dtype))
+        if grad_weight is not None:
+            grad_weight = grad_weight.mul_(scale).to(ctx.weight_dtype)
+        return grad_hidden, grad_weight, None, None, None

@@ -48,7 +48,8 @@ def test_all_labels_masked_gives_zero_not_nan():
 
 @pytest.mark.parametrize("z_loss_weight", [0.0, 1e-2])
 @pytest.mark.parametrize("grad_scale", [0.7, -1.3])
-def test_fused_linear_cross_entropy_matches_autograd(z_loss_weight, grad_scale):
+@pytest.mark.parametrize("chunk_rows", [None, 3, 1])
+def test_fused_linear_cross_entropy_matches_autograd(z_loss_weight, grad_scale, chunk_rows):
     torch.manual_seed(0)
     hidden = torch.randn(2, 7, 16, requires_grad=True)
     weight = torch.randn(50, 16, requires_grad=True)
@@ -58,12 +59,47 @@ def test_fused_linear_cross_entropy_matches_autograd(z_loss_weight, grad_scale):
     (loss * grad_scale).backward()
     expected = hidden.grad.clone(), weight.grad.clone()
     hidden.grad = weight.grad = None
-    fused, fused_metrics = linear_cross_entropy(hidden, weight, labels, z_loss_weight)
+    fused, fused_metrics = linear_cross_entropy(hidden, weight, labels, z_loss_weight, chunk_rows)
     (fused * grad_scale).backward()
     torch.testing.assert_close(fused, loss, rtol=1e-6, atol=0)
     torch.testing.assert_close(fused_metrics["z_loss"], metrics["z_loss"], rtol=1e-6, atol=0)
     torch.testing.assert_close(hidden.grad, expected[0], rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(weight.grad, expected[1], rtol=1e-5, atol=1e-7)
+
+
+def test_chunked_loss_without_gradients_and_with_a_frozen_weight_matches_the_full_logits():
+    torch.manual_seed(1)
+    hidden = torch.randn(11, 8, requires_grad=True)
+    weight = torch.randn(30, 8)  # frozen: no gradient is computed for it
+    labels = torch.randint(0, 30, (11,))
+    labels[4] = -100
+    expected, _ = causal_lm_loss(F.linear(hidden, weight), labels, 1e-2)
+    expected.backward()
+    want = hidden.grad.clone()
+    hidden.grad = None
+    with torch.no_grad():
+        no_grad, _ = linear_cross_entropy(hidden, weight, labels, 1e-2, chunk_rows=4)
+    torch.testing.assert_close(no_grad, expected.detach(), rtol=1e-6, atol=0)
+    loss, _ = linear_cross_entropy(hidden, weight, labels, 1e-2, chunk_rows=4)
+    loss.backward()
+    assert weight.grad is None
+    torch.testing.assert_close(hidden.grad, want, rtol=1e-5, atol=1e-7)
+
+
+def test_chunked_loss_never_allocates_the_full_logits():
+    from torch.profiler import ProfilerActivity, profile
+
+    hidden = torch.randn(512, 16, requires_grad=True)
+    weight = torch.randn(4096, 16, requires_grad=True)
+    labels = torch.randint(0, 4096, (512,))
+    full_logits = 512 * 4096 * 4
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        loss, _ = linear_cross_entropy(hidden, weight, labels, chunk_rows=64)
+        loss.backward()
+    per_call = max(
+        e.cpu_memory_usage / max(e.count, 1) for e in prof.key_averages() if e.cpu_memory_usage > 0
+    )
+    assert per_call < full_logits / 4, (per_call, full_logits)
 
 
 def test_fused_linear_cross_entropy_refuses_a_second_backward():
