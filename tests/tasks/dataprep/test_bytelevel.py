@@ -70,3 +70,16 @@ def test_cache_stays_bounded_and_ids_do_not_depend_on_it(tokenizer, monkeypatch)
     ours = encoder.encode_batch(texts, np.dtype(np.uint16))
     assert len(encoder.cache) == 3
     assert [a.tolist() for a in ours] == [e.ids for e in tokenizer.encode_batch_fast(texts)]
+
+
+def test_a_large_batch_shared_with_a_worker_process_gives_the_same_ids(tokenizer, monkeypatch):
+    from llmflow.tasks.dataprep import bytelevel
+
+    monkeypatch.setattr(bytelevel, "PROCESS_MIN_CHARS", 100)
+    encoder = ByteLevelEncoder.for_tokenizer(tokenizer)
+    texts = [d["text"] for d in synthetic_docs(60, seed=2)] + ["", "é ü 9", "\x1c\x1d x \x1f"]
+    ours = encoder.encode_batch(texts, np.dtype(np.uint16))
+    assert encoder._pool is not None  # the worker took part of the batch
+    assert [a.tolist() for a in ours] == [e.ids for e in tokenizer.encode_batch_fast(texts)]
+    # half of the documents' pre-tokens were seen by the worker only, not by this cache
+    assert len(encoder.cache) < len({w for t in texts for w in bytelevel.split(t)})
