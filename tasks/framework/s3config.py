@@ -24,7 +24,9 @@ def retry_config() -> dict[str, Any]:
     """botocore's ``Config(retries=...)``: the environment's AWS_RETRY_MODE/AWS_MAX_ATTEMPTS win."""
     return {
         "mode": os.environ.get("AWS_RETRY_MODE") or RETRY_MODE,
-        "max_attempts": int(os.environ.get("AWS_MAX_ATTEMPTS") or MAX_ATTEMPTS),
+        # NOTE: Config's "max_attempts" counts retries; "total_max_attempts" counts the first
+        # try too, as AWS_MAX_ATTEMPTS does.
+        "total_max_attempts": int(os.environ.get("AWS_MAX_ATTEMPTS") or MAX_ATTEMPTS),
     }
 
 

@@ -121,6 +121,26 @@ def proxy(moto: S3, monkeypatch: pytest.MonkeyPatch) -> Iterator[S3FaultProxy]:
             S3FileSystem.clear_instance_cache()
 
 
+def test_store_asks_botocore_for_adaptive_retries(moto: S3, monkeypatch: pytest.MonkeyPatch):
+    """Retries are botocore's, configured in the store; the AWS_* variables still win."""
+    from s3fs import S3FileSystem
+
+    for key, value in moto.env.items():
+        monkeypatch.setenv(key, value)
+
+    def retries() -> dict:
+        S3FileSystem.clear_instance_cache()
+        store = Store(f"s3://{BUCKET}/config")
+        store.fs.connect()
+        return store.fs.s3.meta.config.retries
+
+    assert retries() == {"mode": "adaptive", "total_max_attempts": 10}
+    monkeypatch.setenv("AWS_RETRY_MODE", "standard")
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "4")
+    assert retries() == {"mode": "standard", "total_max_attempts": 4}
+    S3FileSystem.clear_instance_cache()
+
+
 def _key(uri: str) -> str:
     return uri.removeprefix(f"s3://{BUCKET}/")
 
