@@ -123,9 +123,11 @@ def timed(report: Report, name: str) -> Iterator[dict]:
 def check_config(report: Report, config_path: str | None, overrides: list[str]):
     """(1) Resolve and validate the recipe."""
     from llmflow.tasks.config import load_config
+    from llmflow.tasks.ingest.import_model import init_config
 
     with timed(report, "config") as row:
         config = load_config(config_path, overrides)
+        config, _ = init_config(config)  # init: its architecture, pinned and checked
         report.recipe = config.name
         model = config.pretrain.train.model_config_obj()
         row["detail"] = (

@@ -220,11 +220,10 @@ def special_ids(folder: Path, fields: dict) -> dict[str, int | None]:
 def add_init(graph: Graph, config: PipelineConfig) -> tuple[PipelineConfig, Node | None]:
     """With ``init`` set: the config with ``init`` pinned and pretraining on the imported model's
     architecture, and the ``import-model`` node; without it, the config as it is and None."""
-    if config.init is None:
+    config, found = init_config(config)
+    if found is None:
         return config, None
-    found = inspect_init(config.init)
     pinned = found.source.pinned_uri
-    config = config.model_copy(update={"init": pinned, "pretrain": _on_model(config, found)})
     files = models.model_files(found.source)
     node = graph.add(
         import_model,
@@ -234,6 +233,17 @@ def add_init(graph: Graph, config: PipelineConfig) -> tuple[PipelineConfig, Node
         files=Raw(files) if files else None,
     )
     return config, node
+
+
+def init_config(config: PipelineConfig) -> tuple[PipelineConfig, InitModel | None]:
+    """The config as the recipe runs it: ``init`` pinned and checked (``inspect_init``),
+    ``pretrain`` on its architecture; unchanged (and None) without ``init``. Plans and
+    preflight checks read this, so they size the model that will train."""
+    if config.init is None:
+        return config, None
+    found = inspect_init(config.init)
+    update = {"init": found.source.pinned_uri, "pretrain": _on_model(config, found)}
+    return config.model_copy(update=update), found
 
 
 def _on_model(config: PipelineConfig, found: InitModel) -> PretrainConfig:
