@@ -1,7 +1,9 @@
 """Scheduled evaluation: score every model output in the store once per suite, keep a leaderboard.
 
 The recipe is a graph: one ``evaluate`` node per committed model output (``export``, ``sft``,
-``dpo``; each an ``Existing`` leaf), then one ``leaderboard`` over the models that were scored.
+``dpo``; each an ``Existing`` leaf) and per model made elsewhere (``models``: a folder or
+``hf://models/OWNER/NAME[@REV]``, pinned at each run and copied in by ``external-model``), then
+one ``leaderboard`` over the models that were scored.
 The store's content addressing makes it run-once: an evaluation of the same model on the same
 suite has the same address, so a later run finds it (Cached) instead of scoring again. A model
 that fails to evaluate (a truncated safetensors, say) fails alone: the others are scored, the
@@ -28,10 +30,18 @@ from prefect.artifacts import create_table_artifact
 from pydantic import BaseModel, ConfigDict, Field
 
 from llmflow.tasks.evaluation.config import EvalConfig
+from llmflow.tasks.evaluation.external import STEP_NAME as EXTERNAL_STEP
+from llmflow.tasks.evaluation.external import (
+    ExternalModelConfig,
+    display_name,
+    external_model,
+    pin_model,
+)
 from llmflow.tasks.evaluation.harness import evaluate
 from llmflow.tasks.evaluation.leaderboard import LeaderboardConfig, leaderboard
+from llmflow.tasks.framework.errors import BadInputError
 from llmflow.tasks.framework.executor import Outcome, PrefectExecutor
-from llmflow.tasks.framework.graph import Existing, Graph, Node
+from llmflow.tasks.framework.graph import Existing, Graph, Node, Raw
 from llmflow.tasks.framework.store import Store
 
 MODEL_STEPS = ("export", "sft", "dpo")  # the steps whose outputs hold a model in hf/
@@ -56,6 +66,12 @@ class ScheduledEvaluationConfig(BaseModel):
         description="A committed tokenize output (store URI) whose validation_docs feed the "
         "held-out perplexity tasks.",
     )
+    models: list[str] = Field(
+        default_factory=list,
+        description="Models made elsewhere, evaluated too: folders or "
+        "hf://models/OWNER/NAME[@REVISION], pinned at each run (a revision that moved is a "
+        "new model, scored once).",
+    )
 
 
 class CheckpointEvalError(RuntimeError):
@@ -73,18 +89,40 @@ def label_of(uri: str) -> str:
     appended for post-trained models (``export/quickstart-base-<hash>`` -> ``quickstart-base``,
     ``sft/quickstart-<hash>`` -> ``quickstart-sft``)."""
     step_name, label, _ = Store.address_of(uri)
-    if step_name == "export" or label.endswith(f"-{step_name}"):
+    if step_name in ("export", EXTERNAL_STEP) or label.endswith(f"-{step_name}"):
         return label
     return f"{label}-{step_name}"
 
 
-def evaluation_graph(config: ScheduledEvaluationConfig, models: list[str]) -> Graph:
-    """One evaluate node per model output, each on the same suite."""
+def evaluation_graph(
+    config: ScheduledEvaluationConfig,
+    models: list[str],
+    external: list[tuple[ExternalModelConfig, tuple[str, ...]]] = (),
+) -> Graph:
+    """One evaluate node per model output, each on the same suite; a model made elsewhere is
+    first copied into the store (``external-model``, pinned)."""
     graph = Graph()
     heldout = Existing(config.heldout) if config.heldout else None
     for uri in models:
         graph.add(evaluate, config.evaluate, label_of(uri), model=Existing(uri), heldout=heldout)
+    for source, files in external:
+        name = display_name(source)
+        model = graph.add(external_model, source, name, files=Raw(files) if files else None)
+        graph.add(evaluate, config.evaluate, name, model=model, heldout=heldout)
     return graph
+
+
+def pin_external(refs: list[str]) -> tuple[list, list[dict[str, Any]]]:
+    """Each external model pinned now, and a failed row for each that cannot be (a repo gone,
+    a folder without weights): one bad reference does not stop the others."""
+    pinned, rows = [], []
+    for ref in refs:
+        try:
+            pinned.append(pin_model(ref))
+        except BadInputError as err:
+            rows.append({"checkpoint": ref, "status": "failed", "cached": False,
+                         "evaluation": "", "error": str(err)})  # fmt: skip
+    return pinned, rows
 
 
 def leaderboard_graph(scored: list[tuple[str, str]]) -> Graph:
@@ -106,8 +144,8 @@ def leaderboard_graph(scored: list[tuple[str, str]]) -> Graph:
 def statuses(graph: Graph, outcome: Outcome) -> list[dict[str, Any]]:
     """One row per model output: ok (ran or cached) or failed, with its evaluation or error."""
     rows = []
-    for node in graph.nodes:
-        row: dict[str, Any] = {"checkpoint": _model_uri(node)}
+    for node in graph.find(step=evaluate.name):
+        row: dict[str, Any] = {"checkpoint": _model_uri(node, outcome)}
         if node in outcome.results:
             result = outcome.results[node]
             row.update(status="ok", cached=result.cached, evaluation=result.uri, error="")
@@ -118,8 +156,15 @@ def statuses(graph: Graph, outcome: Outcome) -> list[dict[str, Any]]:
     return rows
 
 
-def _model_uri(node: Node) -> str:
-    return node.inputs["model"].uri
+def _model_uri(node: Node, outcome: Outcome) -> str:
+    """The evaluated model's URI: an output of the store, or the copy of an external model
+    (its pinned source when the copy failed)."""
+    model = node.inputs["model"]
+    if isinstance(model, Existing):
+        return model.uri
+    if model in outcome.results:
+        return outcome.results[model].uri
+    return model.config.pinned
 
 
 def raise_for_failures(rows: list[dict[str, Any]]) -> None:
@@ -184,8 +229,9 @@ def scheduled_evaluation(
     """Evaluate model outputs not yet scored, rebuild the leaderboard, fail naming failures."""
     executor = PrefectExecutor(config.root, keep_going=True)
     with store_lock(executor.store.root):
-        graph = evaluation_graph(config, model_outputs(executor.store))
-        rows = statuses(graph, executor.run(graph))
+        external, rows = pin_external(config.models)
+        graph = evaluation_graph(config, model_outputs(executor.store), external)
+        rows = statuses(graph, executor.run(graph)) + rows
         rows += build_leaderboard(executor, rows)
     create_table_artifact(
         rows or [{"checkpoint": "(no model outputs yet)", "status": "", "error": ""}],
@@ -194,6 +240,6 @@ def scheduled_evaluation(
     )
     new = sum(1 for r in rows if r["status"] == "ok" and not r["cached"])
     failed = sum(1 for r in rows if r["status"] != "ok")
-    print(f"{len(graph.nodes)} model output(s): {new} evaluated now, {failed} failure(s)")
+    print(f"{len(rows)} model(s): {new} evaluated now, {failed} failure(s)")
     raise_for_failures(rows)
     return rows

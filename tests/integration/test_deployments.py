@@ -20,7 +20,13 @@ def test_every_deployment_parameter_resolves_to_a_valid_config():
 
 def test_serve_builds_every_local_deployment_with_its_schedule():
     deployments = {d.name: d for d in local_deployments()}
-    assert set(deployments) == {"quickstart", "data", "pretrain", "scheduled-evaluation"}
+    assert set(deployments) == {
+        "quickstart",
+        "data",
+        "pretrain",
+        "scheduled-evaluation",
+        "evaluate-models",
+    }
     assert deployments["quickstart"].parameters == {"run": {"preset": "quickstart"}}
     (schedule,) = deployments["scheduled-evaluation"].schedules
     assert schedule.schedule.cron == "0 */6 * * *" and schedule.active
