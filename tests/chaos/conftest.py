@@ -122,3 +122,12 @@ def run_trainer(cfg, data_dir: Path, out_dir: Path, *, faults=None, timeout: flo
         timeout=timeout,
         **popen,
     )
+
+
+@pytest.fixture(scope="session")
+def reference_run(tmp_path_factory, chaos_train_data) -> Path:
+    """A fault-free run of ``tiny_train_config()`` on the shared data (read-only: copy it)."""
+    out = tmp_path_factory.mktemp("chaos-reference") / "run"
+    proc = run_trainer(tiny_train_config(), chaos_train_data, out)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return out

@@ -35,35 +35,28 @@ def _ok(proc) -> str:
     return proc.stdout
 
 
-def test_resume_passes_over_a_corrupt_latest_checkpoint(tmp_path, chaos_train_data):
+def test_resume_passes_over_corrupt_latest_checkpoints(tmp_path, chaos_train_data, reference_run):
     cfg = tiny_train_config()  # 8 steps, checkpoints every 2, keep 3
-    reference = tmp_path / "reference"
-    _ok(run_trainer(cfg, chaos_train_data, reference))
-    weights = file_digests(reference / "final", "model.safetensors")
+    weights = file_digests(reference_run / "final", "model.safetensors")
 
-    crashed = tmp_path / "crashed"
-    proc = run_trainer(cfg, chaos_train_data, crashed, faults={"crash_after_step": 7})
+    run = tmp_path / "crashed"
+    proc = run_trainer(cfg, chaos_train_data, run, faults={"crash_after_step": 7})
     assert proc.returncode == 3, proc.stdout + proc.stderr
-    step6 = Path("checkpoints/step-000006")
-    assert (crashed / step6 / "checksums.json").exists()
+    step2, step4, step6 = (run / "checkpoints" / f"step-00000{k}" for k in (2, 4, 6))
+    assert all((s / "checksums.json").exists() for s in (step2, step4, step6))
+    flipped = next((step6 / "dcp").glob("*.distcp"))
+    flip_byte(flipped)  # the latest: a flipped byte in its tensors
+    (step4 / "dcp" / ".metadata").unlink()  # the one before: a missing DCP file
 
-    cases = {
-        "flipped": lambda run: flip_byte(next((run / step6 / "dcp").glob("*.distcp"))),
-        "missing": lambda run: (run / step6 / "dcp" / ".metadata").unlink(),
-    }
-    for label, corrupt in cases.items():
-        run = tmp_path / label
-        shutil.copytree(crashed, run)
-        corrupt(run)
-        out = _ok(run_trainer(cfg, chaos_train_data, run))
-        assert f"checkpoint {run / step6} is corrupt: {run / step6}/dcp/" in out, out
-        assert f"resuming from {run}/checkpoints/step-000004" in out, out
-        assert "resumed from" in out and "at step 4" in out, out
-        assert file_digests(run / "final", "model.safetensors") == weights, label
+    out = _ok(run_trainer(cfg, chaos_train_data, run))
+    assert f"checkpoint {step6} is corrupt: {flipped}: content changed" in out, out
+    assert f"checkpoint {step4} is corrupt: {step4}/dcp/.metadata: missing" in out, out
+    assert f"resuming from {step2}" in out and "at step 2" in out, out
+    assert file_digests(run / "final", "model.safetensors") == weights
 
     # A finished run whose final/ weights were truncated: re-run, final/ is rebuilt from step 6.
     finished = tmp_path / "finished"
-    shutil.copytree(reference, finished)
+    shutil.copytree(reference_run, finished)
     truncate(finished / "final" / "model.safetensors")
     out = _ok(run_trainer(cfg, chaos_train_data, finished))
     assert f"{finished}/final/model.safetensors: truncated:" in out, out
@@ -71,4 +64,47 @@ def test_resume_passes_over_a_corrupt_latest_checkpoint(tmp_path, chaos_train_da
     assert file_digests(finished / "final", "model.safetensors") == weights
     # The tensors (and optimizer state) too; DCP's .metadata holds the folder's path, so not it.
     shards = "dcp/*.distcp"
-    assert file_digests(finished / "final", shards) == file_digests(reference / "final", shards)
+    assert file_digests(finished / "final", shards) == file_digests(reference_run / "final", shards)
+
+
+def test_verify_names_each_corrupt_committed_output_and_a_rebuild_matches(
+    tmp_path, monkeypatch, capsys
+):
+    from llmflow.flows.cli import main
+    from llmflow.tasks.framework.executor import Executor
+    from llmflow.tasks.pretrain.faults import ENV
+    from tests.chaos.test_preemption import _graph
+
+    monkeypatch.delenv(ENV, raising=False)
+    root = tmp_path / "store"
+    graph, stage = _graph()
+    outcome = Executor(str(root)).run(graph)
+    run = Path(outcome[stage].uri)
+    data = next(Path(root, "chaos-packed").glob("train-*"))
+    before = {
+        "weights": file_digests(run, "final/model.safetensors"),
+        "shards": file_digests(data, "shard_*.bin"),
+    }
+    assert main(["verify", str(root)]) == 0
+    capsys.readouterr()
+
+    truncate(run / "final" / "model.safetensors")
+    flip_byte(data / "shard_00001.bin")
+    missing = next((run / "final" / "dcp").glob("*.distcp"))
+    missing.unlink()
+
+    assert main(["verify", str(root)]) == 1
+    out = capsys.readouterr().out
+    assert f"CORRUPT    {run}\n" in out and f"CORRUPT    {data}\n" in out
+    assert f"{run}/final/model.safetensors: truncated:" in out
+    assert f"{missing}: missing (recorded" in out
+    assert f"{data}/shard_00001.bin: content changed: sha256" in out
+    assert "2 committed outputs: 0 ok, 2 corrupt, 0 unchecked" in out
+
+    # The fix verify points to: remove what it named; the re-run rebuilds it bit for bit.
+    for bad in (run, data):
+        shutil.rmtree(bad)
+    outcome = Executor(str(root)).run(graph)
+    assert file_digests(Path(outcome[stage].uri), "final/model.safetensors") == before["weights"]
+    assert file_digests(data, "shard_*.bin") == before["shards"]
+    assert main(["verify", str(root)]) == 0

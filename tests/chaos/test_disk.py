@@ -118,11 +118,9 @@ def test_enospc_mid_shard_on_a_full_file_system_then_space_freed(tmp_path):
 
 
 def test_efbig_mid_checkpoint_names_it_leaves_no_checkpoint_and_the_rerun_matches(
-    tmp_path, chaos_train_data
+    tmp_path, chaos_train_data, reference_run
 ):
-    cfg = tiny_train_config()
-    reference = tmp_path / "reference"
-    assert run_trainer(cfg, chaos_train_data, reference).returncode == 0
+    cfg, reference = tiny_train_config(), reference_run
 
     run = tmp_path / "limited"
     proc = run_trainer(cfg, chaos_train_data, run, preexec_fn=file_size_limit(100_000))
