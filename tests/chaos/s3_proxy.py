@@ -19,6 +19,7 @@ import http.client
 import re
 import socket
 import struct
+import sys
 import threading
 from collections import Counter
 from collections.abc import Callable
@@ -107,7 +108,7 @@ class S3FaultProxy:
         class Handler(_Handler):
             owner = proxy
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server = _QuietServer(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True
         self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
@@ -169,6 +170,13 @@ class S3FaultProxy:
                     self.injected[rule.kind] += 1
                 return rule
         return None
+
+
+class _QuietServer(ThreadingHTTPServer):
+    def handle_error(self, request, client_address) -> None:
+        """A client gone mid-request (killed by the test, or timed out) is no error here."""
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
 
 
 class _Handler(BaseHTTPRequestHandler):
