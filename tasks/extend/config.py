@@ -97,10 +97,16 @@ def extension_mixture(cfg: ExtendConfig, stage: ExtensionStage, seed: int) -> St
 
 
 def extension_train_config(base: TrainConfig, stage: ExtensionStage) -> TrainConfig:
-    """The trainer config of one extension stage: longer context, raised RoPE base, own schedule."""
+    """The trainer config of one extension stage: longer context, raised RoPE base, own schedule.
+
+    With Muon, its group's peak LR keeps its ratio to the AdamW groups' (``stage.lr`` sets those).
+    """
+    optimizer: dict = {"lr": stage.lr}
+    if base.optimizer.name == "muon":
+        optimizer["muon_lr"] = base.optimizer.muon_lr * stage.lr / base.optimizer.lr
     return base.replaced(
         model={"overrides": {"max_seq_len": stage.seq_len, "rope_theta": stage.rope_theta}},
-        optimizer={"lr": stage.lr},
+        optimizer=optimizer,
         schedule={
             "name": "cosine",
             "warmup_steps": stage.warmup_steps,
