@@ -25,17 +25,26 @@ buffer, for the hidden matrices only: embeddings, norms and the output projectio
 
 @dataclass
 class MemoryEstimate:
-    """Memory per GPU, in GB (1e9 bytes)."""
+    """Memory per GPU, in GB (1e9 bytes).
+
+    Activations and gradients are never all live at once: the activations are freed block by
+    block as the backward pass makes the gradients, and the gradients are freed (set to None)
+    after the optimizer step. ``peak_live_gb`` is the larger of the two at the step's fullest
+    point, and the total is weights + optimizer states + that.
+    """
 
     weights_gb: float
     gradients_gb: float
     optimizer_gb: float
     activations_gb: float
+    """Activations at the end of the forward pass, the loss's buffers included."""
+    peak_live_gb: float = 0.0
+    """Activations and gradients at their fullest point together (see `memory_per_gpu`)."""
 
     @property
     def total_gb(self) -> float:
-        """Sum of the four parts."""
-        return self.weights_gb + self.gradients_gb + self.optimizer_gb + self.activations_gb
+        """Weights + optimizer states + activations and gradients at their fullest point."""
+        return self.weights_gb + self.optimizer_gb + self.peak_live_gb
 
 
 @dataclass
@@ -70,7 +79,9 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     return 6 * matmul_params + attention
 
 
-def checkpointed_blocks(cfg: ModelConfig, activation_checkpointing: bool | str, every_k: int = 2) -> int:
+def checkpointed_blocks(
+    cfg: ModelConfig, activation_checkpointing: bool | str, every_k: int = 2
+) -> int:
     """Blocks recomputed in the backward pass: all (``full`` or True), every k-th
     (``selective``, blocks k, 2k, ... as the trainer wraps them) or none."""
     if activation_checkpointing in (True, "full"):
@@ -86,25 +97,45 @@ def activation_bytes_per_token(
     activation_checkpointing: bool | str,
     every_k: int = 2,
 ) -> float:
-    """Bytes kept for the backward pass per token of one micro-batch.
+    """Bytes kept for the backward pass per token of one micro-batch (loss buffers aside).
 
     Per block, eager PyTorch keeps (measured with saved-tensor hooks, see the tests): the inputs
     and outputs of both norms and the flattened matmul inputs (8C in all), the fused qkv buffer
     that v keeps alive plus the rotated q and k (C + 3·KV·D with q), the gate/up output (2I),
     silu(gate) (I) and the down-projection input (I). Checkpointing keeps only each block's input,
     plus one block's worth during its recomputation (``selective``: every k-th block is
-    checkpointed, the others keep everything). The loss adds the logits, their float32 copy
-    and the float32 log-softmax (V·(bytes + 8)).
+    checkpointed, the others keep everything). The embedding's output adds C, and the fused
+    loss the hidden states' gradient (C), which it computes in the forward pass; its other
+    buffers do not grow with the tokens (`loss_buffer_bytes`).
     """
-    c, kv = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim
-    per_block = (8 * c + 3 * kv + 4 * cfg.intermediate_size) * activation_bytes
+    c = cfg.hidden_size
+    per_block = block_activation_bytes(cfg, activation_bytes)
     recomputed = checkpointed_blocks(cfg, activation_checkpointing, every_k)
     blocks = (cfg.num_layers - recomputed) * per_block
     if recomputed:
         blocks += recomputed * c * activation_bytes + per_block
-    embedding = c * activation_bytes
-    logits = cfg.vocab_size * (activation_bytes + 8)
-    return blocks + embedding + logits
+    return blocks + 2 * c * activation_bytes
+
+
+def block_activation_bytes(cfg: ModelConfig, activation_bytes: int) -> float:
+    """What one block keeps for its backward pass, per token (see `activation_bytes_per_token`)."""
+    c, kv = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim
+    return (8 * c + 3 * kv + 4 * cfg.intermediate_size) * activation_bytes
+
+
+def loss_buffer_bytes(cfg: ModelConfig, tokens: int) -> float:
+    """The fused loss's largest buffers at once, for a micro-batch of ``tokens``.
+
+    `linear_cross_entropy` makes the logits a chunk of rows at a time (``CHUNK_ELEMENTS / V``
+    rows; all rows where the loss is not chunked): a chunk's float32 logits and
+    log-probabilities (8 bytes per logit), beside the output projection's float32 gradient,
+    which it accumulates over the chunks in the forward pass (4·V·C).
+    """
+    from llmflow.model import loss
+
+    chunk_elements = getattr(loss, "CHUNK_ELEMENTS", None)
+    rows = tokens if chunk_elements is None else max(1, chunk_elements // cfg.vocab_size)
+    return 8 * min(rows, tokens) * cfg.vocab_size + 4 * cfg.vocab_size * cfg.hidden_size
 
 
 def memory_per_gpu(
@@ -119,13 +150,23 @@ def memory_per_gpu(
     activation_checkpointing: bool | str,
     every_k: int = 2,
 ) -> MemoryEstimate:
-    """Weights, gradients, optimizer states and activations on one GPU.
+    """Weights, gradients, optimizer states and activations on one GPU, and their peak together.
 
     Optimizer states are float32; with 16-bit parameters a float32 master copy is added to them.
     FSDP (ZeRO-3) divides weights, gradients and optimizer states by `num_gpus` and adds the two
     unsharded blocks it holds while gathering (the current one and the prefetched next one), and
     the root unit (embeddings, final norm) with its gradient, which FSDP2 keeps whole. With Muon
     the hidden matrices keep one momentum buffer and the rest AdamW's two moments.
+
+    Activations and gradients are never all live at once (measured on CPU with peak RSS
+    sampled per phase of a step, 2 ranks; tests/flows/test_preflight_memory.py checks the total
+    at several shapes). They peak together at one of two points:
+
+    - the loss's forward pass: every activation and the loss's buffers (`loss_buffer_bytes`);
+      no gradient exists yet, they were set to None after the last optimizer step;
+    - the backward pass's end: every gradient, the first block's activations and, with FSDP,
+      that block's unsharded gradient and the root's reduce-scattered shard beside its whole
+      gradient.
     """
     if optimizer not in OPTIMIZER_STATES:
         raise BadInputError(f"optimizer={optimizer!r} must be one of {sorted(OPTIMIZER_STATES)}")
@@ -140,22 +181,29 @@ def memory_per_gpu(
         state_floats = params * (OPTIMIZER_STATES[optimizer] + master)
     weights = params * param_dtype_bytes / shards
     gradients = params * param_dtype_bytes / shards
+    per_block = (cfg.num_parameters(non_embedding=True) - cfg.hidden_size) / cfg.num_layers
+    root = params - cfg.num_layers * per_block  # embedding, output projection, final norm
+    reducing = 0.0
     if fsdp and num_gpus > 1:
-        per_block = (cfg.num_parameters(non_embedding=True) - cfg.hidden_size) / cfg.num_layers
         weights += 2 * per_block * param_dtype_bytes
         # NOTE: FSDP2 keeps the root unit (embedding, output projection, final norm) gathered
         # from forward to backward, and its gradient is whole until reduce-scattered.
-        root = params - cfg.num_layers * per_block
         weights += root * param_dtype_bytes
         gradients += root * param_dtype_bytes
-    per_token = activation_bytes_per_token(
+        reducing = (per_block + root / num_gpus) * param_dtype_bytes
+    tokens = micro_batch_size * seq_len
+    activations = tokens * activation_bytes_per_token(
         cfg, param_dtype_bytes, activation_checkpointing, every_k
     )
+    activations += loss_buffer_bytes(cfg, tokens)
+    first_block = tokens * block_activation_bytes(cfg, param_dtype_bytes)
+    backward_end = gradients + reducing + first_block
     return MemoryEstimate(
         weights_gb=weights / GB,
         gradients_gb=gradients / GB,
         optimizer_gb=state_floats * 4 / shards / GB,
-        activations_gb=micro_batch_size * seq_len * per_token / GB,
+        activations_gb=activations / GB,
+        peak_live_gb=max(activations, backward_end) / GB,
     )
 
 
@@ -309,8 +357,9 @@ def format_plan(p: Plan) -> str:
         f"steps                {p.num_steps:,} (gradient accumulation {p.grad_accum_steps})",
         f"estimated time       {p.estimated_hours:,.2f} h",
         "memory per GPU (GB)  "
-        f"weights {m.weights_gb:.2f} + gradients {m.gradients_gb:.2f} + optimizer "
-        f"{m.optimizer_gb:.2f} + activations {m.activations_gb:.2f} = {m.total_gb:.2f}",
+        f"weights {m.weights_gb:.2f} + optimizer {m.optimizer_gb:.2f} + activations and "
+        f"gradients at their peak {m.peak_live_gb:.2f} (activations {m.activations_gb:.2f}, "
+        f"gradients {m.gradients_gb:.2f}) = {m.total_gb:.2f}",
         f"fits                 {'yes' if p.fits else 'NO'}",
     ]
     if p.predicted_loss is not None:
