@@ -25,8 +25,10 @@ import contextlib
 import json
 import math
 import os
+import re
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -44,6 +46,13 @@ MEMORY_TOLERANCE = 0.15
 """Largest relative error of the plan's peak memory against the measured one for a "go"."""
 INIT_LOSS_TOLERANCE = 1.0
 """A fresh model's loss on uniform random tokens must be within this of ln(vocab) (nats)."""
+HOST_MEMORY_SHARE = 0.7
+"""Share of the memory available per rank that a rehearsal scaled to this host may plan to use
+(the rest: the runtime, about 0.35 GB per CPU rank, and the plan's error)."""
+RUNTIME_GB = 0.5
+"""Memory per CPU rank that no plan counts (Python, torch, the process group: 0.35 GB measured)."""
+MIN_SCALED_SEQ_LEN = 64
+"""The shortest sequence a rehearsal is scaled down to."""
 
 
 class PreflightOptions(BaseModel):
@@ -271,20 +280,95 @@ def _peak_memory_gb(run_dir: Path) -> float:
 
 @dataclass
 class Launcher:
-    """Starts the trainer (the pipeline's launcher) on this machine's ranks."""
+    """Starts the trainer (the pipeline's launcher) on this machine's ranks; ``peak_gb`` is the
+    largest peak RSS of one rank in the last launch (sampled, so a rank that is killed still
+    leaves the peak it had reached)."""
 
     processes: int
     timeout_s: float
     log: Callable[[str], Any]
+    peak_gb: float = 0.0
+    out_of_memory: str | None = None
+    """Why a rank of the last launch ran out of memory, from its output (None: it did not)."""
 
     def __call__(self, train, data: Path, out: Path, val: Path | None = None):
         from llmflow.tasks.pretrain.faults import ENV
         from llmflow.tasks.pretrain.launch import launch_training
 
+        self.out_of_memory = None
         env = {ENV: None, **MEASURE_ENV}  # no fault injection leaks in from the caller
-        with _environment(env):
-            return launch_training(train, data, out, val_dir=val, num_processes=self.processes,
-                                   on_line=self.log, timeout_s=self.timeout_s)  # fmt: skip
+        with _environment(env), RankMemory() as memory:
+            try:
+                return launch_training(train, data, out, val_dir=val, num_processes=self.processes,
+                                       on_line=self._line, timeout_s=self.timeout_s)  # fmt: skip
+            finally:
+                self.peak_gb = memory.peak_gb()
+
+    def _line(self, line: str) -> None:
+        # NOTE: a rank's allocation error can scroll out of the failure's tail behind
+        # torchrun's own traceback, so every line is looked at as it comes.
+        self.out_of_memory = self.out_of_memory or out_of_memory(None, [line])
+        self.log(line)
+
+
+class RankMemory:
+    """Samples the peak RSS (``VmHWM``) of the trainer processes this process started."""
+
+    def __init__(self, interval_s: float = 0.2) -> None:
+        self.interval_s, self.peaks = interval_s, {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> RankMemory:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def peak_gb(self) -> float:
+        """The largest peak RSS of one trainer process so far, GB."""
+        return max(self.peaks.values(), default=0) / 1e9
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.sample()
+
+    def sample(self) -> None:
+        for pid in _descendants(os.getpid()):
+            try:
+                if TRAIN_MODULE_NAME not in Path(f"/proc/{pid}/cmdline").read_text():
+                    continue
+                status = Path(f"/proc/{pid}/status").read_text()
+            except OSError:  # it exited meanwhile
+                continue
+            for line in status.splitlines():
+                if line.startswith("VmHWM:"):
+                    self.peaks[pid] = max(self.peaks.get(pid, 0), int(line.split()[1]) * 1024)
+
+
+TRAIN_MODULE_NAME = "llmflow.tasks.pretrain.train"
+
+
+def _descendants(root: int) -> list[int]:
+    """Every process below ``root`` (from /proc; empty where there is none)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else []:
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        parent = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(parent, []).append(int(entry.name))
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
 
 
 MEASURE_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_ARENA_MAX": "2"}
@@ -307,11 +391,15 @@ def _environment(values: dict[str, str | None]) -> Iterator[None]:
 
 
 def run_test_steps(report: Report, config, options: PreflightOptions, work: Path, log) -> None:
-    """(5)-(7) Real steps, crash and resume, throughput, memory against plan, first scores."""
+    """(5)-(7) Real steps, crash and resume, throughput, memory against plan, first scores.
+
+    A trainer that fails is a no-go row, never a traceback; one that ran out of memory (killed
+    by the OOM killer, or an allocation refused) is a no-go row of its memory against the plan
+    with the settings that would fit.
+    """
     model_cfg = config.pretrain.train.model_config_obj()
-    seq_len = options.seq_len or max(s.mixture.seq_len for s in config.pretrain.stages)
-    micro = options.micro_batch_size or config.pretrain.train.batch.micro_batch_size
     steps, ranks = options.steps, options.processes
+    seq_len, micro = rehearsal_shape(report, config, options)
     rows = (steps + 2) * micro * ranks * 2
     data = random_packed(
         work / "data", vocab=model_cfg.vocab_size, seq_len=seq_len, rows=rows, seed=0
@@ -328,7 +416,7 @@ def run_test_steps(report: Report, config, options: PreflightOptions, work: Path
         "steps": steps,
     }
 
-    with timed(report, f"train {steps} steps") as row:
+    with timed(report, f"train {steps} steps") as row, trainer_failure(report, row, config, launch):
         summary = launch(train, data, work / "straight", val)
         straight = _losses(work / "straight")
         finite = all(math.isfinite(v) for v in straight.values())
@@ -336,7 +424,7 @@ def run_test_steps(report: Report, config, options: PreflightOptions, work: Path
                    detail=f"{ranks} ranks, seq {seq_len} x micro {micro}: losses " + ", ".join(f"{v:.4f}" for v in straight.values()))  # fmt: skip
     if not report.checks[-1].go:
         return
-    with timed(report, "checkpoint, resume") as row:
+    with timed(report, "checkpoint, resume") as row, trainer_failure(report, row, config, launch):
         half = steps // 2
         resumed = resume_from_checkpoint(launch, train, data, val, work, half)
         same = all(resumed.get(s) == straight[s] for s in range(half + 1, steps + 1))
@@ -347,6 +435,164 @@ def run_test_steps(report: Report, config, options: PreflightOptions, work: Path
         report, config, model_cfg, work, launch, seq_len=seq_len, micro=micro, ranks=ranks
     )
     first_scores(report, straight, summary, model_cfg, work)
+
+
+# ----------------------------------------------------------------------------- host memory
+def rehearsal_plan_gb(
+    config, seq_len: int, micro: int, ranks: int, activation_checkpointing: str | None = None
+) -> float:
+    """The plan's memory per rank of the test steps (bf16 on GPU, float32 on CPU)."""
+    import torch
+
+    from llmflow.tasks.pretrain.planner import memory_per_gpu
+
+    train = config.pretrain.train  # the test steps' own optimizer and checkpointing
+    return memory_per_gpu(
+        train.model_config_obj(), seq_len=seq_len, micro_batch_size=micro, num_gpus=ranks,
+        param_dtype_bytes=2 if torch.cuda.is_available() else 4, optimizer=train.optimizer.name,
+        fsdp=ranks > 1, activation_checkpointing=activation_checkpointing or train.activation_checkpointing,
+        every_k=train.activation_checkpointing_every_k,
+    ).total_gb  # fmt: skip
+
+
+def host_memory_per_rank_gb(ranks: int) -> tuple[float, str]:
+    """Memory one rank may use here, GB, and where it comes from: a GPU's free memory, or the
+    host's available memory (within its cgroup's limit) shared by the ranks."""
+    import torch
+
+    if torch.cuda.is_available():
+        count = min(ranks, torch.cuda.device_count())
+        free = min(torch.cuda.mem_get_info(i)[0] for i in range(count)) / 1e9
+        return free, f"{free:.1f} GB free per GPU"
+    available = _meminfo_bytes("MemAvailable")
+    for limit, usage in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+    ):  # fmt: skip
+        with contextlib.suppress(OSError, ValueError):
+            room = int(Path(limit).read_text()) - int(Path(usage).read_text())
+            available = min(available, max(room, 0))
+    per_rank = available / ranks / 1e9
+    return per_rank, f"{available / 1e9:.1f} GB available / {ranks} ranks = {per_rank:.1f} GB"
+
+
+def _meminfo_bytes(key: str) -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    raise BadInputError(f"/proc/meminfo has no {key}")
+
+
+def rehearsal_shape(report: Report, config, options: PreflightOptions) -> tuple[int, int]:
+    """The test steps' sequence length and micro-batch: as asked, else the recipe's, scaled down
+    (micro-batch first, then sequence length, halving) until the plan fits this host.
+
+    Adds a "rehearsal shape" row saying what was scaled, or that an asked shape is over.
+    """
+    import torch
+
+    ranks = options.processes
+    recipe_seq = max(s.mixture.seq_len for s in config.pretrain.stages)
+    recipe_micro = config.pretrain.train.batch.micro_batch_size
+    seq, micro = options.seq_len or recipe_seq, options.micro_batch_size or recipe_micro
+    with timed(report, "rehearsal shape") as row:
+        budget, where = host_memory_per_rank_gb(ranks)
+        runtime = 0.0 if torch.cuda.is_available() else RUNTIME_GB
+        usable = HOST_MEMORY_SHARE * budget
+
+        def need(seq_len: int, micro_batch: int) -> float:
+            return rehearsal_plan_gb(config, seq_len, micro_batch, ranks) + runtime
+
+        asked = need(seq, micro)
+        while need(seq, micro) > usable and options.micro_batch_size is None and micro > 1:
+            micro //= 2
+        while need(seq, micro) > usable and options.seq_len is None and seq > MIN_SCALED_SEQ_LEN:
+            seq = max(MIN_SCALED_SEQ_LEN, seq // 2)
+        plan = f"plan {need(seq, micro) - runtime:.2f} GB per rank"
+        here = f"{usable:.1f} GB usable per rank here ({where}, x{HOST_MEMORY_SHARE:g})"
+        scaled = [f"{name} {old} -> {new}" for name, old, new in
+                  (("micro-batch", options.micro_batch_size or recipe_micro, micro),
+                   ("seq", options.seq_len or recipe_seq, seq)) if old != new]  # fmt: skip
+        report.numbers["host"] = {"memory_per_rank_gb": budget, "usable_gb": usable,
+                                  "asked_plan_gb": asked - runtime, "scaled": scaled}  # fmt: skip
+        if scaled:
+            row["detail"] = (f"scaled to this host: {', '.join(scaled)} ({plan}; the asked shape "
+                             f"plans {asked - runtime:.2f} GB, {here})")  # fmt: skip
+        else:
+            row["detail"] = f"seq {seq} x micro {micro} on {ranks} ranks: {plan}, {here}"
+        if need(seq, micro) > usable:
+            row["detail"] += "; over it: the test steps may run out of memory"
+    return seq, micro
+
+
+OUT_OF_MEMORY = [
+    (re.compile(r"exitcode\s*:\s*-9\b|Signal 9 \(SIGKILL\)"), "a rank was killed by signal 9 (the OOM killer)"),
+    (re.compile(r"CUDA out of memory|OutOfMemoryError"), "CUDA out of memory"),
+    (re.compile(r"can't allocate memory|Cannot allocate memory|std::bad_alloc|MemoryError"),
+     "an allocation was refused (out of memory)"),
+]  # fmt: skip
+"""Output that means a rank ran out of memory, and how to say it."""
+
+
+def out_of_memory(returncode: int | None, tail: list[str]) -> str | None:
+    """Why the trainer ran out of memory, from its exit code and last lines; None if it did not."""
+    if returncode == -9:
+        return "the trainer was killed by signal 9 (the OOM killer)"
+    text = "\n".join(tail)
+    return next((reason for pattern, reason in OUT_OF_MEMORY if pattern.search(text)), None)
+
+
+def _last_error(tail: list[str]) -> str:
+    """The last line of the output that names an error (else the last line)."""
+    errors = [line.strip() for line in tail if re.search(r"\w(Error|Exception|Failed)\b", line)]
+    return (errors or [line.strip() for line in tail if line.strip()] or ["(no output)"])[-1]
+
+
+@contextlib.contextmanager
+def trainer_failure(report: Report, row: dict, config, launch: Launcher) -> Iterator[None]:
+    """A trainer that fails makes ``row`` a no-go: its error line, or, out of memory, its
+    measured peak against the plan and the settings that would fit."""
+    from llmflow.tasks.pretrain.launch import TrainingFailed
+
+    try:
+        yield
+    except TrainingFailed as err:
+        reason = out_of_memory(err.returncode, err.tail) or launch.out_of_memory
+        if reason is None:
+            first = str(err).splitlines()[0]
+            row.update(go=False, detail=f"{first}: {_last_error(err.tail)}")
+            return
+        shape = report.numbers["test_shape"]
+        seq, micro, ranks = shape["seq_len"], shape["micro_batch_size"], shape["processes"]
+        plan = rehearsal_plan_gb(config, seq, micro, ranks)
+        usable = report.numbers.get("host", {}).get("usable_gb")
+        fixes = memory_fixes(config, seq, micro, ranks, usable)
+        report.numbers["out_of_memory"] = {"reason": reason, "peak_gb": launch.peak_gb,
+                                           "plan_gb": plan, "fixes": fixes}  # fmt: skip
+        row.update(go=False, detail=(
+            f"out of memory at seq {seq} x micro {micro} on {ranks} ranks: {reason}; measured "
+            f"peak {launch.peak_gb:.2f} GB per rank (RSS when last sampled) against a plan of "
+            f"{plan:.2f} GB" + ("" if usable is None else f" ({usable:.1f} GB usable here)")
+            + "; to fit, change " + "; or ".join(fixes)))  # fmt: skip
+
+
+def memory_fixes(config, seq: int, micro: int, ranks: int, usable_gb: float | None) -> list[str]:
+    """The settings that shrink the rehearsal's memory, each with its plan per rank."""
+    train = config.pretrain.train
+    fixes = []
+    if micro > 1:
+        fixes.append(f"--micro-batch-size 1 ({rehearsal_plan_gb(config, seq, 1, ranks):.2f} GB)")
+    if train.activation_checkpointing != "full":
+        full = rehearsal_plan_gb(config, seq, micro, ranks, "full")
+        fixes.append(f"pretrain.train.activation_checkpointing=full ({full:.2f} GB)")
+    shorter = seq // 2
+    limit = (usable_gb or 0) - RUNTIME_GB
+    while shorter > MIN_SCALED_SEQ_LEN and rehearsal_plan_gb(config, shorter, 1, ranks) > limit:
+        shorter //= 2
+    if MIN_SCALED_SEQ_LEN <= shorter < seq:
+        fixes.append(f"--seq-len {shorter} ({rehearsal_plan_gb(config, shorter, 1, ranks):.2f} GB "
+                     "at micro-batch 1)")  # fmt: skip
+    return fixes
 
 
 def resume_from_checkpoint(launch, train, data: Path, val: Path, work: Path, step: int) -> dict:
@@ -388,17 +634,9 @@ def memory_vs_plan(
     """
     import torch
 
-    from llmflow.tasks.pretrain.planner import memory_per_gpu
-
-    with timed(report, "memory vs plan") as row:
+    with timed(report, "memory vs plan") as row, trainer_failure(report, row, config, launch):
         cuda = torch.cuda.is_available()
-        train = config.pretrain.train  # the test steps' own optimizer and checkpointing
-        predicted = memory_per_gpu(
-            model_cfg, seq_len=seq_len, micro_batch_size=micro, num_gpus=ranks,
-            param_dtype_bytes=2 if cuda else 4, optimizer=train.optimizer.name, fsdp=ranks > 1,
-            activation_checkpointing=train.activation_checkpointing,
-            every_k=train.activation_checkpointing_every_k,
-        ).total_gb  # fmt: skip
+        predicted = rehearsal_plan_gb(config, seq_len, micro, ranks)
         peak = _peak_memory_gb(work / "straight")
         baseline = 0.0 if cuda else _runtime_baseline_gb(config, work, launch, seq_len, micro)
         measured = peak - baseline
