@@ -6,6 +6,7 @@ committed output is bit-identical to a fault-free run, or that nothing looks com
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -84,8 +85,9 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return fault_free(tmp_path_factory, MULTIPART_BYTES)
 
 
-@pytest.fixture(scope="module")
-def moto() -> Iterator[S3]:
+@contextlib.contextmanager
+def moto_server() -> Iterator[S3]:
+    """moto's S3 server on 127.0.0.1 with one bucket (also used by test_orchestrator.py)."""
     from moto.server import ThreadedMotoServer
 
     port = free_port()
@@ -104,6 +106,12 @@ def moto() -> Iterator[S3]:
         yield s3
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def moto() -> Iterator[S3]:
+    with moto_server() as s3:
+        yield s3
 
 
 @pytest.fixture()

@@ -1,7 +1,9 @@
 """Faults of the orchestrator (issue 26): a real Prefect server killed and restarted mid-run.
 
 The run either continues or fails with an error that says what failed; whatever it committed is
-complete, and a re-run against the restarted server recomputes none of it.
+complete, and a re-run against the restarted server recomputes none of it. The run's root is on
+S3 (moto) behind the fault proxy, which holds the ingest step's commit marker: the server is
+killed while that step is provably in flight.
 """
 
 from __future__ import annotations
@@ -15,9 +17,12 @@ from pathlib import Path
 import pytest
 
 from llmflow.tasks.framework.store import COMMIT_MARKER
+from tests.chaos.s3_proxy import Request, S3FaultProxy
+from tests.chaos.test_object_store import BUCKET, moto_server
 from tests.integration.servers import (
     BIN,
     REPO,
+    S3,
     SERVER_START_TIMEOUT_S,
     free_port,
     http_ok,
@@ -80,27 +85,36 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RestartableServ
             stop(server.proc)
 
 
-def _run(server: RestartableServer, root: Path, cache: Path, log: Path) -> subprocess.Popen:
+@pytest.fixture(scope="module")
+def s3() -> Iterator[S3]:
+    with moto_server() as s3:
+        yield s3
+
+
+def _run(server: RestartableServer, env: dict[str, str], root: str, log: Path) -> subprocess.Popen:
     overrides = [arg for o in SMALL for arg in ("--set", o)]
-    env = {
-        **server.env,
-        "PREFECT_API_URL": server.url,
-        "LLMFLOW_CACHE": str(cache),
-        "PYTHONPATH": str(REPO),
-    }
-    argv = [str(BIN / "llmflow"), "run", "--root", str(root), "--until", "ingest", *overrides]
+    env = {**server.env, **env, "PREFECT_API_URL": server.url, "PYTHONPATH": str(REPO)}
+    argv = [str(BIN / "llmflow"), "run", "--root", root, "--until", "ingest", *overrides]
     return start(argv, env, log)
 
 
-def _committed(root: Path) -> dict[str, dict[str, int]]:
-    """Each committed output (``step/name-hash``) with its files' mtimes (ns)."""
+def _committed(s3: S3, prefix: str) -> dict[str, dict[str, str]]:
+    """Each committed output (``step/name-hash``) with its objects' ETags and LastModified."""
+    objects = [
+        o
+        for page in s3.client()
+        .get_paginator("list_objects_v2")
+        .paginate(Bucket=BUCKET, Prefix=f"{prefix}/")
+        for o in page.get("Contents", [])
+    ]
+    outputs = {o["Key"].rsplit("/", 1)[0] for o in objects if o["Key"].endswith(COMMIT_MARKER)}
     return {
-        marker.parent.relative_to(root).as_posix(): {
-            p.relative_to(marker.parent).as_posix(): p.stat().st_mtime_ns
-            for p in marker.parent.rglob("*")
-            if p.is_file()
+        out.removeprefix(f"{prefix}/"): {
+            o["Key"]: f"{o['ETag']} {o['LastModified'].isoformat()}"
+            for o in objects
+            if o["Key"].startswith(out + "/")
         }
-        for marker in root.glob(f"*/*/{COMMIT_MARKER}")
+        for out in outputs
     }
 
 
@@ -113,38 +127,51 @@ def _finish(proc: subprocess.Popen, log: Path) -> tuple[int, str]:
     return proc.returncode, log.read_text(errors="replace")
 
 
-def test_server_killed_and_restarted_mid_run_loses_nothing_committed(
-    server: RestartableServer, tmp_path: Path
-):
-    root, cache = tmp_path / "runs", tmp_path / "cache"
-    first_log = tmp_path / "first.log"
-    first = _run(server, root, cache, first_log)
-    sample_done = lambda: list(root.glob(f"sample/*/{COMMIT_MARKER}"))  # noqa: E731
-    wait_until(lambda: first.poll() is not None or sample_done(), RUN_TIMEOUT_S, "sample's commit")
-    assert first.poll() is None, first_log.read_text()[-3000:]  # killed while the run goes on
-    server.kill()
-    killed_at = time.monotonic()
-    in_flight = not list(root.glob(f"ingest/*/{COMMIT_MARKER}"))
-    time.sleep(5)  # the run meets a dead API for a while
-    server.start()
-    down_s = time.monotonic() - killed_at
-    code, output = _finish(first, first_log)
-    print(f"API down {down_s:.0f} s, ingest committed before: {not in_flight}, run rc {code}")
-    committed = _committed(root)
-    assert "sample" in {key.split("/")[0] for key in committed}
-    # every output folder is committed: a failed step never leaves one that looks complete
-    outputs = {p.relative_to(root).as_posix() for p in root.glob("*/*") if p.name[0] != "."}
-    assert outputs == set(committed)
-    if code != 0:  # failing is allowed, if it says what failed
-        tail = output[-4000:].lower()
-        assert "connect" in tail or "api" in tail, output[-4000:]
+def _is_ingest_marker(request: Request) -> bool:
+    parts = request.key.split("/")
+    return request.method == "PUT" and parts[1] == "ingest" and parts[-1] == COMMIT_MARKER
 
-    rerun_log = tmp_path / "rerun.log"
-    code, output = _finish(_run(server, root, cache, rerun_log), rerun_log)
+
+def test_server_killed_and_restarted_mid_step_loses_nothing_committed(
+    server: RestartableServer, s3: S3, tmp_path: Path
+):
+    prefix = "orchestrator"
+    root = f"s3://{BUCKET}/{prefix}"
+    with S3FaultProxy(s3.endpoint) as proxy:
+        env = {**s3.env, "AWS_ENDPOINT_URL": proxy.endpoint, "LLMFLOW_CACHE": str(tmp_path / "c")}
+        hold = proxy.hold(_is_ingest_marker)
+        first_log = tmp_path / "first.log"
+        first = _run(server, env, root, first_log)
+        try:
+            reached = hold.reached.wait(RUN_TIMEOUT_S)
+            assert reached, first_log.read_text()[-3000:]
+            assert {k.split("/")[0] for k in _committed(s3, prefix)} == {"sample"}
+            server.kill()  # ingest's data is up, its marker held: the step is in flight
+            killed_at = time.monotonic()
+            time.sleep(5)
+        finally:
+            hold.release()  # the held PUT is reset; botocore sends it again
+        server.start()
+        down_s = time.monotonic() - killed_at
+        code, output = _finish(first, first_log)
+        print(f"API down {down_s:.0f} s, run rc {code}")
+        committed = _committed(s3, prefix)
+        assert "sample" in {key.split("/")[0] for key in committed}
+        # every output folder holding data is committed, or the run said what failed
+        folders = {k.split("/", 3)[1] + "/" + k.split("/", 3)[2] for k in s3.keys(f"{prefix}/")}
+        folders = {f for f in folders if not f.split("/")[1].startswith(".")}
+        if code == 0:
+            assert folders == set(committed)
+        else:  # failing is allowed, if it says what failed
+            tail = output[-4000:].lower()
+            assert "connect" in tail or "api" in tail, output[-4000:]
+
+        rerun_log = tmp_path / "rerun.log"
+        code, output = _finish(_run(server, env, root, rerun_log), rerun_log)
     assert code == 0, output[-4000:]
-    after = _committed(root)
+    after = _committed(s3, prefix)
     assert {key.split("/")[0] for key in after} == {"sample", "ingest"}
-    for output_key, files in committed.items():  # nothing committed was recomputed
-        assert after[output_key] == files, output_key
+    for output_key, objects in committed.items():  # nothing committed was recomputed
+        assert after[output_key] == objects, output_key
         step = output_key.split("/")[0]
         assert any(line.split()[:2] == [step, "cached"] for line in output.splitlines()), output
