@@ -103,6 +103,10 @@ def test_the_wheel_ships_the_safety_data_unchanged(tmp_path):
     prefix = "llmflow/tasks/safety/packaged/"
     with zipfile.ZipFile(wheel) as archive:
         shipped = {n[len(prefix) :]: archive.read(n) for n in archive.namelist() if prefix in n}
+        metadata = archive.read(next(n for n in archive.namelist() if n.endswith("/METADATA")))
+    declared = metadata.decode().split("License-Expression: ")[1].splitlines()[0]
+    for spdx in ("Apache-2.0", "CC-BY-SA-4.0", "CC-BY-4.0", "MIT", "CDLA-Permissive-2.0"):
+        assert spdx in declared.split(" AND "), declared
     assert sorted(shipped) == [p.relative_to(root).as_posix() for p in expected]
     for path in expected:
         assert shipped[path.relative_to(root).as_posix()] == path.read_bytes(), path
