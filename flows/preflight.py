@@ -74,6 +74,12 @@ class PreflightOptions(BaseModel):
     check_data: bool = Field(True, description="Open every data source and read documents.")
     train: bool = Field(True, description="Run the test steps (False: plan and meta build only).")
     timeout_s: float = Field(1800, gt=0, description="Deadline of each trainer launch.")
+    host_memory_gb: float | None = Field(
+        None,
+        gt=0,
+        description="Memory per rank the test steps are scaled to (None: this host's available "
+        "memory shared by the ranks, or a GPU's free memory).",
+    )
 
 
 @dataclass
@@ -496,7 +502,11 @@ def rehearsal_shape(report: Report, config, options: PreflightOptions) -> tuple[
     recipe_micro = config.pretrain.train.batch.micro_batch_size
     seq, micro = options.seq_len or recipe_seq, options.micro_batch_size or recipe_micro
     with timed(report, "rehearsal shape") as row:
-        budget, where = host_memory_per_rank_gb(ranks)
+        budget, where = (
+            (options.host_memory_gb, "as given")
+            if options.host_memory_gb
+            else host_memory_per_rank_gb(ranks)
+        )
         runtime = 0.0 if torch.cuda.is_available() else RUNTIME_GB
         usable = HOST_MEMORY_SHARE * budget
 

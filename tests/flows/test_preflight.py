@@ -123,3 +123,43 @@ def test_flow_publishes_the_go_no_go_table_as_an_artifact(prefect_harness):
     artifact = Artifact.get("preflight")
     assert artifact is not None and artifact.description.endswith(": GO")
     assert "meta build" in str(artifact.data) and "plan" in str(artifact.data)
+
+
+def _shape(options: PreflightOptions):
+    from llmflow.flows.preflight import Report, rehearsal_plan_gb, rehearsal_shape
+
+    config = PreflightRun(preset="smollm3-135m").config()
+    report = Report("135m")
+    seq, micro = rehearsal_shape(report, config, options)
+    return seq, micro, report.checks[-1], rehearsal_plan_gb(config, seq, micro, options.processes)
+
+
+def test_the_rehearsal_is_scaled_to_the_host_memory_micro_batch_first():
+    """4 GB per rank: the recipe's 16 x 2048 (45.8 GB planned) becomes 1 x 512."""
+    seq, micro, row, plan = _shape(PreflightOptions(host_memory_gb=4))
+    assert (seq, micro) == (512, 1) and row.check == "rehearsal shape" and row.go
+    assert "micro-batch 16 -> 1, seq 2048 -> 512" in row.detail, row.detail
+    assert plan + 0.5 <= 0.7 * 4  # the plan and the runtime fit the usable share
+    seq, micro, row, _ = _shape(PreflightOptions(host_memory_gb=20))
+    assert (seq, micro) == (2048, 4) and "micro-batch 16 -> 4" in row.detail
+    seq, micro, row, _ = _shape(PreflightOptions(host_memory_gb=200))
+    assert (seq, micro) == (2048, 16) and "scaled" not in row.detail
+
+
+def test_an_asked_shape_is_kept_and_said_to_be_over_the_host():
+    seq, micro, row, _ = _shape(
+        PreflightOptions(host_memory_gb=4, seq_len=2048, micro_batch_size=8)
+    )
+    assert (seq, micro) == (2048, 8) and "over it" in row.detail and "scaled" not in row.detail
+
+
+def test_out_of_memory_is_told_apart_from_other_failures():
+    from llmflow.flows.preflight import out_of_memory
+
+    torchrun = ["[1]:", "  exitcode  : -9 (pid: 4242)", "  traceback : Signal 9 (SIGKILL) received by PID 4242"]  # fmt: skip
+    assert "signal 9" in out_of_memory(1, torchrun)
+    assert "signal 9" in out_of_memory(-9, [])
+    cpu = "RuntimeError: DefaultCPUAllocator: can't allocate memory: you tried to allocate 2147483648 bytes. Error code 12 (Cannot allocate memory)"  # fmt: skip
+    assert "refused" in out_of_memory(1, ["Traceback (most recent call last):", cpu])
+    assert "CUDA" in out_of_memory(1, ["torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"])  # fmt: skip
+    assert out_of_memory(1, ["ValueError: bad shape", "  exitcode  : 1 (pid: 4242)"]) is None
