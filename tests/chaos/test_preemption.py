@@ -109,3 +109,33 @@ def test_two_ranks_both_signalled_stop_at_one_step_and_resume_exactly(
     assert any("resumed from" in x and "at step 3" in x for x in lines), lines
     weights = "final/model.safetensors"
     assert file_digests(run, weights) == file_digests(reference, weights)
+
+
+def test_a_save_slower_than_the_grace_exits_75_at_the_deadline(
+    tmp_path, chaos_train_data, reference_run
+):
+    """The step-2 checkpoint's write hangs (slow storage); SIGTERM after step 2: the trainer
+    waits for it only until preempt_grace_s, exits 75 without a checkpoint, and the re-run
+    starts over to the fault-free weights."""
+    import time
+
+    from tests.chaos.conftest import run_trainer
+
+    cfg = tiny_train_config(checkpoint={"interval": 2, "keep_last": 3, "async_save": True})
+    grace = cfg.replaced(**{"checkpoint.preempt_grace_s": 2.0})
+    faults = {
+        "slow_storage_after_step": 1,
+        "checkpoint_write_delay_s": 120,
+        "sigterm_after_step": 2,
+    }
+    run = tmp_path / "run"
+    started = time.monotonic()
+    proc = run_trainer(grace, chaos_train_data, run, faults=faults)
+    assert proc.returncode == PREEMPTED_EXIT_CODE, proc.stdout + proc.stderr
+    assert time.monotonic() - started < 100, "it must not wait for the 120 s write"
+    assert "preemption grace of 2 s ran out before a checkpoint was saved" in proc.stdout
+    assert not list(run.glob("**/COMPLETE"))
+
+    assert run_trainer(cfg, chaos_train_data, run).returncode == 0
+    weights = "final/model.safetensors"
+    assert file_digests(run, weights) == file_digests(reference_run, weights)
