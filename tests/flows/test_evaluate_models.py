@@ -80,6 +80,8 @@ def test_two_models_through_the_cli_reach_the_leaderboard_with_their_cards(mirro
     text = llama_card.read_text()
     assert "base_model: acme/tiny-llama" in text
     assert f"`hf://models/acme/tiny-llama@{COMMIT_A}`" in text
+    safety = text.split("## Bias and toxicity")[1].split("\n## ")[0]
+    assert "crows" in safety.lower() and "toxic" in safety.lower()  # safety ran (the default)
     (qwen_card,) = (runs / "card").glob("byo-tiny-qwen-*/hf/README.md")
     assert "`hf://models/acme/tiny-qwen@local-" in qwen_card.read_text()
     assert "config.json" not in qwen_card.read_text().split("---")[1]  # not a data set
@@ -172,3 +174,66 @@ def test_the_cli_refuses_a_classifier_before_prefect_starts(mirror, tmp_path):
     assert out.returncode == 2
     assert "model='hf://models/acme/cls'" in out.stderr and "not a causal" in out.stderr
     assert not (tmp_path / "runs").exists() and not list((tmp_path / "p").rglob("*.db"))
+
+
+@pytest.mark.slow  # an lm-eval run on the Prefect harness: ~30-60 s
+def test_scheduled_evaluation_scores_an_external_model_once_and_a_bad_one_fails_alone(
+    prefect_harness, with_mirror, tmp_path
+):
+    from llmflow.flows.evaluate_scheduled import ScheduledEvaluationConfig, scheduled_evaluation
+    from llmflow.tasks.evaluation.config import EvalConfig
+    from llmflow.tasks.framework.store import Store
+
+    suite = EvalConfig(tasks=["cf_arith"], num_items=8, limit=8)
+    models = ["hf://models/acme/tiny-llama", "hf://models/acme/gone"]
+    cfg = ScheduledEvaluationConfig(root=str(tmp_path), evaluate=suite, models=models)
+    first = scheduled_evaluation(cfg, return_state=True)
+    assert first.is_failed()
+    with pytest.raises(
+        Exception, match="(?s)1 checkpoint.*hf://models/acme/gone: .*no repo acme/gone"
+    ):
+        first.result()
+    store = Store(tmp_path)
+    (copied,) = store.list_outputs("external-model")
+    assert len(store.list_outputs("evaluate")) == 1
+    (board,) = store.list_outputs("leaderboard")
+    assert "| tiny-llama |" in (Path(board) / "leaderboard.md").read_text()
+    again = scheduled_evaluation(cfg.model_copy(update={"models": models[:1]}))
+    assert [(r["checkpoint"], r["status"], r["cached"]) for r in again] == [(copied, "ok", True)]
+
+
+@pytest.mark.slow  # the real ingest and decontaminate steps, then one lm-eval run: ~30-60 s
+def test_with_a_corpus_scores_carry_the_share_of_items_found_in_it(with_mirror, tmp_path):
+    from llmflow.flows.evaluate_models import evaluation_graph
+    from llmflow.tasks.config import load_config
+    from llmflow.tasks.decontam.config import DecontamSettings, decontam_config
+    from llmflow.tasks.decontam.step import decontaminate
+    from llmflow.tasks.evaluation.synthetic import fact_items
+    from llmflow.tasks.framework.executor import Executor
+    from llmflow.tasks.framework.step import RawFiles
+    from llmflow.tasks.framework.store import Store
+    from llmflow.tasks.ingest.ingest import IngestConfig, ingest_sources
+
+    suite = ["evaluate.num_items=8", "evaluate.limit=8", "evaluate.tasks=[cf_facts]"]
+    config = load_config(None, [f"root={tmp_path / 'runs'}", *suite])
+    # one of the 8 items on a web page (a fact: datatrove's normalization makes every digit 0)
+    item = fact_items(8, config.evaluate.seed)[2]
+    assert item["question"] == "What month comes after November?"
+    docs = [f"Homework. {item['question']} {item['answer']}. Well done!", "Nothing to see here."]
+    raw = tmp_path / "corpus.jsonl"
+    raw.write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
+    store = Store(tmp_path / "runs")
+    ingested = ingest_sources.run(store, IngestConfig(), "c", {"files": RawFiles((str(raw),))})
+    checked = decontam_config(DecontamSettings(mode="flag", min_item_words=1), config.evaluate)
+    corpus = decontaminate.run(store, checked, "c", {"corpus": ingested.uri}).uri
+
+    graph = evaluation_graph(config, ["hf://models/acme/tiny-llama"], corpus=corpus)
+    outcome = Executor(str(tmp_path / "runs")).run(graph)
+    (scores,) = graph.find(step="evaluate")
+    results = json.loads((Path(outcome[scores].uri) / "results.json").read_text())
+    assert results["contamination_source"] == corpus
+    marks = results["contamination"]
+    assert (marks["cf_facts"]["contaminated_items"], marks["cf_facts"]["items"]) == (1, 8)
+    assert marks["cf_facts"]["share"] == pytest.approx(1 / 8)
+    (card,) = graph.find(step="card")
+    assert "12.5% (1/8 items)" in (Path(outcome[card].uri) / "hf" / "README.md").read_text()
