@@ -322,3 +322,15 @@ def test_continued_pretraining_starts_at_transformers_loss_lowers_it_and_resumes
     summary = json.loads((again / "summary.json").read_text())
     print(f"init loss: transformers {reference:.4f}, step 1 {losses[1]:.4f}, step 12 "
           f"{losses[12]:.4f}, val {summary['val_loss']:.4f}")  # fmt: skip
+
+
+def test_preflight_sizes_the_imported_model_and_names_a_bad_one(mirror, tmp_path):
+    from llmflow.flows.preflight import Report, check_config
+
+    report = Report("continue-pretrain")
+    config = check_config(report, CONFIG, [f"root={tmp_path}", INIT])
+    assert report.checks[0].go and "2 layers x 64" in report.checks[0].detail
+    assert config.init.startswith(f"hf://models/{REPO}@local-")
+    bad = Report("continue-pretrain")
+    assert check_config(bad, CONFIG, [f"root={tmp_path}", "init=hf://models/test/missing"]) is None
+    assert not bad.checks[0].go and "no repo test/missing" in bad.checks[0].detail
