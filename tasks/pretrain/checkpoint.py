@@ -48,7 +48,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from llmflow.tasks.framework.errors import BadInputError
-from llmflow.tasks.framework.lineage import file_manifest
+from llmflow.tasks.framework.lineage import file_digest
 from llmflow.tasks.framework.store import NoSpaceError, disk_error, no_space_message
 from llmflow.tasks.framework.verify import local_file_problem
 
@@ -104,10 +104,31 @@ def latest_checkpoint(out_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def write_checksums(folder: Path) -> None:
-    """Record the size and sha256 of every file of a checkpoint folder (before its marker)."""
-    manifest = file_manifest(folder, skip=(CHECKSUMS, MARKER))
+def write_checksums(folder: Path, known: dict[str, dict[str, Any]] | None = None) -> None:
+    """Record the size and sha256 of every file of a checkpoint folder (before its marker).
+
+    ``known`` holds entries other ranks already computed (their own files), not hashed again.
+    """
+    known = known or {}
+    manifest = {}
+    for path in sorted(Path(folder).rglob("*")):
+        rel = path.relative_to(folder).as_posix()
+        if path.is_file() and rel not in (CHECKSUMS, MARKER):
+            manifest[rel] = known.get(rel) or {
+                "bytes": path.stat().st_size,
+                "sha256": file_digest(path),
+            }
     (Path(folder) / CHECKSUMS).write_text(json.dumps(manifest, indent=1))
+
+
+def _own_checksums(tmp: Path, rank: int) -> dict[str, dict[str, Any]]:
+    """Size and sha256 of the files this rank wrote (its DCP shards and its rank state)."""
+    own = [*sorted((tmp / "dcp").glob(f"__{rank}_*.distcp")), tmp / f"rank-{rank:05d}.pt"]
+    return {
+        p.relative_to(tmp).as_posix(): {"bytes": p.stat().st_size, "sha256": file_digest(p)}
+        for p in own
+        if p.is_file()
+    }
 
 
 def checkpoint_problems(path: Path) -> list[str]:
@@ -261,10 +282,16 @@ def _write_small(
 
 def _commit(tmp: Path, path: Path) -> None:
     """After every rank wrote its part: the marker, then the rename into place (rank 0)."""
-    rank, _ = rank_and_world()
+    rank, world = rank_and_world()
     barrier()
+    # NOTE: each rank hashes the files it wrote, so the cost is spread over the ranks.
+    known = [_own_checksums(tmp, rank)]
+    if world > 1:
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, known[0])
+        known = gathered
     if rank == 0:
-        write_checksums(tmp)
+        write_checksums(tmp, {k: v for part in known for k, v in part.items()})
         (tmp / MARKER).write_text("ok\n")
         if path.exists():  # NOTE: a rewind may re-save a step; replace the older copy.
             shutil.rmtree(path)
