@@ -116,3 +116,33 @@ def test_sft_dpo_and_merge_from_a_tiny_qwen2_card_names_the_base(tmp_path, monke
     assert "| sft | t |" in text and "| dpo | t |" in text  # its post-training runs
     source_file = Path(outcome[base].uri) / "source.json"
     assert json.loads(source_file.read_text())["commit"] == COMMIT
+
+
+@pytest.mark.slow  # the recipe's data steps, import, export, SFT, DPO, evaluations: minutes
+def test_the_recipe_post_trains_an_init_model_directly_and_the_card_names_it(tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM, Qwen2ForCausalLM
+
+    from llmflow.flows.recipe import recipe
+    from llmflow.tasks.config import load_config
+    from llmflow.tasks.framework.executor import Executor
+    from tests.flows.test_recipe import TINY
+
+    mirror = tmp_path / "mirror"
+    save_hub_model(mirror, "acme/tiny-qwen", "qwen2", commit=COMMIT)
+    monkeypatch.setenv("LLMFLOW_HUB_MIRROR", str(mirror))
+    small = [o for o in TINY if not o.startswith(("pretrain.", "extend.", "tokenizer."))]
+    config = load_config(
+        "configs/continue-pretrain.yaml",
+        [f"root={tmp_path / 'runs'}", "init=hf://models/acme/tiny-qwen", "pretrain.stages=[]",
+         "until=dpo", "dpo.loss_type=apo_zero", "safety.data_root=null", *small],
+    )  # fmt: skip
+    graph = recipe(config)
+    assert not graph.find(step="pretrain") and graph.find(step="import-model")
+    (card,) = [n for n in graph.find(step="card") if n.name.endswith("-dpo")]
+    outcome = Executor(str(tmp_path / "runs")).run(graph.closure([card]))
+    (aligned,) = graph.find(step="dpo")
+    dpo_dir = Path(outcome[aligned].uri) / "hf"
+    assert isinstance(AutoModelForCausalLM.from_pretrained(dpo_dir), Qwen2ForCausalLM)
+    text = (Path(outcome[card].uri) / "hf" / "README.md").read_text()
+    assert "base_model: acme/tiny-qwen" in text
+    assert "trained with llmflow from `hf://models/acme/tiny-qwen@local-" in text
