@@ -248,10 +248,11 @@ def cmd_ablate(args: argparse.Namespace) -> int:
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
     started = time.perf_counter()
-    from llmflow.tasks.evaluation.external import pin_model
+    from llmflow.tasks.evaluation.external import pin_model, store_output
 
     for model in args.models:  # a bad model fails here, before the recipe's heavy imports
-        pin_model(model)
+        if store_output(model) is None:
+            pin_model(model)
     from llmflow.flows.evaluate_models import EvaluateModelsRun, plan_evaluation
 
     run = EvaluateModelsRun(
