@@ -10,6 +10,10 @@ A model trained elsewhere has no ``decontaminate`` step in its lineage, so its s
 checked" unless ``corpus`` names a curated, decontaminated output of the store: then each score
 carries the share of its task's items found in that corpus.
 
+A committed model output of a store (``runs/export/NAME-HASH``, say the export of
+``llmflow run configs/continue-pretrain.yaml``) is evaluated as it stands, not copied: its
+lineage, and the decontamination of the corpus it was trained on, still follow it.
+
 Everything is checked when the graph is built (a missing repo or revision, a folder without
 weights, a sequence classifier, a corpus that is not in the store): the run fails in seconds,
 naming the value, before anything is written.
@@ -23,10 +27,16 @@ from pathlib import Path
 from prefect import flow
 from pydantic import BaseModel, ConfigDict, Field
 
+from llmflow.flows.evaluate_scheduled import label_of
 from llmflow.flows.recipe import Models, add_leaderboard, safety_config, safety_inputs
 from llmflow.tasks.config import PHASES, PipelineConfig, load_config
 from llmflow.tasks.evaluation.card import CardConfig, card_config, model_card
-from llmflow.tasks.evaluation.external import display_name, external_model, pin_model
+from llmflow.tasks.evaluation.external import (
+    display_name,
+    external_model,
+    pin_model,
+    store_output,
+)
 from llmflow.tasks.evaluation.harness import evaluate
 from llmflow.tasks.evaluation.suite import PPL_TAG
 from llmflow.tasks.framework.errors import BadInputError
@@ -130,15 +140,24 @@ def evaluation_graph(
     heldout_leaf = committed(heldout, "heldout", config.root) if heldout else None
     if heldout_leaf is None:
         config = without_perplexity(config)
-    pinned = [pin_model(uri) for uri in models]  # every model checked before any is run
+    # every model checked before any is run: a store output as it is, anything else pinned
+    found = [(uri, store_output(uri)) for uri in models]
+    pinned = [None if output else pin_model(uri) for uri, output in found]
     graph = Graph(PHASES)
     recorded = Models(safety_inputs=safety_inputs(graph, config, corpus_leaf))
-    labels = unique_labels([display_name(cfg) for cfg, _ in pinned])
-    for label, (source, files) in zip(labels, pinned, strict=True):
+    names = [
+        label_of(out) if out else display_name(pin[0])
+        for (_, out), pin in zip(found, pinned, strict=True)
+    ]
+    for label, (uri, output), pin in zip(unique_labels(names), found, pinned, strict=True):
         name = f"{config.name}-{label}"
-        model = graph.add(
-            external_model, source, label, phase="evaluate", files=Raw(files) if files else None
-        )
+        if output is not None:
+            model = Existing(output)
+        else:
+            source, files = pin
+            model = graph.add(
+                external_model, source, label, phase="evaluate", files=Raw(files) if files else None
+            )
         scores = graph.add(
             evaluate, config.evaluate, name, model=model, heldout=heldout_leaf, corpus=corpus_leaf
         )
@@ -157,7 +176,7 @@ def evaluation_graph(
             )
         card = graph.add(
             model_card,
-            model_card_config(config, label, source.source),
+            model_card_config(config, label, uri),
             name,
             phase="evaluate",
             model=model,

@@ -98,6 +98,19 @@ def pin_model(uri: str, field: str = "model") -> tuple[ExternalModelConfig, tupl
     return config, models.model_files(source)
 
 
+def store_output(ref: str) -> str | None:
+    """``ref`` when it is a committed model output of a local store (``runs/export/NAME-HASH``:
+    its ``hf/`` folder and lineage), else None. Such a model is evaluated as it stands in the
+    store, so its lineage (and its corpus's decontamination) still follows it."""
+    from llmflow.tasks.framework.store import Store
+
+    folder = Path(ref).expanduser()
+    if "://" in ref or not (hf_dir(folder) / "config.json").is_file():
+        return None
+    uri = str(folder.resolve())
+    return uri if Store(folder.resolve().parent.parent).is_complete(uri) else None
+
+
 def display_name(config: ExternalModelConfig) -> str:
     """A label for the leaderboard and output names: the repo's NAME or the folder's name."""
     name = config.repo.split("/")[-1] if config.repo else Path(config.source).name

@@ -237,3 +237,20 @@ def test_with_a_corpus_scores_carry_the_share_of_items_found_in_it(with_mirror, 
     assert marks["cf_facts"]["share"] == pytest.approx(1 / 8)
     (card,) = graph.find(step="card")
     assert "12.5% (1/8 items)" in (Path(outcome[card].uri) / "hf" / "README.md").read_text()
+
+
+def test_a_model_output_of_the_store_is_evaluated_where_it_stands(with_mirror, tmp_path):
+    from llmflow.tasks.evaluation.external import external_model, pin_model
+    from llmflow.tasks.framework.executor import Executor
+    from llmflow.tasks.framework.graph import Existing, Graph, Raw
+
+    source, files = pin_model("hf://models/acme/tiny-qwen")
+    first = Graph()
+    node = first.add(external_model, source, "tiny-qwen", files=Raw(files))
+    output = Executor(str(tmp_path / "runs")).run(first)[node].uri  # a model output, committed
+    graph = _run([output, "hf://models/acme/tiny-llama"], tmp_path / "other-root")
+    (stored, copied) = graph.find(step="evaluate")
+    assert stored.inputs["model"] == Existing(output)  # not copied: its lineage follows it
+    assert stored.name == "quickstart-tiny-qwen"
+    assert [n.name for n in graph.find(step="external-model")] == ["tiny-llama"]
+    assert copied.inputs["model"] is graph.find(step="external-model")[0]
