@@ -121,14 +121,38 @@ def write_checksums(folder: Path, known: dict[str, dict[str, Any]] | None = None
     (Path(folder) / CHECKSUMS).write_text(json.dumps(manifest, indent=1))
 
 
-def _own_checksums(tmp: Path, rank: int) -> dict[str, dict[str, Any]]:
-    """Size and sha256 of the files this rank wrote (its DCP shards and its rank state)."""
-    own = [*sorted((tmp / "dcp").glob(f"__{rank}_*.distcp")), tmp / f"rank-{rank:05d}.pt"]
-    return {
+def _own_checksums(
+    tmp: Path, rank: int, done: dict[str, dict[str, Any]] | None = None, dcp_only: bool = False
+) -> dict[str, dict[str, Any]]:
+    """Size and sha256 of the files this rank wrote (its DCP shards and its rank state), less
+    those already in ``done``."""
+    own = sorted((tmp / "dcp").glob(f"__{rank}_*.distcp"))
+    if not dcp_only:
+        own.append(tmp / f"rank-{rank:05d}.pt")
+    done = done or {}
+    sums = {
         p.relative_to(tmp).as_posix(): {"bytes": p.stat().st_size, "sha256": file_digest(p)}
         for p in own
-        if p.is_file()
+        if p.is_file() and p.relative_to(tmp).as_posix() not in done
     }
+    return {**done, **sums}
+
+
+def _hash_when_written(written: Future, tmp: Path) -> Future:
+    """This rank's DCP shards hashed in the background as soon as its write ends, so an async
+    checkpoint's commit does not hold training up for the hashing."""
+    hashed: Future = Future()
+    rank = rank_and_world()[0]
+
+    def run(_: Future) -> None:
+        try:
+            written.result()
+            hashed.set_result(_own_checksums(tmp, rank, dcp_only=True))
+        except BaseException as err:  # noqa: BLE001 - handed to the committing thread
+            hashed.set_exception(err)
+
+    written.add_done_callback(run)  # NOTE: runs on the writer's thread when the write ends
+    return hashed
 
 
 def checkpoint_problems(path: Path) -> list[str]:
@@ -280,12 +304,13 @@ def _write_small(
             write_extra(tmp)
 
 
-def _commit(tmp: Path, path: Path) -> None:
-    """After every rank wrote its part: the marker, then the rename into place (rank 0)."""
+def _commit(tmp: Path, path: Path, hashed: dict[str, dict[str, Any]] | None = None) -> None:
+    """After every rank wrote its part: the marker, then the rename into place (rank 0).
+    ``hashed``: this rank's files already hashed (an async save's background hashing)."""
     rank, world = rank_and_world()
     barrier()
     # NOTE: each rank hashes the files it wrote, so the cost is spread over the ranks.
-    known = [_own_checksums(tmp, rank)]
+    known = [_own_checksums(tmp, rank, hashed)]
     if world > 1:
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, known[0])
@@ -307,6 +332,7 @@ class PendingSave:
     tmp: Path
     staged: Future
     written: Future
+    hashed: Future | None = None  # this rank's DCP shards' checksums, once written
     blocked_s: float = 0.0  # training time this checkpoint has held up so far
 
     def wait_staged(self) -> None:
@@ -328,7 +354,7 @@ class PendingSave:
         started = time.perf_counter()
         with _no_space_named(self.tmp, self.path, {}):
             self.written.result()
-            _commit(self.tmp, self.path)
+            _commit(self.tmp, self.path, self.hashed.result() if self.hashed else None)
         self.blocked_s += time.perf_counter() - started
 
 
@@ -378,7 +404,10 @@ def start_async_save(
         )
     response.upload_completion.add_done_callback(lambda _: stager.close())
     _write_small(tmp, trainer_state, loader_state, model_config, None)
-    pending = PendingSave(Path(path), tmp, response.staging_completion, response.upload_completion)
+    written = response.upload_completion
+    pending = PendingSave(
+        Path(path), tmp, response.staging_completion, written, _hash_when_written(written, tmp)
+    )
     pending.blocked_s = time.perf_counter() - started
     return pending
 
