@@ -64,7 +64,18 @@ class Store:
         return step, name, digest
 
     def listdir(self, uri: str, folder: str) -> list[str]:
-        """Names of the files in one folder of an output, read remotely (nothing downloaded)."""
+        """Names of the files in one folder of an output, read remotely (nothing downloaded).
+
+        On a remote root the answer comes from the file list recorded in a committed output's
+        lineage, never from a listing: a listing cut short (an eventually consistent store) would
+        silently drop shards, and a mapped step would run and commit on fewer of them.
+        """
+        manifest = None if self.is_local else self._manifest(uri)
+        if manifest is not None:
+            inside = (
+                rel.removeprefix(f"{folder}/") for rel in manifest if rel.startswith(f"{folder}/")
+            )
+            return sorted({rel.split("/", 1)[0] for rel in inside})
         path = f"{uri}/{folder}"
         self._forget_listings(path)
         if not self.fs.exists(path):
@@ -86,6 +97,17 @@ class Store:
         with self.fs.open(f"{uri.rstrip('/')}/{lineage.LINEAGE_FILE}", "r") as f:
             return json.load(f)
 
+    def _manifest(self, uri: str) -> dict[str, dict[str, Any]] | None:
+        """The files (with sizes) a committed output's lineage records; None before commit-time
+        manifests existed or for an output that is not committed."""
+        if not self.is_complete(uri):
+            return None
+        self._forget_listings(f"{uri}/{lineage.LINEAGE_FILE}")
+        try:
+            return self.read_lineage(uri).get(lineage.FILES_KEY)
+        except FileNotFoundError:
+            return None
+
     def input_hash(self, uri: str) -> str:
         """The hash of a complete output, read from its lineage record."""
         if not self.is_complete(uri):
@@ -102,7 +124,11 @@ class Store:
             tmp = target.with_name(target.name + f".tmp{os.getpid()}")
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
-            self.fs.get(f"{uri}/", f"{tmp}/", recursive=True)
+            manifest = self._manifest(uri)
+            if manifest is None:  # committed before its lineage listed its files: a listing
+                self.fs.get(f"{uri}/", f"{tmp}/", recursive=True)
+            else:
+                self._download_listed(uri, manifest, tmp)
             shutil.rmtree(target, ignore_errors=True)
             try:
                 tmp.rename(target)
@@ -111,6 +137,31 @@ class Store:
                     raise
                 shutil.rmtree(tmp, ignore_errors=True)
         return target
+
+    def _download_listed(self, uri: str, manifest: dict[str, dict[str, Any]], tmp: Path) -> None:
+        """Fetch exactly the files a committed output's lineage lists, by key, and check sizes.
+
+        The commit marker comes last, so a copy missing any file is never taken as complete.
+        """
+        names = sorted(manifest) + [lineage.LINEAGE_FILE]
+        for rel in names:
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.fs.get([f"{uri}/{rel}" for rel in names], [str(tmp / rel) for rel in names])
+        except FileNotFoundError as exc:
+            missing = [rel for rel in names if not self.fs.exists(f"{uri}/{rel}")]
+            raise FileNotFoundError(
+                f"committed output {uri} lacks {', '.join(missing) or exc}, which its "
+                f"{lineage.LINEAGE_FILE} lists: the output is damaged (see llmflow verify)"
+            ) from exc
+        for rel, expected in manifest.items():
+            size = (tmp / rel).stat().st_size if (tmp / rel).exists() else None
+            if size != int(expected["bytes"]):
+                raise OSError(
+                    f"{uri}/{rel}: downloaded {size} bytes, its {lineage.LINEAGE_FILE} records "
+                    f"{expected['bytes']}: the output is damaged (see llmflow verify)"
+                )
+        self.fs.get_file(f"{uri}/{COMMIT_MARKER}", str(tmp / COMMIT_MARKER))
 
     def partial_uri(self, step: str, name: str, digest: str) -> str:
         return f"{self.root}/{step}/{PARTIAL_DIR}/{name}-{digest}"

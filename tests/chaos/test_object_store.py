@@ -256,7 +256,6 @@ def _with_listing_cut_short(proxy: S3FaultProxy, moto: S3, tmp_path: Path):
         proxy.truncate_listing(f"{_key(root)}/", keep=keep)
         store = Store(root, cache_dir=tmp_path / f"cache-{keep}")
         yield keep, store, uri, f"s3://{BUCKET}/{incomplete}", expected
-    assert proxy.injected["truncated-listing"] > 0
 
 
 def test_partial_listing_never_makes_an_output_look_committed_or_not(
@@ -266,14 +265,9 @@ def test_partial_listing_never_makes_an_output_look_committed_or_not(
         assert store.is_complete(uri), keep  # the marker is read by its key, not listed
         assert not store.is_complete(incomplete), keep
         assert set(store.list_outputs("chaos-blob")) <= {uri}, keep
+    assert proxy.injected["truncated-listing"] > 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Store.listdir and Store.local_path trust a listing: a page cut short loses shards "
-    "of a committed output (a mapped step runs on fewer shards) and leaves a local copy with "
-    "_COMMITTED but without its data; needs the output's file list recorded at commit",
-)
 def test_partial_listing_never_loses_files_of_a_committed_output(
     proxy: S3FaultProxy, moto: S3, tmp_path: Path
 ):
@@ -289,3 +283,48 @@ def test_partial_listing_never_loses_files_of_a_committed_output(
         except OSError:
             fetched = expected
         assert fetched == expected, f"keep={keep}: {sorted(fetched)}"
+    # a committed output's files come from its lineage, by key: no listing is read, cut or not
+    assert proxy.injected["truncated-listing"] == 0
+
+
+def test_a_committed_output_missing_or_short_a_file_is_an_error_naming_it(
+    moto: S3, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+):
+    """local_path fetches what the lineage lists; a lost or cut file is never a complete copy."""
+    for key, value in moto.env.items():
+        monkeypatch.setenv(key, value)
+    root = f"s3://{BUCKET}/damaged-{tmp_path.name}"
+    uri = commit_blob(root, num_bytes=2000)
+    client, prefix = moto.client(), _key(uri)
+    client.delete_object(Bucket=BUCKET, Key=f"{prefix}/shards/shard-00002.parquet")
+    store = Store(root, cache_dir=tmp_path / "missing")
+    with pytest.raises(FileNotFoundError, match="shards/shard-00002.parquet"):
+        store.local_path(uri)
+    assert not list((tmp_path / "missing").rglob(COMMIT_MARKER))
+    assert store.listdir(uri, "shards") == [f"shard-{i:05d}.parquet" for i in range(4)]
+
+    client.put_object(Bucket=BUCKET, Key=f"{prefix}/shards/shard-00002.parquet", Body=b"short")
+    store = Store(root, cache_dir=tmp_path / "short")
+    with pytest.raises(OSError, match="shard-00002.parquet: downloaded 5 bytes.* records 1002"):
+        store.local_path(uri)
+    assert not list((tmp_path / "short").rglob(COMMIT_MARKER))
+
+    # an output committed before lineage listed its files is still read by listing it
+    record = json.loads(
+        client.get_object(Bucket=BUCKET, Key=f"{prefix}/lineage.json")["Body"].read()
+    )
+    del record["files"]
+    client.put_object(Bucket=BUCKET, Key=f"{prefix}/lineage.json", Body=json.dumps(record).encode())
+    client.delete_object(Bucket=BUCKET, Key=f"{prefix}/shards/shard-00002.parquet")
+    store = Store(root, cache_dir=tmp_path / "old")
+    assert store.listdir(uri, "shards") == [
+        "shard-00000.parquet",
+        "shard-00001.parquet",
+        "shard-00003.parquet",
+    ]
+    assert sorted(digests(store.local_path(uri))) == [
+        "blob.bin",
+        "shards/shard-00000.parquet",
+        "shards/shard-00001.parquet",
+        "shards/shard-00003.parquet",
+    ]
