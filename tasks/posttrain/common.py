@@ -10,16 +10,19 @@ import warnings
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import fsspec
 import torch
 from fsspec.implementations.local import LocalFileSystem
-from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer
 
 from llmflow.tasks.evaluation.models import hf_dir, load_hf_model, load_tokenizer, write_progress
 from llmflow.tasks.framework.errors import BadInputError
 from llmflow.tasks.framework.step import RawFiles
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer
+
 from llmflow.tasks.posttrain.formats import (
     Message,
     Record,

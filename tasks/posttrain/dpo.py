@@ -15,13 +15,9 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from datasets import Dataset
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
-from trl import DPOConfig, DPOTrainer
-from trl.trainer.dpo_trainer import DataCollatorForPreference
 
 from llmflow.tasks.decontam.posttrain import excluded_records
 from llmflow.tasks.evaluation.models import hf_dir
@@ -42,6 +38,10 @@ from llmflow.tasks.posttrain.common import (
 from llmflow.tasks.posttrain.config import DPOStepConfig
 from llmflow.tasks.posttrain.formats import Record, normalize_preference
 from llmflow.tasks.posttrain.quickstart import make_quickstart_preferences
+
+if TYPE_CHECKING:  # NOTE: TRL (and mlflow under it) load when the step runs, not with the recipe
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+    from trl import DPOConfig, DPOTrainer
 
 logger = logging.getLogger(__name__)
 TRL_EVAL_KEYS = ("eval_loss", "eval_rewards/accuracies", "eval_rewards/margins")
@@ -91,6 +91,8 @@ def response_logps(
         ``chosen`` / ``rejected``: summed log-probs, shape (num_pairs,); ``chosen_tokens`` /
         ``rejected_tokens``: response token counts.
     """
+    from trl.trainer.dpo_trainer import DataCollatorForPreference
+
     collator = DataCollatorForPreference(pad_token_id=tokenizer.pad_token_id, max_length=max_length)
     model.eval()
     sums, counts = [], []
@@ -158,6 +160,8 @@ def resolve_dpo_data(cfg: DPOStepConfig, out_dir: Path, data_path: Path | None) 
 
 def dpo_training_args(cfg: DPOStepConfig, out_dir: Path) -> DPOConfig:
     """TRL's DPOConfig from the step config: no checkpoints, no trackers, CPU-safe precision."""
+    from trl import DPOConfig
+
     return DPOConfig(
         beta=cfg.beta,
         loss_type=[cfg.loss_type, "sft"] if cfg.sft_weight else [cfg.loss_type],
@@ -175,6 +179,9 @@ def build_dpo_trainer(
     heldout: list[Record],
 ) -> DPOTrainer:
     """A DPOTrainer whose policy and frozen reference both start from the SFT model."""
+    from datasets import Dataset
+    from trl import DPOTrainer
+
     return DPOTrainer(
         model=train_model(sft_model_dir, cfg.attn_implementation),
         ref_model=train_model(sft_model_dir, cfg.attn_implementation),

@@ -21,12 +21,9 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from datasets import Dataset
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
-from trl import GRPOConfig, GRPOTrainer
 
 from llmflow.tasks.decontam.posttrain import drop_excluded, excluded_records
 from llmflow.tasks.evaluation.models import hf_dir
@@ -48,6 +45,11 @@ from llmflow.tasks.posttrain.common import (
 from llmflow.tasks.posttrain.config import GRPOStepConfig
 from llmflow.tasks.posttrain.formats import Record, read_records, write_jsonl
 from llmflow.tasks.posttrain.quickstart import quickstart_grpo_prompts
+
+if TYPE_CHECKING:  # NOTE: TRL (and mlflow under it) load when the step runs, not with the recipe
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+    from trl import GRPOConfig, GRPOTrainer
+
 from llmflow.tasks.posttrain.rewards import (
     GuardedReward,
     exact_answer,
@@ -174,6 +176,8 @@ def resolve_grpo_data(cfg: GRPOStepConfig, data_path: Path | None) -> Path | Non
 # -- training ---------------------------------------------------------------------------------
 def grpo_training_args(cfg: GRPOStepConfig, out_dir: Path) -> GRPOConfig:
     """TRL's GRPOConfig from the step config (``use_vllm`` / ``vllm_mode`` passed through)."""
+    from trl import GRPOConfig
+
     return GRPOConfig(
         num_generations=cfg.num_generations,
         max_completion_length=cfg.max_completion_length,
@@ -196,6 +200,9 @@ def build_grpo_trainer(
     rewards: list[GuardedReward],
 ) -> GRPOTrainer:
     """A GRPOTrainer over prompts with answers; the reference is the start model (``beta > 0``)."""
+    from datasets import Dataset
+    from trl import GRPOTrainer
+
     return GRPOTrainer(
         model=train_model(model_dir, cfg.attn_implementation),
         reward_funcs=rewards,

@@ -22,10 +22,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
-
-from datasets import Dataset
-from trl import SFTConfig, SFTTrainer
+from typing import TYPE_CHECKING, Any
 
 from llmflow.tasks.decontam.posttrain import excluded_records
 from llmflow.tasks.evaluation.models import hf_dir
@@ -48,6 +45,9 @@ from llmflow.tasks.posttrain.config import SFTStepConfig
 from llmflow.tasks.posttrain.formats import Record, normalize_sft
 from llmflow.tasks.posttrain.quickstart import make_quickstart_sft
 
+if TYPE_CHECKING:  # NOTE: TRL (and mlflow under it) load when the step runs, not with the recipe
+    from trl import SFTConfig, SFTTrainer
+
 logger = logging.getLogger(__name__)
 
 
@@ -63,6 +63,8 @@ def resolve_sft_data(cfg: SFTStepConfig, out_dir: Path, data_path: Path | None) 
 
 def sft_training_args(cfg: SFTStepConfig, out_dir: Path) -> SFTConfig:
     """TRL's SFTConfig from the step config: no checkpoints, no trackers, CPU-safe precision."""
+    from trl import SFTConfig
+
     return SFTConfig(
         max_length=cfg.max_length,
         packing=cfg.packing,
@@ -77,6 +79,9 @@ def build_sft_trainer(
 ) -> SFTTrainer:
     """An SFTTrainer over normalized conversations (``{"messages": [...]}``)."""
     tokenizer = chat_tokenizer(model_dir)
+    from datasets import Dataset
+    from trl import SFTTrainer
+
     return SFTTrainer(
         model=train_model(model_dir, cfg.attn_implementation),
         args=sft_training_args(cfg, out_dir),

@@ -29,13 +29,12 @@ from llmflow.tasks.pretrain import checkpoint as ckpt
 from llmflow.tasks.pretrain.callbacks import Callback, append_jsonl
 from llmflow.tasks.pretrain.config import CheckpointConfig
 from llmflow.tasks.pretrain.distributed import all_reduce_sum
+from llmflow.tasks.pretrain.notices import NOTICES
 from llmflow.tasks.pretrain.state import StepOutput
 from llmflow.tasks.pretrain.validate import check_source
 
 if TYPE_CHECKING:
     from llmflow.tasks.pretrain.train import Trainer
-
-NOTICES = "checkpoints.jsonl"
 
 
 class Checkpointer(Callback):

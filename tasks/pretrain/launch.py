@@ -13,6 +13,7 @@ import collections
 import json
 import os
 import queue
+import select
 import signal
 import subprocess
 import sys
@@ -24,9 +25,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from llmflow.tasks.pretrain.checkpointer import NOTICES
 from llmflow.tasks.pretrain.config import UNVERSIONED, TrainConfig
-from llmflow.tasks.pretrain.preemption import PREEMPTED_EVENT, PREEMPTED_EXIT_CODE
+from llmflow.tasks.pretrain.notices import NOTICES, PREEMPTED_EVENT, PREEMPTED_EXIT_CODE
 from llmflow.tasks.pretrain.ray_launch import (
     RayLines,
     RaySettings,
@@ -170,6 +170,7 @@ def run_streaming(
         TrainingFailed: on a non-zero exit or when ``timeout_s`` passes (process group killed).
     """
     full_env = {"PYTHONUNBUFFERED": "1", **os.environ, **(env or {})}
+    full_env[LAUNCHER_PID_ENV] = str(os.getpid())  # the trainer's ranks die with this process
     watcher = NoticeWatcher(watch) if watch is not None else None
     proc = subprocess.Popen(
         command,
@@ -179,6 +180,7 @@ def run_streaming(
         text=True,
         bufsize=1,
         start_new_session=True,  # NOTE: own process group, so a kill reaches torchrun's children
+        preexec_fn=_die_with_parent(),
     )
     lines: queue.Queue[str | object] = queue.Queue()
     threading.Thread(target=_pump, args=(proc.stdout, lines), daemon=True).start()
@@ -199,6 +201,58 @@ def run_streaming(
     if returncode != 0:
         raise TrainingFailed(f"trainer exited with code {returncode}", returncode, list(tail))
     return list(tail)
+
+
+LAUNCHER_PID_ENV = "LLMFLOW_LAUNCHER_PID"
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` asking Linux to SIGKILL the child when its launcher dies.
+
+    A killed worker (SIGKILL, nothing runs) would otherwise leave the trainer writing into the
+    work dir while a re-run starts there. The kernel sends the signal when the *thread* that
+    started the child ends; ``run_streaming`` waits for the child in that thread. libc's prctl is
+    looked up here, before the fork, so the child only calls it.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # the launcher died before the request took effect
+            os._exit(1)
+
+    return preexec
+
+
+def die_with_launcher() -> None:
+    """Trainer side: SIGKILL this process as soon as its launcher (``run_streaming``) is gone.
+
+    torchrun starts each rank in a session of its own, so a SIGKILLed torchrun (killed with its
+    launcher, above) leaves its ranks running; each rank waits on a pidfd of the launcher (Linux
+    5.3+) in a daemon thread instead. No-op when not started by ``run_streaming``.
+    """
+    pid = os.environ.get(LAUNCHER_PID_ENV)
+    if not pid or not hasattr(os, "pidfd_open"):
+        return
+    try:
+        fd = os.pidfd_open(int(pid))
+    except ProcessLookupError:
+        os.kill(os.getpid(), signal.SIGKILL)
+        return
+    except OSError:  # an old kernel: nothing to wait on
+        return
+
+    def wait() -> None:
+        select.select([fd], [], [])  # readable once the launcher has exited
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=wait, name="die-with-launcher", daemon=True).start()
 
 
 def _lines(lines: queue.Queue, deadline: float | None) -> Iterator[str | object | None]:

@@ -28,13 +28,11 @@ from llmflow.tasks.pretrain import checkpoint as ckpt
 from llmflow.tasks.pretrain.callbacks import Callback, append_jsonl
 from llmflow.tasks.pretrain.checkpointer import NOTICES
 from llmflow.tasks.pretrain.distributed import all_reduce_sum
+from llmflow.tasks.pretrain.notices import PREEMPTED_EVENT, PREEMPTED_EXIT_CODE
 from llmflow.tasks.pretrain.state import StepOutput
 
 if TYPE_CHECKING:
     from llmflow.tasks.pretrain.train import Trainer
-
-PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: the run was stopped on purpose and a retry resumes it
-PREEMPTED_EVENT = "preempted"
 
 
 class Preemption(Callback):

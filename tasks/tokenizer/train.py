@@ -6,9 +6,9 @@ import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
 
 from llmflow.tasks.framework.errors import BadInputError
 from llmflow.tasks.framework.step import Metrics, report_table, step
@@ -29,6 +29,9 @@ from llmflow.tasks.tokenizer.corpus import (
     valid_rows,
 )
 from llmflow.tasks.tokenizer.evaluate import evaluate_tokenizer, write_report
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 # ChatML. The assistant turn (its content and closing <|im_end|>) sits inside
 # {% generation %} so that TRL's assistant_only_loss can mask everything else.
@@ -100,6 +103,8 @@ class _Sample:
 
 def save_for_transformers(tokenizer: Tokenizer, out_dir: Path) -> PreTrainedTokenizerFast:
     """Write tokenizer.json, tokenizer_config.json (with the chat template) and friends."""
+    from transformers import PreTrainedTokenizerFast  # NOTE: loaded when the step runs
+
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         bos_token=BOS_TOKEN,
