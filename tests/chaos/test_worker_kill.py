@@ -1,0 +1,88 @@
+"""A killed worker: the process that launched the trainer is SIGKILLed mid-training.
+
+Nothing runs in a SIGKILLed process, so the trainer must not depend on it to stop: the launcher
+asks Linux to SIGKILL its direct child when it dies (``PR_SET_PDEATHSIG``), and each rank waits
+on a pidfd of the launcher (torchrun puts its ranks in sessions of their own). Otherwise the
+trainer keeps writing into the work dir while a re-run starts there.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.chaos.conftest import tiny_train_config
+from tests.integration.servers import REPO
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(sys.platform != "linux", reason="Linux only")]
+
+LAUNCHER = """
+import sys
+from pathlib import Path
+from llmflow.tasks.pretrain.config import TrainConfig
+from llmflow.tasks.pretrain.launch import launch_training
+cfg = TrainConfig.load(Path(sys.argv[1]))
+launch_training(cfg, Path(sys.argv[2]), Path(sys.argv[3]), num_processes=int(sys.argv[4]))
+"""
+
+
+def _trainers(run: Path) -> list[int]:
+    """Pids of the live processes (torchrun and ranks, or the trainer) training into ``run``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if str(run).encode() in argv and b"llmflow.tasks.pretrain.train" in argv and state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.parametrize("num_processes", [1, 2], ids=["one-process", "torchrun-2-ranks"])
+def test_the_trainer_dies_with_its_sigkilled_launcher(
+    num_processes: int, tmp_path: Path, chaos_train_data: Path
+):
+    # a quiet stretch (no line printed: a trainer writing to its dead launcher's pipe fails
+    # anyway), as a long step or checkpoint write is in production
+    quiet = {"log_interval": 100_000, "checkpoint": {"interval": 100_000}}
+    cfg = tiny_train_config(max_steps=100_000, **quiet)
+    config_path, run = tmp_path / "train_config.json", tmp_path / "run"
+    cfg.save(config_path)
+    argv = [str(config_path), str(chaos_train_data), str(run), str(num_processes)]
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER, *argv],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        expected = num_processes + (num_processes > 1)  # the ranks, and torchrun
+        deadline = time.monotonic() + 120
+        while len(_trainers(run)) < expected and time.monotonic() < deadline:
+            time.sleep(0.5)
+        time.sleep(5)  # past start-up: training
+        trainers = _trainers(run)
+        assert launcher.poll() is None and len(trainers) == expected, trainers
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait(10)
+        killed_at = time.monotonic()
+        while _trainers(run) and time.monotonic() - killed_at < 10:
+            time.sleep(0.1)
+        gone_after = time.monotonic() - killed_at
+        assert not _trainers(run), f"still training into {run}: {_trainers(run)}"
+        assert gone_after < 5, gone_after
+    finally:
+        launcher.kill()
+        for pid in _trainers(run):  # only when the test failed: the processes it started
+            os.kill(pid, signal.SIGKILL)
