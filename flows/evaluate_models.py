@@ -144,6 +144,16 @@ def evaluation_graph(
     found = [(uri, store_output(uri)) for uri in models]
     pinned = [None if output else pin_model(uri) for uri, output in found]
     graph = Graph(PHASES)
+    if corpus_leaf is None and config.safety.data_root and config.safety.classifier.model is None:
+        # NOTE: the hashed classifier learns "not hateful" from a corpus's ordinary text; without
+        # one it scores any continuation near 0.5, which would read as toxicity.
+        log.info(
+            "safety is off for these models: the hashed toxicity classifier needs --corpus (its "
+            "ordinary text) or safety.classifier.model (a transformers classifier)"
+        )
+        config = config.model_copy(
+            update={"safety": config.safety.model_copy(update={"data_root": None})}
+        )
     recorded = Models(safety_inputs=safety_inputs(graph, config, corpus_leaf))
     names = [
         label_of(out) if out else display_name(pin[0])

@@ -80,11 +80,17 @@ def test_two_models_through_the_cli_reach_the_leaderboard_with_their_cards(mirro
     text = llama_card.read_text()
     assert "base_model: acme/tiny-llama" in text
     assert f"`hf://models/acme/tiny-llama@{COMMIT_A}`" in text
-    safety = text.split("## Bias and toxicity")[1].split("\n## ")[0]
-    assert "crows" in safety.lower() and "toxic" in safety.lower()  # safety ran (the default)
+    # no --corpus: the hashed toxicity classifier would have no ordinary text to learn from
+    assert "## Bias and toxicity" not in text
+    assert "safety is off for these models" in out.stdout + out.stderr
     (qwen_card,) = (runs / "card").glob("byo-tiny-qwen-*/hf/README.md")
     assert "`hf://models/acme/tiny-qwen@local-" in qwen_card.read_text()
     assert "config.json" not in qwen_card.read_text().split("---")[1]  # not a data set
+
+
+def test_safety_runs_with_a_corpus_or_a_transformers_classifier_only(with_mirror, tmp_path):
+    graph = _run(["hf://models/acme/tiny-qwen"], tmp_path / "runs")
+    assert not [n for n in graph.nodes if n.step.name in ("safety", "toxicity-classifier")]
 
 
 def test_a_pinned_revision_changes_the_evaluate_hash(tmp_path, monkeypatch):
