@@ -69,6 +69,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         local, _ = split_sources(config.data)  # a malformed hf:// URI fails here too
         if local:
             list_files(local)
+    if config.init:  # so does a missing model, folder or revision
+        from llmflow.tasks.ingest import models
+
+        models.resolve(config.init, "init")
     from llmflow.flows.recipe import recipe
 
     graph = recipe(config)  # and so does a misnamed input of any step

@@ -334,3 +334,24 @@ def test_preflight_sizes_the_imported_model_and_names_a_bad_one(mirror, tmp_path
     bad = Report("continue-pretrain")
     assert check_config(bad, CONFIG, [f"root={tmp_path}", "init=hf://models/test/missing"]) is None
     assert not bad.checks[0].go and "no repo test/missing" in bad.checks[0].detail
+
+
+def test_cli_run_names_a_missing_init_model_in_seconds_and_writes_nothing(tmp_path):
+    import os
+    import subprocess
+    import sys
+    import time
+
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "LLMFLOW_HUB_MIRROR": str(tmp_path / "mirror")}
+    (tmp_path / "mirror").mkdir()
+    started = time.perf_counter()
+    out = subprocess.run(
+        [sys.executable, "-m", "llmflow.flows.cli", "run", str(repo / "configs" / "continue-pretrain.yaml"),
+         "--root", str(tmp_path / "runs")],
+        cwd=repo, capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert out.returncode != 0
+    assert "no repo HuggingFaceTB/SmolLM2-135M in the mirror" in out.stderr
+    assert time.perf_counter() - started < 20  # before the recipe's imports (seconds, not ~50)
+    assert not (tmp_path / "runs").exists()
