@@ -76,7 +76,7 @@ def benchmarks(data: Path) -> list[Bench]:
               ["--text-dir", text, "--rounds", "1", "--repeat", "1"],
               [Goal("ratio", ">=", 1.5, "tokenize + pack vs datasets.map, real text")], True),
         Bench("activation_ckpt", "bench_activation_ckpt.py", ["--rounds", "3"],
-              ["--rounds", "1", "--seq", "64"],
+              ["--rounds", "1", "--seq", "64", "--preset", "debug", "--steps", "1"],
               [Goal("memory_ratio", "<=", 0.3, "full activation checkpointing, memory"),
                Goal("time_ratio", "<=", 1.4, "full activation checkpointing, time")]),
         Bench("async_ckpt", "bench_async_ckpt.py",
