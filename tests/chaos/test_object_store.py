@@ -291,8 +291,12 @@ def test_a_committed_output_missing_or_short_a_file_is_an_error_naming_it(
     moto: S3, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ):
     """local_path fetches what the lineage lists; a lost or cut file is never a complete copy."""
+    from s3fs import S3FileSystem
+
     for key, value in moto.env.items():
         monkeypatch.setenv(key, value)
+    S3FileSystem.clear_instance_cache()  # a cached client would talk to another test's server
+    monkeypatch.setattr(S3FileSystem, "_cache", {})  # and this one must not outlive the test
     root = f"s3://{BUCKET}/damaged-{tmp_path.name}"
     uri = commit_blob(root, num_bytes=2000)
     client, prefix = moto.client(), _key(uri)
