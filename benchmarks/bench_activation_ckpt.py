@@ -38,7 +38,6 @@ def worker(mode: str, preset_name: str, seq: int, steps: int) -> dict:
     import torch
 
     from llmflow.model.config import preset
-    from llmflow.model.loss import causal_lm_loss
     from llmflow.model.transformer import Transformer
     from llmflow.tasks.pretrain.distributed import apply_activation_checkpointing
 
@@ -51,7 +50,9 @@ def worker(mode: str, preset_name: str, seq: int, steps: int) -> dict:
     ids = torch.randint(0, model.cfg.vocab_size, (1, seq + 1), generator=torch.Generator())
 
     def fwd_bwd() -> float:
-        loss, _ = causal_lm_loss(model(ids[:, :-1]), ids[:, 1:])
+        # NOTE: the trainer's loss, the output projection fused into the chunked cross-entropy
+        # (causal_lm_loss on the model's logits would hold the full (T, V) logits)
+        loss, _ = model(ids[:, :-1], labels=ids[:, 1:])
         loss.backward()
         return float(loss.detach())
 
