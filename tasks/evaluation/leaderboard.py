@@ -258,7 +258,8 @@ def plot_metrics(rows: list[dict[str, Any]], plot_dir: Path) -> int:
             xs, ys = zip(*sorted(pts), strict=True)
             ax.plot(xs, ys, marker="o", label=f"seed {seed}")
         ax.set(xlabel=x_name, ylabel=metric, title=task)
-        ax.legend(fontsize="small")
+        if ax.get_legend_handles_labels()[0]:  # no points (every x unknown): no empty legend
+            ax.legend(fontsize="small")
         fig.tight_layout()
         fig.savefig(plot_dir / f"{_safe(task)}__{_safe(metric)}.png", dpi=80)
         plt.close(fig)

@@ -171,7 +171,7 @@ def test_scheduled_evaluation_deployment_has_a_cron_and_runs(
     (root / "export").mkdir()  # no checkpoint exported yet: an empty graph, not an error
     run = _run(deployed, _EVAL, {"config": {"root": str(root)}})
     assert _task_runs(run.id) == []
-    _wait_for_log(run.id, "0 model output(s): 0 evaluated now, 0 failure(s)")
+    _wait_for_log(run.id, "0 model(s): 0 evaluated now, 0 failure(s)")
 
 
 def test_gpu_slot_holds_the_gpu_limit_and_is_a_no_op_without_it(deployed: PrefectServer):
@@ -216,4 +216,4 @@ def test_serve_runs_the_local_deployments_without_a_worker(deployed: PrefectServ
     )
     (tmp_path / "export").mkdir()
     run = _run(deployed, _EVAL, {"config": {"root": str(tmp_path)}}, "serve.log")
-    _wait_for_log(run.id, "0 model output(s): 0 evaluated now, 0 failure(s)")
+    _wait_for_log(run.id, "0 model(s): 0 evaluated now, 0 failure(s)")
