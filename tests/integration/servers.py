@@ -61,6 +61,23 @@ def start(argv: list[str], env: dict[str, str], log: Path, cwd: Path = REPO) -> 
     )
 
 
+def flow_run_logs(flow_run_id, page: int = 200) -> list[str]:
+    """Every log message the API holds for one flow run, oldest first (read page by page)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.client.schemas.sorting import LogSort
+
+    flow_run = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id]))
+    messages: list[str] = []
+    with get_client(sync_client=True) as client:
+        for offset in range(0, 1_000_000, page):  # bounded: a million lines is not a test's log
+            logs = client.read_logs(flow_run, limit=page, offset=offset, sort=LogSort.TIMESTAMP_ASC)
+            messages += [log.message for log in logs]
+            if len(logs) < page:
+                break
+    return messages
+
+
 def http_ok(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=5) as response:
