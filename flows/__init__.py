@@ -7,6 +7,7 @@ user's own environment variables win.
 
 import logging
 import os
+import sys
 
 PREFECT_DEFAULTS = {
     "PREFECT_LOGGING_EXTRA_LOGGERS": "llmflow",  # the steps log through "llmflow.*"
@@ -20,3 +21,12 @@ PREFECT_DEFAULTS = {
 for key, value in PREFECT_DEFAULTS.items():
     os.environ.setdefault(key, value)
 logging.getLogger("llmflow").setLevel(logging.INFO)
+_extra = {name.strip() for name in os.environ["PREFECT_LOGGING_EXTRA_LOGGERS"].split(",")}
+if "prefect" in sys.modules and os.environ.get("PREFECT__FLOW_RUN_ID") and "llmflow" in _extra:
+    # NOTE: a worker's flow-run process (python -m prefect.engine) sets Prefect's logging up
+    # before it imports this package, so "llmflow" got no API handler and the steps' logs (the
+    # trainer's lines) never reached the UI; give it the handlers Prefect gives extra loggers.
+    _llmflow = logging.getLogger("llmflow")
+    for _handler in logging.getLogger("prefect.extra").handlers:
+        if _handler not in _llmflow.handlers:
+            _llmflow.addHandler(_handler)
