@@ -26,7 +26,7 @@ from llmflow.tasks.framework.store import COMMIT_MARKER
 from tests.chaos.test_worker_kill import _trainers
 from tests.integration.conftest import prefect_server  # noqa: F401  (the fixture)
 from tests.integration.servers import BIN, PrefectServer, flow_run_logs, stop, wait_until
-from tests.integration.test_server import SMALL, _run, _subflow_run, _task_runs, deployed  # noqa: F401
+from tests.integration.test_server import SMALL, _subflow_run, _task_runs, deployed  # noqa: F401
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(sys.platform != "linux", reason="Linux only")]
 
@@ -43,6 +43,10 @@ OVERRIDES = [
     "pretrain.train.log_interval=1",
 ]
 STEP_LINE = re.compile(r"^step (\d+) loss ")
+RUN_TIMEOUT_S = 420
+# NOTE: the flow-run process's environment, as the UI's job variables set it: one BLAS thread
+# (two on two busy cores made a step 5x slower), the same in every run, for bit-exact weights.
+JOB_VARIABLES = {"env": {"OMP_NUM_THREADS": "1"}}
 
 
 def _worker(server: PrefectServer, log_name: str):
@@ -57,6 +61,19 @@ def _parameters(root: Path) -> dict:
     with get_client(sync_client=True) as client:
         deployment = client.read_deployment_by_name(DEPLOYMENT)
     return {"run": {**deployment.parameters["run"], "root": str(root), "overrides": OVERRIDES}}
+
+
+def _trigger(root: Path, timeout_s: float = RUN_TIMEOUT_S):
+    """Run the deployment on ``root`` as the UI's Run button does; wait ``timeout_s`` for it."""
+    from prefect.deployments import run_deployment
+
+    return run_deployment(
+        DEPLOYMENT,
+        parameters=_parameters(root),
+        job_variables=JOB_VARIABLES,
+        timeout=timeout_s,
+        poll_interval=2,
+    )
 
 
 def _flow_run_processes(flow_run_id) -> list[int]:
@@ -111,14 +128,13 @@ def test_a_killed_worker_s_deployment_resumes_from_its_checkpoint_on_a_new_worke
     tmp_path: Path,
 ):
     from prefect.client.orchestration import get_client
-    from prefect.deployments import run_deployment
 
     from llmflow.tasks.pretrain.checkpoint import latest_checkpoint
 
     (worker,) = [p for p in deployed.processes if p.poll() is None]
     root = tmp_path / "runs"
     started = time.monotonic()
-    first = run_deployment(DEPLOYMENT, parameters=_parameters(root), timeout=0)
+    first = _trigger(root, timeout_s=0)
     wait_until(
         lambda: _checkpoint_notices(_work_dir(root)),
         300,
@@ -158,7 +174,8 @@ def test_a_killed_worker_s_deployment_resumes_from_its_checkpoint_on_a_new_worke
     assert not killed_state.is_final(), killed_state
 
     _worker(deployed, "worker-2.log")
-    rerun = _run(deployed, DEPLOYMENT, _parameters(root), "worker-2.log")
+    rerun = _trigger(root)
+    assert rerun.state.is_completed(), f"{rerun.state}\n{deployed.log('worker-2.log')[-4000:]}"
     pipeline_run = _subflow_run(rerun.id)
     assert pipeline_run.state.is_completed(), pipeline_run.state
     messages = flow_run_logs(pipeline_run.id)
@@ -181,7 +198,10 @@ def test_a_killed_worker_s_deployment_resumes_from_its_checkpoint_on_a_new_worke
 
     # A fault-free run of the same parameters in a fresh root: the same outputs, the same bytes.
     reference = tmp_path / "reference"
-    _run(deployed, DEPLOYMENT, _parameters(reference), "worker-2.log")
+    fault_free = _trigger(reference)
+    assert fault_free.state.is_completed(), (
+        f"{fault_free.state}\n{deployed.log('worker-2.log')[-4000:]}"
+    )
     resumed_weights, reference_weights = _weights(root), _weights(reference)
     assert len(reference_weights) == 3 and resumed_weights.keys() == reference_weights.keys()
     for name, data in reference_weights.items():
