@@ -46,12 +46,53 @@ def causal_lm_loss(
 CHUNK_ELEMENTS = 1 << 22
 
 
+class TiedGradient:
+    """The (V, C) float32 gradient a tied embedding shares with the fused loss.
+
+    Autograd sums two gradients of one weight out of place: the loss's (V, C) gradient waited
+    for the embedding's dense (V, C) gradient to the end of the backward pass, then both and
+    their sum were alive at once. With a `TiedGradient` passed to `linear_cross_entropy` and
+    `tied_embedding`, the loss leaves its gradient here and the embedding's backward adds its
+    rows into it in place (``index_add_``): one (V, C) buffer instead of three.
+    """
+
+    __slots__ = ("grad",)
+
+    def __init__(self) -> None:
+        self.grad: Tensor | None = None
+
+
+def tied_embedding(ids: Tensor, weight: Tensor, tied: TiedGradient) -> Tensor:
+    """`F.embedding(ids, weight)` whose weight gradient is added into ``tied.grad``."""
+    return _TiedEmbedding.apply(ids, weight, tied)
+
+
+class _TiedEmbedding(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, ids: Tensor, weight: Tensor, tied: TiedGradient) -> Tensor:
+        ctx.save_for_backward(ids)
+        ctx.tied, ctx.weight_shape, ctx.weight_dtype = tied, weight.shape, weight.dtype
+        return F.embedding(ids, weight)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out: Tensor):
+        (ids,) = ctx.saved_tensors
+        grad, ctx.tied.grad = ctx.tied.grad, None
+        if grad is None:  # the loss took no weight gradient (or ran without this buffer)
+            grad = grad_out.new_zeros(ctx.weight_shape, dtype=torch.float32)
+        rows = grad_out.reshape(-1, grad_out.shape[-1]).to(grad.dtype)
+        grad.index_add_(0, ids.reshape(-1), rows)
+        return None, grad.to(ctx.weight_dtype), None
+
+
 def linear_cross_entropy(
     hidden: Tensor,
     weight: Tensor,
     labels: Tensor,
     z_loss_weight: float = 0.0,
     chunk_rows: int | None = None,
+    tied: TiedGradient | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """`causal_lm_loss(F.linear(hidden, weight), labels)` with the output projection fused in,
     computed over chunks of rows so the (N, V) logits never exist at once.
@@ -68,6 +109,9 @@ def linear_cross_entropy(
         labels: (B, T) or (N,) targets aligned with `hidden`, -100 where no loss is taken.
         z_loss_weight: weight of the z-loss `mean(logsumexp^2)`.
         chunk_rows: rows per chunk; by default about ``CHUNK_ELEMENTS / V``.
+        tied: when the weight is also the embedding looked up by `tied_embedding` with the same
+            `TiedGradient`, the weight's gradient is left there (float32) for the embedding's
+            backward to complete, instead of being returned to autograd.
 
     Returns:
         (loss, {"ce": cross-entropy, "z_loss": unweighted z-loss}), as `causal_lm_loss`.
@@ -76,7 +120,9 @@ def linear_cross_entropy(
     labels = labels.reshape(-1)
     rows = chunk_rows or max(1, CHUNK_ELEMENTS // weight.shape[0])
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-        loss, ce, z_loss = _LinearCrossEntropy.apply(hidden, weight, labels, z_loss_weight, rows)
+        loss, ce, z_loss = _LinearCrossEntropy.apply(
+            hidden, weight, labels, z_loss_weight, rows, tied
+        )
     else:
         ce, z_loss, _, _ = _chunked(hidden, weight, labels, z_loss_weight, rows, None, None)
         loss = ce + z_loss_weight * z_loss
@@ -135,7 +181,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
     """Output projection + (z-)cross-entropy, chunked, its gradients computed in the forward."""
 
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, z_weight: float, rows: int):
+    def forward(
+        ctx,
+        hidden: Tensor,
+        weight: Tensor,
+        labels: Tensor,
+        z_weight: float,
+        rows: int,
+        tied: TiedGradient | None,
+    ):
         grad_hidden = torch.empty_like(hidden) if hidden.requires_grad else None
         grad_weight = None
         if weight.requires_grad:
@@ -145,7 +199,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             hidden, weight, labels, z_weight, rows, grad_hidden, grad_weight
         )
         ctx.save_for_backward(num_valid)
-        ctx.grads, ctx.weight_dtype = (grad_hidden, grad_weight), weight.dtype
+        ctx.grads, ctx.weight_dtype, ctx.tied = (grad_hidden, grad_weight), weight.dtype, tied
         ctx.mark_non_differentiable(ce, z_loss)
         return ce + z_weight * z_loss, ce, z_loss
 
@@ -161,5 +215,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if grad_hidden is not None:
             grad_hidden = grad_hidden.mul_(scale.to(grad_hidden.dtype))
         if grad_weight is not None:
-            grad_weight = grad_weight.mul_(scale).to(ctx.weight_dtype)
-        return grad_hidden, grad_weight, None, None, None
+            grad_weight = grad_weight.mul_(scale)
+            if ctx.tied is not None:  # the embedding's backward adds its rows and returns it
+                ctx.tied.grad, grad_weight = grad_weight, None
+            else:
+                grad_weight = grad_weight.to(ctx.weight_dtype)
+        return grad_hidden, grad_weight, None, None, None, None

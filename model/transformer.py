@@ -18,7 +18,7 @@ from llmflow.model.attention import (
     positions_from_cu_seqlens,
 )
 from llmflow.model.config import ModelConfig
-from llmflow.model.loss import linear_cross_entropy
+from llmflow.model.loss import TiedGradient, linear_cross_entropy, tied_embedding
 from llmflow.model.norm import RMSNorm
 from llmflow.model.rope import RotaryEmbedding
 
@@ -191,6 +191,10 @@ class Transformer(nn.Module):
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
 
+    @staticmethod
+    def _trains(weight: Tensor) -> bool:
+        return torch.is_grad_enabled() and weight.requires_grad
+
     def output_weight(self) -> Tensor:
         """The (V, C) output projection: the embedding when tied."""
         return self.embed.weight if self.lm_head is None else self.lm_head.weight
@@ -218,7 +222,13 @@ class Transformer(nn.Module):
             z_loss_weight: z-loss weight of that loss.
         """
         batch, seq_len = input_ids.shape
-        x = self.embed(input_ids)  # (B, T, C)
+        tied = None
+        if labels is not None and self.lm_head is None and self._trains(self.embed.weight):
+            # NOTE: one (V, C) gradient buffer for both uses of the tied weight (TiedGradient)
+            tied = TiedGradient()
+            x = tied_embedding(input_ids, self.embed.weight, tied)  # (B, T, C)
+        else:
+            x = self.embed(input_ids)  # (B, T, C)
         doc_ids = document_ids(batch, seq_len, position_ids, cu_seqlens)
         if position_ids is None and doc_ids is not None:  # packed: restart RoPE at each doc
             position_ids = positions_from_cu_seqlens(batch, seq_len, cu_seqlens)
@@ -230,5 +240,5 @@ class Transformer(nn.Module):
             x = layer(x, rope, doc_mask)
         x = self.norm(x)
         if labels is not None:
-            return linear_cross_entropy(x, self.output_weight(), labels, z_loss_weight)
+            return linear_cross_entropy(x, self.output_weight(), labels, z_loss_weight, tied=tied)
         return F.linear(x, self.output_weight())  # (B, T, V)

@@ -119,3 +119,48 @@ def test_model_with_labels_returns_the_loss_of_its_logits():
     loss, metrics = model(ids, labels=labels, z_loss_weight=1e-3)
     torch.testing.assert_close(loss, expected, rtol=1e-6, atol=0)
     assert set(metrics) == {"ce", "z_loss"}
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+def test_model_gradients_with_labels_equal_those_of_its_full_logits(tie):
+    # the tied weight's gradient sums the loss's share (computed in the forward) and the
+    # embedding's rows (TiedGradient); autograd on the full logits is the reference
+    cfg = ModelConfig(
+        vocab_size=64, hidden_size=32, num_heads=4, num_kv_heads=2, num_layers=2,
+        tie_embeddings=tie,
+    )  # fmt: skip
+    model = Transformer(cfg)
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+    labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], dim=1)
+    expected_loss, _ = causal_lm_loss(model(ids), labels, 1e-3)
+    expected_loss.backward()
+    expected = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    loss, _ = model(ids, labels=labels, z_loss_weight=1e-3)
+    loss.backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_a_tied_embedding_backward_makes_no_vocabulary_sized_tensor():
+    # autograd summed the loss's and the embedding's (V, C) gradients out of place: the dense
+    # embedding gradient and the sum were two more (V, C) tensors at the end of the backward
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    cfg = ModelConfig(vocab_size=4096, hidden_size=16, num_heads=2, num_kv_heads=1, num_layers=1)
+    model = Transformer(cfg)
+    ids = torch.randint(0, 4096, (1, 33))
+    loss, _ = model(ids[:, :-1], labels=ids[:, 1:])
+    made = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.numel() == 4096 * 16:
+                made.append(out.untyped_storage().data_ptr())
+            return out
+
+    with Record():
+        loss.backward()
+    assert len(set(made)) == 1  # the loss's buffer only (3 before: + dense embedding grad, sum)
+    assert model.embed.weight.grad.untyped_storage().data_ptr() == made[0]
