@@ -12,6 +12,7 @@ committed, and ends with weights bit-identical to a fault-free run of the same c
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -135,77 +136,89 @@ def test_a_killed_worker_s_deployment_resumes_from_its_checkpoint_on_a_new_worke
     root = tmp_path / "runs"
     started = time.monotonic()
     first = _trigger(root, timeout_s=0)
-    wait_until(
-        lambda: _checkpoint_notices(_work_dir(root)),
-        300,
-        "the first pretraining stage's first checkpoint",
-        interval_s=0.2,
-    )
-    work = _work_dir(root)
-    before_kill = _committed(root)
-    trainers = _trainers(work)
-    flow_run = [pid for pid in _flow_run_processes(first.id) if pid not in trainers]
-    assert len(trainers) == 1 and len(flow_run) == 1, (trainers, flow_run)
-    assert _parent(flow_run[0]) == worker.pid  # the worker's child, in a session of its own
-    assert os.getsid(flow_run[0]) != os.getsid(worker.pid)
-    os.killpg(worker.pid, signal.SIGKILL)  # the node is lost: nothing of it runs any more
-    os.kill(flow_run[0], signal.SIGKILL)
-    worker.wait(10)
-    killed_at = time.monotonic()
-    while (_trainers(work) or _flow_run_processes(first.id)) and time.monotonic() - killed_at < 10:
-        time.sleep(0.1)
-    assert not _trainers(work), f"still training into {work} after its launcher was killed"
-    assert not _flow_run_processes(first.id)
-    print(f"killed {time.monotonic() - started:.0f} s after the trigger")
+    runs = [first]
+    try:
+        wait_until(
+            lambda: _checkpoint_notices(_work_dir(root)),
+            300,
+            "the first pretraining stage's first checkpoint",
+            interval_s=0.2,
+        )
+        work = _work_dir(root)
+        before_kill = _committed(root)
+        trainers = _trainers(work)
+        flow_run = [pid for pid in _flow_run_processes(first.id) if pid not in trainers]
+        assert len(trainers) == 1 and len(flow_run) == 1, (trainers, flow_run)
+        assert _parent(flow_run[0]) == worker.pid  # the worker's child, in a session of its own
+        assert os.getsid(flow_run[0]) != os.getsid(worker.pid)
+        os.killpg(worker.pid, signal.SIGKILL)  # the node is lost: nothing of it runs any more
+        os.kill(flow_run[0], signal.SIGKILL)
+        worker.wait(10)
+        killed_at = time.monotonic()
+        while (
+            _trainers(work) or _flow_run_processes(first.id)
+        ) and time.monotonic() - killed_at < 10:
+            time.sleep(0.1)
+        assert not _trainers(work), f"still training into {work} after its launcher was killed"
+        assert not _flow_run_processes(first.id)
+        print(f"killed {time.monotonic() - started:.0f} s after the trigger")
 
-    # What the kill left: the stage's work dir with its checkpoints, nothing that looks complete.
-    resume_from = latest_checkpoint(work)
-    assert resume_from is not None and resume_from.parent.name == "checkpoints", resume_from
-    step = int(resume_from.name.removeprefix("step-"))
-    assert 0 < step < STAGE1_STEPS and step % INTERVAL == 0, step
-    assert _committed(root) == before_kill
-    assert not any(key.startswith("pretrain/") for key in before_kill), before_kill
-    assert {k.split("/")[0] for k in before_kill} >= {"sample", "tokenize", "mixture"}
-    with get_client(sync_client=True) as client:
-        killed_state = client.read_flow_run(first.id).state
-    # NOTE: nothing reports a SIGKILLed worker's run: it stays Running on the server (Prefect
-    # 3.8.8 marks a run Crashed on missed heartbeats only through an automation one sets up).
-    print(f"the killed flow run is {killed_state.name} on the server")
-    assert not killed_state.is_final(), killed_state
+        # What the kill left: the work dir with its checkpoints, nothing that looks complete.
+        resume_from = latest_checkpoint(work)
+        assert resume_from is not None and resume_from.parent.name == "checkpoints", resume_from
+        step = int(resume_from.name.removeprefix("step-"))
+        assert 0 < step < STAGE1_STEPS and step % INTERVAL == 0, step
+        assert _committed(root) == before_kill
+        assert not any(key.startswith("pretrain/") for key in before_kill), before_kill
+        assert {k.split("/")[0] for k in before_kill} >= {"sample", "tokenize", "mixture"}
+        with get_client(sync_client=True) as client:
+            killed_state = client.read_flow_run(first.id).state
+        # NOTE: nothing reports a SIGKILLed worker's run: it stays Running on the server (Prefect
+        # 3.8.8 marks a run Crashed on missed heartbeats only through an automation one sets up).
+        print(f"the killed flow run is {killed_state.name} on the server")
+        assert not killed_state.is_final(), killed_state
 
-    _worker(deployed, "worker-2.log")
-    rerun = _trigger(root)
-    assert rerun.state.is_completed(), f"{rerun.state}\n{deployed.log('worker-2.log')[-4000:]}"
-    pipeline_run = _subflow_run(rerun.id)
-    assert pipeline_run.state.is_completed(), pipeline_run.state
-    messages = flow_run_logs(pipeline_run.id)
-    resumed = f"resumed from {resume_from} at step {step}"
-    assert resumed in messages, "\n".join(messages[-60:])
-    stage1_steps = sorted(
-        int(m.group(1))
-        for m in map(STEP_LINE.match, messages)
-        if m and int(m.group(1)) <= STAGE1_STEPS
-    )
-    assert stage1_steps == list(range(step + 1, STAGE1_STEPS + 1)), stage1_steps  # none redone
-    task_runs = _task_runs(pipeline_run.id)
-    assert all(t.state.is_completed() for t in task_runs), [(t.name, t.state) for t in task_runs]
-    ran = sorted(t.name for t in task_runs if t.state.name != "Cached")
-    assert ran == [f"pretrain-quickstart-stage{i}" for i in (1, 2, 3)], ran
-    after = _committed(root)
-    assert {k: after[k] for k in before_kill} == before_kill  # committed before: not recomputed
-    assert not work.exists()  # committed: the work dir became the output
-    print(f"re-run done {time.monotonic() - started:.0f} s after the first trigger")
+        _worker(deployed, "worker-2.log")
+        rerun = _trigger(root)
+        runs.append(rerun)
+        assert rerun.state.is_completed(), f"{rerun.state}\n{deployed.log('worker-2.log')[-4000:]}"
+        pipeline_run = _subflow_run(rerun.id)
+        assert pipeline_run.state.is_completed(), pipeline_run.state
+        messages = flow_run_logs(pipeline_run.id)
+        resumed = f"resumed from {resume_from} at step {step}"
+        assert resumed in messages, "\n".join(messages[-60:])
+        stage1_steps = sorted(
+            int(m.group(1))
+            for m in map(STEP_LINE.match, messages)
+            if m and int(m.group(1)) <= STAGE1_STEPS
+        )
+        assert stage1_steps == list(range(step + 1, STAGE1_STEPS + 1)), stage1_steps  # none redone
+        task_runs = _task_runs(pipeline_run.id)
+        assert all(t.state.is_completed() for t in task_runs), [
+            (t.name, t.state) for t in task_runs
+        ]
+        ran = sorted(t.name for t in task_runs if t.state.name != "Cached")
+        assert ran == [f"pretrain-quickstart-stage{i}" for i in (1, 2, 3)], ran
+        after = _committed(root)
+        assert {k: after[k] for k in before_kill} == before_kill  # untouched: not recomputed
+        assert not work.exists()  # committed: the work dir became the output
+        print(f"re-run done {time.monotonic() - started:.0f} s after the first trigger")
 
-    # A fault-free run of the same parameters in a fresh root: the same outputs, the same bytes.
-    reference = tmp_path / "reference"
-    fault_free = _trigger(reference)
-    assert fault_free.state.is_completed(), (
-        f"{fault_free.state}\n{deployed.log('worker-2.log')[-4000:]}"
-    )
-    resumed_weights, reference_weights = _weights(root), _weights(reference)
-    assert len(reference_weights) == 3 and resumed_weights.keys() == reference_weights.keys()
-    for name, data in reference_weights.items():
-        assert resumed_weights[name] == data, f"{name}: the resumed run's weights differ"
-    assert set(_committed(reference)) == set(after)
+        # A fault-free run of the same parameters in a fresh root: the same outputs, the same bytes.
+        reference = tmp_path / "reference"
+        fault_free = _trigger(reference)
+        runs.append(fault_free)
+        assert fault_free.state.is_completed(), (
+            f"{fault_free.state}\n{deployed.log('worker-2.log')[-4000:]}"
+        )
+        resumed_weights, reference_weights = _weights(root), _weights(reference)
+        assert len(reference_weights) == 3 and resumed_weights.keys() == reference_weights.keys()
+        for name, data in reference_weights.items():
+            assert resumed_weights[name] == data, f"{name}: the resumed run's weights differ"
+        assert set(_committed(reference)) == set(after)
+    finally:  # only when the test failed: what its flow runs left (their own sessions)
+        for pid in {p for run in runs for p in _flow_run_processes(run.id)}:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
     stop(deployed.processes[-1])
     print(f"test done in {time.monotonic() - started:.0f} s")

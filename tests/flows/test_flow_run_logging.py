@@ -1,4 +1,4 @@
-"""The steps' logs reach the Prefect API in a worker's flow-run process, which imports Prefect first.
+"""The steps' logs reach the Prefect API in a worker's flow-run process (it loads Prefect first).
 
 A process worker starts ``python -m prefect.engine``: Prefect sets its logging up on import, before
 the flow's module imports ``llmflow.flows`` (whose default ``PREFECT_LOGGING_EXTRA_LOGGERS`` comes
