@@ -19,6 +19,13 @@ a variant's figure is the median over rounds of its tokens per second. ``identic
 that both sides' first-step losses from the same weights agree within 1e-4. Prints ONE JSON line.
 
     python benchmarks/bench_train_step.py [--rounds 5] [--steps 4] [--no-compile]
+
+``--breakdown`` instead times the eager step's parts on both sides (alternating rounds): the
+decoder body's forward+backward (embedding to final norm), the output projection with its loss,
+and clipping plus the optimizer; and the floor no implementation of these matmuls can go under:
+the step's matrix-multiply FLOPs at the rate torch's GEMM reaches on the body's largest
+projection, plus the attention kernel both sides call (SDPA), plus the optimizer. It prints the
+largest eager ratio that floor allows.
 """
 
 from __future__ import annotations
@@ -115,14 +122,97 @@ def build(compile_: bool) -> dict[str, tuple]:
     return steps
 
 
+def breakdown(rounds: int) -> None:
+    """Median ms of each part of the eager step, both sides, and the floor of any eager step."""
+    import torch.nn.functional as F
+
+    from llmflow.model.loss import linear_cross_entropy
+
+    ids = torch.randint(0, SHAPES["vocab_size"], (BATCH, SEQ), generator=torch.Generator())
+    labels = torch.cat([ids[:, 1:], torch.full((BATCH, 1), IGNORE_INDEX)], dim=1)
+    model = Transformer(ModelConfig(**SHAPES))
+    model.init_weights(seed=0)
+    (ours_opt,) = build_optimizers(model, OPTIM)
+    hf = smollm3(False, False, to_hf_state_dict(model.state_dict(), model.cfg))[0]
+    hf_opt = torch.optim.AdamW(hf.parameters(), lr=OPTIM.lr)
+    hidden = torch.randn(BATCH, SEQ, SHAPES["hidden_size"], requires_grad=True)
+    weight = model.embed.weight.detach().clone().requires_grad_()
+    positions = torch.arange(SEQ)[None]
+
+    def ours_body():
+        x = model.embed(ids)
+        rope = model.rope(positions, x.dtype)
+        for layer in model.layers:
+            x = layer(x, rope, None)
+        model.norm(x).sum().backward()
+
+    def optimizer_step(m, opt):
+        def run():
+            for p in m.parameters():
+                p.grad = torch.ones_like(p)
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        return run
+
+    q = torch.randn(BATCH, SHAPES["num_heads"], SEQ, 32, requires_grad=True)
+    kv = torch.randn(BATCH, SHAPES["num_kv_heads"], SEQ, 32, requires_grad=True)
+
+    def sdpa():  # one layer's attention, forward and backward
+        F.scaled_dot_product_attention(q, kv, kv, is_causal=True, enable_gqa=True).sum().backward()
+
+    a, b = torch.randn(BATCH * SEQ, SHAPES["hidden_size"]), model.layers[0].mlp.gate_up_proj.weight
+    parts = {
+        "ours_body": ours_body,
+        "smollm3_body": lambda: hf.model(input_ids=ids).last_hidden_state.sum().backward(),
+        "ours_loss": lambda: linear_cross_entropy(hidden, weight, labels)[0].backward(),
+        "smollm3_loss": lambda: hf.loss_function(
+            F.linear(hidden, weight), ids, vocab_size=SHAPES["vocab_size"]
+        ).backward(),
+        "ours_optimizer": optimizer_step(model, ours_opt),
+        "smollm3_optimizer": optimizer_step(hf, hf_opt),
+        "gemm": lambda: [a @ b.detach().t() for _ in range(10)],
+        "sdpa_layer": sdpa,
+    }
+    with torch.no_grad():
+        for fn in ("ours_optimizer", "smollm3_optimizer"):
+            parts[fn]()  # the optimizer states exist before the rounds
+    seconds = alternate(parts, rounds=rounds, warmup=True)
+    ms = {k: 1000 * statistics.median(v) for k, v in seconds.items()}
+    gemm_rate = 10 * 2 * a.shape[0] * a.shape[1] * b.shape[0] / (ms["gemm"] / 1000)
+    tokens, c, v = BATCH * SEQ, SHAPES["hidden_size"], SHAPES["vocab_size"]
+    linear = sum(p.numel() for n, p in model.layers.named_parameters() if p.ndim == 2)
+    flops = 3 * 2 * tokens * (linear + v * c)  # forward, input and weight gradients
+    floor = 1000 * flops / gemm_rate + SHAPES["num_layers"] * ms["sdpa_layer"]
+    floor += ms["ours_optimizer"]
+    steps = {side: sum(ms[f"{side}_{p}"] for p in ("body", "loss", "optimizer"))
+             for side in ("ours", "smollm3")}  # fmt: skip
+    emit(
+        "train_step_breakdown",
+        ms={k: round(x, 1) for k, x in ms.items() if k != "gemm"},
+        step_ms={k: round(x, 1) for k, x in steps.items()},
+        ratio=round(steps["smollm3"] / steps["ours"], 3),
+        gemm_gflops=round(gemm_rate / 1e9, 1),
+        matmul_gflop_per_step=round(flops / 1e9, 1),
+        floor_ms=round(floor, 1),
+        max_eager_ratio=round(steps["smollm3"] / floor, 3),
+        rounds=rounds,
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=4, help="train steps per timed call")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps (and compilation)")
     parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--breakdown", action="store_true", help="time the eager step's parts")
     args = parser.parse_args()
     torch.set_num_threads(2)
+    if args.breakdown:
+        breakdown(args.rounds)
+        return
     ids = torch.randint(0, SHAPES["vocab_size"], (BATCH, SEQ), generator=torch.Generator())
     labels = torch.cat([ids[:, 1:], torch.full((BATCH, 1), IGNORE_INDEX)], dim=1)
     steps = build(not args.no_compile)

@@ -154,18 +154,28 @@ def _chunked(
         logits = F.linear(h, weight)  # (R, V), in the autocast dtype if any
         compute_dtype = logits.dtype
         logits = logits.float()
-        # NOTE: one fused log-softmax pass (torch.logsumexp on CPU makes two R x V temporaries)
-        logp = torch.log_softmax(logits, dim=-1)
-        lse = logits[:, 0] - logp[:, 0]  # (R,)
+        if grad_hidden is None and grad_weight is None:  # the loss only
+            # NOTE: one fused log-softmax pass (torch.logsumexp on CPU makes two R x V temporaries)
+            logp = torch.log_softmax(logits, dim=-1)
+            lse = logits[:, 0] - logp[:, 0]  # (R,)
+            target = logp.gather(-1, y.clamp(min=0)[:, None]).squeeze(-1)
+            ce_sum -= (target * m).sum()
+            if z_weight:
+                z_sum += (lse.square() * m).sum()
+            continue
+        # NOTE: the softmax in one pass (log_softmax then exp_ was two passes over R x V); the
+        # normalizer from the row's largest probability, lse = max - log(p_max), p_max >= 1/V
+        probs = torch.softmax(logits, dim=-1)
+        lse = logits.amax(dim=-1) - probs.amax(dim=-1).log()  # (R,)
+        target = logits.gather(-1, y.clamp(min=0)[:, None]).squeeze(-1)
         del logits
-        target = logp.gather(-1, y.clamp(min=0)[:, None]).squeeze(-1)
-        ce_sum -= (target * m).sum()
+        ce_sum += ((lse - target) * m).sum()
+        # d/dlogits = softmax * (1 + 2 z lse) - onehot(label), on valid rows; in place
         if z_weight:
             z_sum += (lse.square() * m).sum()
-        if grad_hidden is None and grad_weight is None:
-            continue
-        # d/dlogits = softmax * (1 + 2 z lse) - onehot(label), on valid rows; in place
-        probs = logp.exp_().mul_((m * (1 + 2 * z_weight * lse))[:, None])
+            probs.mul_((m * (1 + 2 * z_weight * lse))[:, None])
+        else:
+            probs[(~m).nonzero().squeeze(-1)] = 0  # rows without a label (few): no gradient
         chosen = m.nonzero().squeeze(-1)
         probs[chosen, y[chosen]] -= 1
         grad = probs.to(compute_dtype)
