@@ -10,6 +10,7 @@ killing the process group, and returns the headline metrics the trainer wrote to
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import queue
@@ -182,6 +183,54 @@ def run_streaming(
         start_new_session=True,  # NOTE: own process group, so a kill reaches torchrun's children
         preexec_fn=_die_with_parent(),
     )
+    received: list[int] = []
+    try:
+        with _forward_sigterm(proc) as received:
+            return _follow(proc, on_line, timeout_s, tail_lines, watcher, on_notice)
+    finally:
+        if received:  # the trainer has stopped: this process goes on terminating, as asked
+            signal.raise_signal(signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def _forward_sigterm(proc: subprocess.Popen) -> Iterator[list[int]]:
+    """While ``proc`` runs, a SIGTERM to this process goes to the trainer's process group.
+
+    Kubernetes sends SIGTERM to a container's first process only, and the trainer runs in a
+    session of its own: without this, the trainer never heard of the eviction, and died by
+    SIGKILL with its launcher (no checkpoint). Now it saves one within its grace period and exits
+    with code 75; after that, the signal is delivered again to this process's previous handler
+    (Prefect's: the run is marked crashed; the default: the process ends). Python handles
+    signals in the main thread only: a trainer launched from another thread is not covered.
+    """
+    received: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+
+    def forward(signum: int, _frame: Any) -> None:
+        received.append(signum)
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+
+    previous = signal.signal(signal.SIGTERM, forward)
+    try:
+        yield received
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _follow(
+    proc: subprocess.Popen,
+    on_line: Callable[[str], Any],
+    timeout_s: float | None,
+    tail_lines: int,
+    watcher: NoticeWatcher | None,
+    on_notice: Callable[[dict[str, Any]], Any],
+) -> list[str]:
+    """Stream ``proc``'s lines and notices until it exits; its tail, or TrainingFailed."""
     lines: queue.Queue[str | object] = queue.Queue()
     threading.Thread(target=_pump, args=(proc.stdout, lines), daemon=True).start()
     tail: collections.deque[str] = collections.deque(maxlen=tail_lines)

@@ -86,3 +86,44 @@ def test_the_trainer_dies_with_its_sigkilled_launcher(
         launcher.kill()
         for pid in _trainers(run):  # only when the test failed: the processes it started
             os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("num_processes", [1, 2], ids=["one-process", "torchrun-2-ranks"])
+def test_a_sigterm_to_the_launcher_reaches_the_trainer_which_checkpoints_first(
+    num_processes: int, tmp_path: Path, chaos_train_data: Path
+):
+    # Kubernetes sends SIGTERM to a container's first process only; the trainer runs in a
+    # session of its own, so before the launcher forwarded it the trainer died by SIGKILL with
+    # its launcher: no "SIGTERM received" line, no checkpoint
+    from llmflow.tasks.pretrain.checkpoint import latest_checkpoint
+
+    cfg = tiny_train_config(max_steps=100_000, checkpoint={"interval": 100_000}, log_interval=1)
+    config_path, run = tmp_path / "train_config.json", tmp_path / "run"
+    cfg.save(config_path)
+    argv = [str(config_path), str(chaos_train_data), str(run), str(num_processes)]
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER, *argv],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        expected = num_processes + (num_processes > 1)  # the ranks, and torchrun
+        deadline = time.monotonic() + 120
+        while len(_trainers(run)) < expected and time.monotonic() < deadline:
+            time.sleep(0.5)
+        time.sleep(5)  # past start-up: training
+        assert launcher.poll() is None and len(_trainers(run)) == expected
+        launcher.send_signal(signal.SIGTERM)  # the launcher only, as Kubernetes does
+        output, _ = launcher.communicate(timeout=cfg.checkpoint.preempt_grace_s + 30)
+        assert launcher.returncode == -signal.SIGTERM, output[-3000:]  # then it ended as asked
+        assert "SIGTERM received" in output, output[-3000:]
+        saved = latest_checkpoint(run)
+        assert saved is not None and int(saved.name.split("-")[-1]) > 0, output[-3000:]
+        assert not _trainers(run)
+    finally:
+        launcher.kill()
+        for pid in _trainers(run):  # only when the test failed: the processes it started
+            os.kill(pid, signal.SIGKILL)
