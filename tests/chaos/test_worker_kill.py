@@ -9,9 +9,11 @@ trainer keeps writing into the work dir while a re-run starts there.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -22,6 +24,7 @@ from tests.integration.servers import REPO
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(sys.platform != "linux", reason="Linux only")]
 
+STEP_LINE = re.compile(r"\bstep \d+ loss ")
 LAUNCHER = """
 import sys
 from pathlib import Path
@@ -88,6 +91,11 @@ def test_the_trainer_dies_with_its_sigkilled_launcher(
             os.kill(pid, signal.SIGKILL)
 
 
+def _collect(stream, lines: list[str]) -> None:
+    for line in stream:
+        lines.append(line)
+
+
 @pytest.mark.parametrize("num_processes", [1, 2], ids=["one-process", "torchrun-2-ranks"])
 def test_a_sigterm_to_the_launcher_reaches_the_trainer_which_checkpoints_first(
     num_processes: int, tmp_path: Path, chaos_train_data: Path
@@ -109,15 +117,21 @@ def test_a_sigterm_to_the_launcher_reaches_the_trainer_which_checkpoints_first(
         stderr=subprocess.STDOUT,
         text=True,
     )
+    lines: list[str] = []
+    reader = threading.Thread(target=_collect, args=(launcher.stdout, lines), daemon=True)
+    reader.start()
     try:
         expected = num_processes + (num_processes > 1)  # the ranks, and torchrun
-        deadline = time.monotonic() + 120
-        while len(_trainers(run)) < expected and time.monotonic() < deadline:
-            time.sleep(0.5)
-        time.sleep(5)  # past start-up: training
-        assert launcher.poll() is None and len(_trainers(run)) == expected
+        deadline = time.monotonic() + 180
+        # training, not starting up (a rank without its SIGTERM handler yet would just die)
+        while not any(STEP_LINE.search(line) for line in list(lines)):
+            assert launcher.poll() is None and time.monotonic() < deadline, "".join(lines)[-3000:]
+            time.sleep(0.2)
+        assert len(_trainers(run)) == expected
         launcher.send_signal(signal.SIGTERM)  # the launcher only, as Kubernetes does
-        output, _ = launcher.communicate(timeout=cfg.checkpoint.preempt_grace_s + 30)
+        launcher.wait(timeout=cfg.checkpoint.preempt_grace_s + 30)
+        reader.join(10)
+        output = "".join(lines)
         assert launcher.returncode == -signal.SIGTERM, output[-3000:]  # then it ended as asked
         assert "SIGTERM received" in output, output[-3000:]
         saved = latest_checkpoint(run)
