@@ -156,8 +156,9 @@ def breakdown(rounds: int) -> None:
 
         return run
 
-    q = torch.randn(BATCH, SHAPES["num_heads"], SEQ, 32, requires_grad=True)
-    kv = torch.randn(BATCH, SHAPES["num_kv_heads"], SEQ, 32, requires_grad=True)
+    head_dim = SHAPES["hidden_size"] // SHAPES["num_heads"]
+    q = torch.randn(BATCH, SHAPES["num_heads"], SEQ, head_dim, requires_grad=True)
+    kv = torch.randn(BATCH, SHAPES["num_kv_heads"], SEQ, head_dim, requires_grad=True)
 
     def sdpa():  # one layer's attention, forward and backward
         F.scaled_dot_product_attention(q, kv, kv, is_causal=True, enable_gqa=True).sum().backward()

@@ -191,10 +191,6 @@ class Transformer(nn.Module):
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
 
-    @staticmethod
-    def _trains(weight: Tensor) -> bool:
-        return torch.is_grad_enabled() and weight.requires_grad
-
     def output_weight(self) -> Tensor:
         """The (V, C) output projection: the embedding when tied."""
         return self.embed.weight if self.lm_head is None else self.lm_head.weight
@@ -223,7 +219,8 @@ class Transformer(nn.Module):
         """
         batch, seq_len = input_ids.shape
         tied = None
-        if labels is not None and self.lm_head is None and self._trains(self.embed.weight):
+        trains = torch.is_grad_enabled() and self.embed.weight.requires_grad
+        if labels is not None and self.lm_head is None and trains:
             # NOTE: one (V, C) gradient buffer for both uses of the tied weight (TiedGradient)
             tied = TiedGradient()
             x = tied_embedding(input_ids, self.embed.weight, tied)  # (B, T, C)

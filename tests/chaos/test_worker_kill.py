@@ -51,6 +51,20 @@ def _trainers(run: Path) -> list[int]:
     return found
 
 
+def _start_launcher(cfg, tmp_path: Path, data: Path, num_processes: int, **output):
+    """The launcher of ``cfg`` as its own process (as a worker's flow run); (process, run dir)."""
+    config_path, run = tmp_path / "train_config.json", tmp_path / "run"
+    cfg.save(config_path)
+    argv = [str(config_path), str(data), str(run), str(num_processes)]
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER, *argv],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+        **output,
+    )
+    return launcher, run
+
+
 @pytest.mark.parametrize("num_processes", [1, 2], ids=["one-process", "torchrun-2-ranks"])
 def test_the_trainer_dies_with_its_sigkilled_launcher(
     num_processes: int, tmp_path: Path, chaos_train_data: Path
@@ -59,16 +73,10 @@ def test_the_trainer_dies_with_its_sigkilled_launcher(
     # anyway), as a long step or checkpoint write is in production
     quiet = {"log_interval": 100_000, "checkpoint": {"interval": 100_000}}
     cfg = tiny_train_config(max_steps=100_000, **quiet)
-    config_path, run = tmp_path / "train_config.json", tmp_path / "run"
-    cfg.save(config_path)
-    argv = [str(config_path), str(chaos_train_data), str(run), str(num_processes)]
-    launcher = subprocess.Popen(
-        [sys.executable, "-c", LAUNCHER, *argv],
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    launcher, run = _start_launcher(
+        cfg, tmp_path, chaos_train_data, num_processes,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
     try:
         expected = num_processes + (num_processes > 1)  # the ranks, and torchrun
         deadline = time.monotonic() + 120
@@ -106,17 +114,10 @@ def test_a_sigterm_to_the_launcher_reaches_the_trainer_which_checkpoints_first(
     from llmflow.tasks.pretrain.checkpoint import latest_checkpoint
 
     cfg = tiny_train_config(max_steps=100_000, checkpoint={"interval": 100_000}, log_interval=1)
-    config_path, run = tmp_path / "train_config.json", tmp_path / "run"
-    cfg.save(config_path)
-    argv = [str(config_path), str(chaos_train_data), str(run), str(num_processes)]
-    launcher = subprocess.Popen(
-        [sys.executable, "-c", LAUNCHER, *argv],
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    launcher, run = _start_launcher(
+        cfg, tmp_path, chaos_train_data, num_processes,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
     lines: list[str] = []
     reader = threading.Thread(target=_collect, args=(launcher.stdout, lines), daemon=True)
     reader.start()
