@@ -154,11 +154,23 @@ def _fingerprint(folder: Path, source: HubSource) -> str:
     return folder_fingerprint(folder)
 
 
+def repo_files(folder: Path) -> list[Path]:
+    """The files of a repo folder, sorted, less its own ``.cache`` (download records).
+
+    Only a ``.cache`` *inside* the folder is left out: the test is on the path relative to it,
+    since a mirror under ``~/.cache/...`` has ``.cache`` among its parents, and testing the
+    absolute path left out every file (every such folder then fingerprinted as empty).
+    """
+    return sorted(
+        p for p in folder.rglob("*") if p.is_file() and ".cache" not in p.relative_to(folder).parts
+    )
+
+
 def folder_fingerprint(folder: Path) -> str:
-    """``local-<sha256>`` of a folder's file names, sizes and whole contents (``.cache`` left
-    out): the revision of a mirrored Hub repo or of any local model folder."""
+    """``local-<sha256>`` of a folder's file names, sizes and whole contents (its ``.cache``
+    left out): the revision of a mirrored Hub repo or of any local model folder."""
     digest = hashlib.sha256()
-    for path in sorted(p for p in folder.rglob("*") if p.is_file() and ".cache" not in p.parts):
+    for path in repo_files(folder):
         digest.update(f"{path.relative_to(folder)}\0{path.stat().st_size}\0".encode())
         digest.update(file_sha256(path).encode())
     return "local-" + digest.hexdigest()[:16]

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from llmflow.tasks.framework.errors import BadInputError
-from llmflow.tasks.ingest.hub import MIRROR_ENV, folder_fingerprint
+from llmflow.tasks.ingest.hub import MIRROR_ENV, folder_fingerprint, repo_files
 
 MODEL_PREFIX = "hf://models/"
 _URI = re.compile(r"^hf://models/(?P<repo>[\w.-]+/[\w.-]+)(?:@(?P<revision>[\w./-]+))?$")
@@ -170,8 +170,7 @@ def fingerprint(folder: Path) -> str:
     """The folder's fingerprint, computed once per content listing (names, sizes, mtimes)."""
     listing = tuple(
         (str(p.relative_to(folder)), p.stat().st_size, p.stat().st_mtime_ns)
-        for p in sorted(folder.rglob("*"))
-        if p.is_file() and ".cache" not in p.parts
+        for p in repo_files(folder)
     )
     return _cached_fingerprint(str(folder.resolve()), listing)
 
@@ -210,11 +209,7 @@ def model_files(source: ModelSource) -> tuple[str, ...]:
     commit, in the pinned URI, names its content."""
     if source.folder is None:
         return ()
-    return tuple(
-        str(p)
-        for p in sorted(source.folder.rglob("*"))
-        if p.is_file() and ".cache" not in p.relative_to(source.folder).parts
-    )
+    return tuple(str(p) for p in repo_files(source.folder))
 
 
 def read_config(folder: Path, uri: str, field: str) -> dict:
