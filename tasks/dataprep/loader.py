@@ -11,7 +11,9 @@ flat however much of the dataset has been read.
 Labels: ``labels[b, t] = row[t + 1]``, except ``-100`` (ignored by cross entropy) where the
 target is the first token of a new document (the input there is the previous document's eos,
 and under document masking that position cannot see the new document) and where the target is
-padding (the tail of the last row).
+padding (the tail of one row, found by position from ``meta["padding"]``). Padding is never
+found by token id: pad equals eos for Qwen2.5, Qwen3 and an imported Llama 3, and masking every
+``pad_id`` label would mask every document's end, so the model would never learn to stop.
 """
 
 from __future__ import annotations
@@ -89,6 +91,7 @@ class PackedLoader:
         paths += [self.data_dir / index["doc_offsets"], self.data_dir / index["doc_starts"]]
         self._files = _Files(paths)
         self._perms: dict[int, np.ndarray] = {}
+        self._padding = self._find_padding()
 
     @property
     def seq_len(self) -> int:
@@ -157,6 +160,34 @@ class PackedLoader:
             rows[mask] = self._permutation(int(epoch))[positions[mask]]
         return rows
 
+    def _find_padding(self) -> tuple[int, int] | None:
+        """(stored row, first padded position) of the padding, or None when there is none."""
+        if "padding" in self.meta:
+            padding = self.meta["padding"]
+            return None if padding is None else (int(padding["row"]), int(padding["start"]))
+        # A dataset packed before meta recorded it: the padded row is the one whose last
+        # document start is where the padding must begin and whose tail from there is pad_id.
+        row_len, rows = self.seq_len + 1, self.num_sequences
+        start = int(self.meta["num_tokens"]) - (rows - 1) * row_len
+        if start == row_len:
+            return None
+        index = self.meta["index"]
+        offsets = np.fromfile(self.data_dir / index["doc_offsets"], np.int64)
+        starts = np.fromfile(self.data_dir / index["doc_starts"], np.int32)
+        has = np.flatnonzero(offsets[1:] > offsets[:-1])
+        candidates = has[starts[offsets[has + 1] - 1] == start]
+        found = [
+            int(r)
+            for r in candidates
+            if (self._read_row(int(r))[0][start:] == self.meta["pad_id"]).all()
+        ]
+        if len(found) != 1:
+            raise ValueError(
+                f"{self.data_dir}/meta.json has no 'padding' and {len(found)} rows could hold "
+                "it; rebuild the packed dataset"
+            )
+        return found[0], start
+
     def _read_row(self, row: int) -> tuple[np.ndarray, np.ndarray]:
         """Tokens (T+1) and document-start positions (1..T) of one dataset row."""
         shard = int(np.searchsorted(self._shard_starts, row, side="right") - 1)
@@ -178,7 +209,9 @@ class PackedLoader:
             begins[b, starts] = True
         labels = tokens[:, 1:].copy()
         labels[begins[:, 1:]] = IGNORE_INDEX  # target is the first token of the next document
-        labels[tokens[:, 1:] == self.meta["pad_id"]] = IGNORE_INDEX
+        if self._padding is not None:
+            padded_row, start = self._padding
+            labels[rows == padded_row, start - 1 :] = IGNORE_INDEX  # label t is token t+1
         seg = begins[:, :T]
         idx = np.arange(T)
         last_begin = np.maximum.accumulate(np.where(seg, idx, 0), axis=1)

@@ -5,7 +5,10 @@ On-disk format of a packed dataset directory (read by `tasks.dataprep.loader.Pac
 - ``meta.json``: ``seq_len`` T, ``dtype`` ("uint16" | "uint32"), ``vocab_size``, ``eos_id``,
   ``pad_id``, ``num_sequences`` N, ``num_tokens`` (real tokens, padding excluded), ``shards``
   (``[{"file", "num_sequences"}]`` in row order), ``index`` (file names below) and whatever the
-  caller adds (mixture report, ...).
+  caller adds (mixture report, ...). ``padding``: ``{"row", "start"}``, the stored row that holds
+  the padding and the position in it where padding begins, or null when the last row is full.
+  The loader masks padding by this position, never by token id: pad may equal eos (Qwen2.5,
+  Qwen3, an imported Llama 3), and eos targets must still be trained.
 - shard files ``shard_00000.bin``: raw little-endian arrays of shape ``(n, T+1)``, memory-mappable
   with ``np.memmap(path, dtype, mode="r").reshape(-1, T + 1)``. Row i of the dataset is row
   ``i - first_row(shard)`` of its shard; input = ``row[:-1]``, labels = ``row[1:]``.
@@ -14,7 +17,8 @@ On-disk format of a packed dataset directory (read by `tasks.dataprep.loader.Pac
   ``1..T`` where a new document begins (position 0 always begins a segment and is not stored).
 
 Documents are written as ``tokens + [eos]`` back to back; the stream is cut into rows of T+1
-tokens and the last row is filled with ``pad_id`` (labels there are ignored by the loader).
+tokens and the last row is filled with ``pad_id`` (labels there are ignored by the loader, which
+finds them by ``padding`` above).
 Rows are then permuted with the seed, so one long document never fills a batch.
 """
 
@@ -104,6 +108,10 @@ def write_packed(
         np.full(num_rows * row_len - num_tokens, pad_id, dtype).tofile(f)
     offsets, starts = _row_index(doc_lengths, num_rows, row_len)
     perm = np.random.default_rng(seed).permutation(num_rows)
+    pad_start = num_tokens - (num_rows - 1) * row_len  # in 1..row_len; row_len: no padding
+    padding = None
+    if pad_start < row_len:  # the last unshuffled row, wherever the permutation put it
+        padding = {"row": int(np.flatnonzero(perm == num_rows - 1)[0]), "start": int(pad_start)}
     offsets, starts = _permute_index(offsets, starts, perm)
     offsets.tofile(out_dir / INDEX_FILES["doc_offsets"])
     starts.tofile(out_dir / INDEX_FILES["doc_starts"])
@@ -118,6 +126,7 @@ def write_packed(
         "num_sequences": int(num_rows),
         "num_tokens": num_tokens,
         "num_documents": int(len(doc_lengths)),
+        "padding": padding,
         "shards": shards,
         "index": INDEX_FILES,
         **(extra_meta or {}),
