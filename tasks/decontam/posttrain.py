@@ -1,8 +1,10 @@
 """The ``decontaminate-posttrain`` step: SFT, DPO and GRPO data checked against the eval sets.
 
 Each post-training step's data (the user's file, or the generated quickstart data, resolved as
-the step resolves it) is scanned with the same index as the pretraining corpus: every string
-of a record (prompts, answers, chosen and rejected replies) is one text. The output holds
+the step resolves it) is scanned with the same index as the pretraining corpus. A record is
+read as its step reads it, as conversations of message texts without role names (an SFT chat; a
+DPO prompt with each reply; a GRPO prompt with its answer), and each message is scanned after the
+one before it, so an item is found across a question/answer boundary as it reads. The output holds
 ``contamination.json`` (per task: items found in the data and their share; records matched) and
 ``examples.json`` (per matched record: its position in the data and the items it holds). In
 ``remove`` mode the post-training step drops those records, each listed in its rejects with the
@@ -14,6 +16,7 @@ from __future__ import annotations
 import json
 import tempfile
 from collections import defaultdict
+from itertools import pairwise
 from pathlib import Path
 from typing import Any, Literal
 
@@ -43,15 +46,63 @@ class PostTrainDecontConfig(BaseModel):
     decontam: DecontamConfig
 
 
-def record_text(value: Any) -> str:
-    """Every string of a record, in order, one per line (any chat or preference layout)."""
+# a message's speaker, and a content part's type: never text an eval item could hold
+ROLE_KEYS = ("role", "from", "type")
+
+
+def record_strings(value: Any) -> list[str]:
+    """Every string of a record in order, less the speakers' names (any layout)."""
     if isinstance(value, str):
-        return value
+        return [value]
     if isinstance(value, dict):
-        return "\n".join(record_text(v) for v in value.values())
+        return [s for k, v in value.items() if k not in ROLE_KEYS for s in record_strings(v)]
     if isinstance(value, list):
-        return "\n".join(record_text(v) for v in value)
-    return ""
+        return [s for v in value for s in record_strings(v)]
+    return []
+
+
+def record_conversations(kind: str, record: Any) -> list[list[str]]:
+    """The record's conversations as its step reads them, each a list of message texts.
+
+    SFT: its one chat; DPO: the prompt with the chosen reply, and with the rejected one (never
+    one reply after the other); GRPO: the prompt, then the reference answer. A record its step
+    cannot read (it rejects it) gives its strings, one message each.
+    """
+    from llmflow.tasks.posttrain.formats import RecordError, normalize_preference, normalize_sft
+
+    def contents(messages: list[dict]) -> list[str]:
+        return [m["content"] for m in messages]
+
+    try:
+        if kind == "sft":
+            return [contents(normalize_sft(record)["messages"])]
+        if kind == "dpo":
+            pair = normalize_preference(record)
+            prompt = contents(pair["prompt"])
+            return [prompt + contents(pair["chosen"]), prompt + contents(pair["rejected"])]
+    except RecordError:
+        pass
+    if kind == "grpo" and isinstance(record, dict) and "answer" in record:
+        prompt = record.get("prompt", record.get("question"))
+        return [record_strings(prompt) + record_strings(record["answer"])]
+    return [record_strings(record)]
+
+
+def record_texts(kind: str, record: Any) -> list[str]:
+    """The texts of a record to scan: each message after the one before it (a question, then
+    its answer, as an eval item reads), or alone in a conversation of one.
+
+    NOTE: role names are left out: between a question and its answer they break every window
+    that spans the two, so an item whose question and answer are each under n words (and an
+    item matched whole) was never found in a chat.
+    """
+    texts = []
+    for turns in record_conversations(kind, record):
+        turns = [t for t in turns if t.strip()]
+        if len(turns) == 1:
+            texts.append(turns[0])
+        texts += [f"{a}\n{b}" for a, b in pairwise(turns)]
+    return texts
 
 
 def posttrain_records(cfg: PostTrainDecontConfig, data_file: Path | None) -> list[Any]:
@@ -75,7 +126,7 @@ def posttrain_records(cfg: PostTrainDecontConfig, data_file: Path | None) -> lis
     return quickstart_grpo_prompts(n, cfg.num_heldout, seed)[0]
 
 
-@step(STEP_NAME, version=1)
+@step(STEP_NAME, version=2)
 def decontaminate_posttrain(
     cfg: PostTrainDecontConfig,
     out: Path,
@@ -93,13 +144,17 @@ def decontaminate_posttrain(
     flat = [item for task_items in items.values() for item in task_items]
     indexes = [build_index(flat, decont.n, decont.query_ngrams, decont.overlap_ngrams)]
     indexes += whole_item_indexes(flat, decont.n, decont.min_item_words)
-    texts = [record_text(r) for r in records]
+    texts, rows = [], []
+    for position, record in enumerate(records):
+        found = record_texts(cfg.kind, record)
+        texts += found
+        rows += [position] * len(found)
     matched: dict[int, set[tuple[str, int]]] = defaultdict(set)
     for index in (i for i in indexes if len(i.hashes)):
         for start in range(0, len(texts), BATCH):
             for hit in scan_texts(index, texts[start : start + BATCH]):
                 owners = index.owners[hit.owner_slice[0] : hit.owner_slice[1]].tolist()
-                matched[start + hit.row].update(index.items[o] for o in owners)
+                matched[rows[start + hit.row]].update(index.items[o] for o in owners)
     report = posttrain_report(cfg, items, matched, len(records))
     (out / REPORT_FILE).write_text(json.dumps(report, indent=1))
     examples = {str(i): sorted([t, k] for t, k in found) for i, found in sorted(matched.items())}
