@@ -108,11 +108,23 @@ def write_shard(source: Path, table: pa.Table, contaminated: np.ndarray, dest: P
 
 
 def link_or_copy(source: Path, dest: Path) -> None:
-    """A hard link (no bytes copied; outputs are immutable), a copy across file systems."""
+    """``dest`` as a hard link to ``source`` (no bytes copied; outputs are immutable), or a
+    copy across file systems.
+
+    A file already at ``dest`` (left by an earlier try of the step in its working folder, and
+    maybe itself a link into another committed output) is replaced by a rename, never opened
+    for writing: copying into it would change every output that shares its inode.
+    """
+    dest = Path(dest)
+    if dest.exists() and os.path.samefile(source, dest):
+        return  # already this link (rename() between two links to one file does nothing)
+    tmp = dest.with_name(f".{dest.name}.link-tmp")
+    tmp.unlink(missing_ok=True)
     try:
-        os.link(source, dest)
+        os.link(source, tmp)
     except OSError:
-        shutil.copyfile(source, dest)
+        shutil.copyfile(source, tmp)
+    os.replace(tmp, dest)
 
 
 def task_counts(

@@ -3,14 +3,16 @@
 The export is committed before the model is evaluated and an output never changes, so the card
 is its own step: its output ``hf/`` is the model's Hugging Face folder (hard links to the
 export's files, no bytes copied) plus ``README.md`` (the card) and ``llmflow_config.yaml`` (the
-resolved config that reproduces the run). Everything the card says comes from the lineage of
-the model (sources and their hashes, curation and decontamination counts, tokens per stage, the
-schedule, compute), its evaluation (scores with their contamination shares) and, when given,
+resolved config that reproduces the run), new files renamed over the model's own links, which
+are never written into. Everything the card says comes from the lineage of the model (sources
+and their hashes, curation and decontamination counts, tokens per stage, the schedule,
+compute), its evaluation (scores with their contamination shares) and, when given,
 its safety evaluation. A fact that is missing is written "not recorded"; it never fails the card.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -79,9 +81,9 @@ def model_card(
         cfg = cfg.model_copy(update={"base_model": facts["base_model"]})
     results = _json(evaluation / RESULTS_FILE) or {}
     text = render_card(cfg, facts, results, safety_metrics(safety), safety_classifier(safety))
-    (folder / CARD_FILE).write_text(text, encoding="utf-8")
+    write_new(folder / CARD_FILE, text)
     if cfg.config_yaml:
-        (folder / CONFIG_FILE).write_text(cfg.config_yaml, encoding="utf-8")
+        write_new(folder / CONFIG_FILE, cfg.config_yaml)
     report_markdown("model-card", text, f"Model card of {cfg.model_name}")
     return {"card": f"hf/{CARD_FILE}", "eval_results": len(eval_results(results))}
 
@@ -93,6 +95,19 @@ def link_folder(source: Path, dest: Path) -> None:
             target = dest / path.relative_to(source)
             target.parent.mkdir(parents=True, exist_ok=True)
             link_or_copy(path, target)
+
+
+def write_new(path: Path, text: str) -> None:
+    """``text`` in a new file renamed over ``path``.
+
+    ``path`` may be a hard link into the model's committed output (mergekit's output and most
+    Hub models carry a README.md): writing into it would change that output's bytes under its
+    recorded checksum, so the link is replaced, never written through.
+    """
+    tmp = path.with_name(f".{path.name}.write-tmp")
+    tmp.unlink(missing_ok=True)  # a leftover of a failed try: never written into either
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def _json(path: Path) -> dict[str, Any] | None:
