@@ -15,7 +15,10 @@ an unpinned source is pinned to the commit the Hub resolves its revision to, so 
 the ingest hash and the lineage. Offline, ``LLMFLOW_HUB_MIRROR=/dir`` maps
 ``hf://datasets/OWNER/NAME`` to the folder ``/dir/OWNER/NAME``, laid out as the Hub repo (data
 files plus a README.md whose YAML header lists the ``configs``); ``datasets`` reads that folder
-exactly as it reads the repo, and its revision is a fingerprint of its files.
+exactly as it reads the repo, and its revision is a fingerprint of its files. A source pinned to
+a commit (a recipe pinned online, run offline) reads the mirror only when the folder proves it
+holds that commit: every file has the download record ``huggingface-cli download --local-dir``
+writes, naming that commit, with the file's own etag (``check_mirror_revision``).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, urlencode
@@ -35,6 +39,7 @@ PREFIX = "hf://datasets/"
 MIRROR_ENV = "LLMFLOW_HUB_MIRROR"
 BYTES_PER_TOKEN = 4
 """Estimated UTF-8 bytes per token of a BPE tokenizer on English text and code."""
+_COMMIT = re.compile(r"^[0-9a-f]{40}$")
 _QUERY_KEYS = {"split", "domain", "text_field", "max_docs", "max_tokens"}
 _URI = re.compile(
     r"^hf://datasets/(?P<repo>[\w.-]+/[\w.-]+)(?:/(?P<config>[\w.+-]+))?"
@@ -185,16 +190,102 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def download_records(folder: Path) -> dict[str, tuple[str, str]]:
+    """``{file: (commit, etag)}`` as ``huggingface-cli download --local-dir`` records them, in
+    ``.cache/huggingface/download/<file>.metadata`` (commit, etag, time: one per line)."""
+    root = folder / ".cache" / "huggingface" / "download"
+    records = {}
+    for meta in root.rglob("*.metadata"):
+        lines = meta.read_text(encoding="utf-8", errors="replace").split("\n")
+        name = meta.relative_to(root).as_posix().removesuffix(".metadata")
+        records[name] = (lines[0].strip(), lines[1].strip() if len(lines) > 1 else "")
+    return records
+
+
+def recorded_commits(folder: Path) -> set[str]:
+    """Commits a ``--local-dir`` download recorded (first line of each ``.metadata`` file)."""
+    return {commit for commit, _ in download_records(folder).values() if _COMMIT.match(commit)}
+
+
+@lru_cache(maxsize=4096)
+def _etag_matches(path: str, size: int, mtime_ns: int, etag: str) -> bool:
+    """Whether a file's bytes are those the Hub's etag names: an LFS file's sha256, or another
+    file's git blob id (sha1 of ``blob SIZE\\0`` and the bytes). Cached per size and mtime, as
+    the recipe's build and the ingest step check the same files."""
+    if re.fullmatch(r"[0-9a-f]{64}", etag):
+        return file_sha256(Path(path)) == etag
+    if not _COMMIT.match(etag):
+        return False
+    digest = hashlib.sha1(b"blob %d\0" % size)  # noqa: S324  (git's object id, not security)
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest() == etag
+
+
+def _unproven(folder: Path, commit: str) -> tuple[list[str], set[str]]:
+    """(files whose bytes no record of ``commit`` vouches for, other commits recorded)."""
+    records, unproven, others = download_records(folder), [], set()
+    for path in repo_files(folder):
+        name = path.relative_to(folder).as_posix()
+        found, etag = records.get(name, (None, ""))
+        stat = path.stat()
+        if found is None:
+            unproven.append(f"{name} (no download record)")
+        elif found != commit:
+            others.add(found)
+        elif not _etag_matches(str(path), stat.st_size, stat.st_mtime_ns, etag):
+            unproven.append(f"{name} (changed since the download: not the recorded etag)")
+    return unproven, others
+
+
+def check_mirror_revision(source: HubSource, folder: Path) -> None:
+    """A source pinned to a Hub revision reads a mirror folder only if it proves it holds it.
+
+    A commit is proven when every file of the folder has a download record naming that commit
+    whose etag matches the file's bytes (a file added, changed or from another snapshot is no
+    proof). Otherwise the folder's data would be stored under the commit's address, so this
+    fails, naming the source, the pinned revision and what the mirror holds. A branch or tag
+    other than ``main`` cannot be told offline at all (the records name commits only).
+    Offline, a folder holding only some of the commit's files cannot be told from a whole one.
+    """
+    revision = source.revision or ""
+    if not folder.is_dir():
+        raise BadInputError(
+            f"Hub source {source.uri!r} is unreachable: no folder {folder} in the mirror"
+        )
+    commits = sorted(recorded_commits(folder))
+    held = f"records commit {', '.join(commits)}" if commits else "records none"
+    if not _COMMIT.match(revision):
+        raise BadInputError(
+            f"Hub source {source.uri!r}: revision {revision!r} cannot be checked against the "
+            f"mirror folder {folder} (it {held}); pin a commit, or drop @{revision} to read the "
+            "folder as it is (pinned to its fingerprint)"
+        )
+    unproven, others = _unproven(folder, revision)
+    if others or unproven:
+        detail = f"; unproven: {', '.join(unproven[:3])}" if unproven else ""
+        raise BadInputError(
+            f"Hub source {source.uri!r} is pinned to commit {revision}, but the mirror folder "
+            f"{folder} {held}{detail}: mirror that commit (huggingface-cli download "
+            f"--repo-type dataset --revision {revision} --local-dir {folder}) or drop "
+            f"@{revision} to read the folder as it is"
+        )
+
+
 def check_mirror_pin(source: HubSource) -> None:
-    """A source pinned to a mirror fingerprint reads that mirror, unchanged, or nothing.
+    """A pinned source reads a mirror only if the mirror holds what the pin names.
 
     A ``local-`` revision names the content of a mirror folder; the Hub has no such commit.
     Reading the live Hub instead (the mirror unset) or a changed folder would put other data
-    under the pinned hash, so both fail, naming the pin and what differs.
+    under the pinned hash, so both fail, naming the pin and what differs. A commit (or any
+    revision but ``main``) read from a mirror is checked by ``check_mirror_revision``.
     """
-    if not (source.revision or "").startswith("local-"):
-        return
     mirror = os.environ.get(MIRROR_ENV)
+    if mirror and source.revision not in (None, "main") and not is_local_pin(source.revision):
+        check_mirror_revision(source, Path(mirror) / source.repo)
+    if not is_local_pin(source.revision):
+        return
     if not mirror:
         raise BadInputError(
             f"Hub source {source.uri!r} is pinned to a mirror folder's fingerprint "
@@ -210,9 +301,19 @@ def check_mirror_pin(source: HubSource) -> None:
         )
 
 
+def is_local_pin(revision: str | None) -> bool:
+    """Whether a revision is a mirror folder's fingerprint (``local-...``)."""
+    return (revision or "").startswith("local-")
+
+
 def pin(uri: str) -> str:
-    """The URI with its revision resolved to a commit (an already pinned commit is kept)."""
+    """The URI with its revision resolved to a commit (an already pinned commit is kept).
+
+    A pinned source is checked against the mirror here, when the recipe is built, so a mirror
+    that does not hold the pin fails before any compute (``check_mirror_pin``).
+    """
     source = parse_uri(uri)
+    check_mirror_pin(source)
     if source.revision and re.fullmatch(r"[0-9a-f]{40}|local-[0-9a-f]{16}", source.revision):
         return source.uri
     return source.with_revision(resolve_revision(source)).uri
@@ -224,7 +325,11 @@ def stream(source: HubSource) -> Iterator[dict[str, Any]]:
     import datasets
 
     check_mirror_pin(source)
-    revision = None if (source.revision or "").startswith("local-") else source.revision
+    # NOTE: a mirror folder is read as it is (checked above against the pin); a revision means
+    # nothing to a folder.
+    revision = (
+        None if os.environ.get(MIRROR_ENV) or is_local_pin(source.revision) else source.revision
+    )
     try:
         dataset = datasets.load_dataset(
             source.location(), name=source.config, split=source.split, revision=revision,

@@ -30,11 +30,10 @@ from pathlib import Path
 from typing import Any
 
 from llmflow.tasks.framework.errors import BadInputError
-from llmflow.tasks.ingest.hub import MIRROR_ENV, folder_fingerprint, repo_files
+from llmflow.tasks.ingest.hub import MIRROR_ENV, folder_fingerprint, recorded_commits, repo_files
 
 MODEL_PREFIX = "hf://models/"
 _URI = re.compile(r"^hf://models/(?P<repo>[\w.-]+/[\w.-]+)(?:@(?P<revision>[\w./-]+))?$")
-_COMMIT = re.compile(r"^[0-9a-f]{40}$")
 WEIGHT_FILES = (
     "model.safetensors",
     "model.safetensors.index.json",
@@ -142,16 +141,6 @@ def _check_mirror_revision(
         f"{field}={uri!r}: revision {revision!r} is not in the mirror folder {folder} ({held}); "
         f"mirror that revision or drop @{revision}"
     )
-
-
-def recorded_commits(folder: Path) -> set[str]:
-    """Commits a ``--local-dir`` download recorded (first line of each ``.metadata`` file)."""
-    found = set()
-    for meta in (folder / ".cache" / "huggingface" / "download").rglob("*.metadata"):
-        first = meta.read_text(encoding="utf-8", errors="replace").split("\n", 1)[0].strip()
-        if _COMMIT.match(first):
-            found.add(first)
-    return found
 
 
 @lru_cache(maxsize=32)
