@@ -31,6 +31,7 @@ IMPORT_STEP = "import-model"  # tasks/ingest/import_model.py (the recipe's init)
 CARD_FILE = "README.md"
 CONFIG_FILE = "llmflow_config.yaml"
 NOT_RECORDED = "not recorded"
+BASE_DATA_UNKNOWN = "the base's own pretraining data: unknown"
 
 
 class CardConfig(BaseModel):
@@ -69,7 +70,7 @@ def card_config(config: BaseModel, label: str) -> CardConfig:
     )
 
 
-@step("card")
+@step("card", version=2)  # 2: an imported base's own pretraining data is unknown
 def model_card(
     cfg: CardConfig, model: Path, evaluation: Path, out: Path, safety: Path | None = None
 ) -> Metrics:
@@ -338,7 +339,8 @@ def render_card(
     sections = [
         f"# {cfg.model_name}\n\n" + origin_line(cfg, facts),
         "## How it was trained\n\n" + training_section(facts),
-        "## Evaluation\n\n" + evaluation_section(results, facts.get("posttrain_contamination")),
+        "## Evaluation\n\n"
+        + evaluation_section(results, facts.get("posttrain_contamination"), facts.get("external")),
         "## Bias and toxicity\n\n" + safety_section(safety, classifier),
         "## Intended use and limitations\n\n" + limitations_section(cfg, facts),
         "## How to reproduce\n\n" + reproduce_section(cfg),
@@ -376,6 +378,11 @@ def training_section(facts: dict[str, Any]) -> str:
         if decont
         else NOT_RECORDED
     )
+    if facts.get("external"):
+        decont_line += (
+            " This covers only the data llmflow trained on: the base model's own pretraining "
+            "data is unknown."
+        )
     parts = [
         "### Data sources\n\n" + _table(facts["sources"]),
         "### Curation\n\n" + _table(facts["curation"]),
@@ -422,9 +429,23 @@ def posttrain_label(report: dict[str, Any], task: str) -> str:
     return label
 
 
+def base_data_label(label: str | None, base: str | None) -> str | None:
+    """A task's contamination label for a model whose ``base`` was pretrained elsewhere: the
+    decontaminate step checked only the data llmflow trained on, so its share (often "0%")
+    says nothing of the base's own pretraining data. Unchanged for a model llmflow trained
+    from scratch (``base`` None)."""
+    if base is None:
+        return label
+    return f"llmflow's data: {label or NOT_RECORDED}; {BASE_DATA_UNKNOWN}"
+
+
 def evaluation_section(
-    results: dict[str, Any], posttrain: list[dict[str, Any]] | None = None
+    results: dict[str, Any],
+    posttrain: list[dict[str, Any]] | None = None,
+    external: str | None = None,
 ) -> str:
+    """The scores, each with the share of its task's items seen in training; ``external``: the
+    pinned base a model made elsewhere starts from (its pretraining data is unknown)."""
     if not results.get("metrics"):
         return NOT_RECORDED
     marks = results.get("contamination", {})
@@ -433,7 +454,9 @@ def evaluation_section(
             "task": task,
             "metric": metric,
             "value": value,
-            "seen in training": (marks.get(task) or {}).get("label", NOT_RECORDED),
+            "seen in training": base_data_label(
+                (marks.get(task) or {}).get("label", NOT_RECORDED), external
+            ),
             **{f"in {r['kind']} data": posttrain_label(r, task) for r in posttrain or []},
         }
         for task, values in sorted(results["metrics"].items())
@@ -447,6 +470,12 @@ def evaluation_section(
         if method.get("mode") == "remove"
         else ""
     )
+    if external:
+        removal += (
+            f" The base model `{external}` was pretrained elsewhere, on data this check never "
+            "saw: whether its pretraining held these items is unknown, so a share here "
+            "covers llmflow's data alone."
+        )
     return (
         "Scores from lm-eval; 'seen in training' is the share of the task's items whose "
         f"word {grams} occur in the training corpus (the decontaminate step).{removal}"
@@ -498,6 +527,9 @@ def limitations_section(cfg: CardConfig, facts: dict[str, Any]) -> str:
     tokens = sum(s["tokens"] or 0 for s in facts["stages"])
     size = f"{params / 1e6:,.1f}M parameters" if params else f"{NOT_RECORDED} parameters"
     data = f"{tokens:,} pretraining tokens" if tokens else "pretraining tokens not recorded"
+    if facts.get("external"):  # llmflow's tokens come on top of the base's, unknown here
+        ours = f"{tokens:,} tokens of continued pretraining" if tokens else "no llmflow pretraining"
+        data = f"its base's own pretraining (data unknown) and {ours}"
     return (
         f"{cfg.intended_use}\n\nLimitations: a model of {size} trained on {data}; "
         "it can produce fluent-looking but wrong text, may repeat biases of "

@@ -41,7 +41,7 @@ class LeaderboardConfig(BaseModel):
     labels: list[str] = Field(description="One label per evaluated model, in input order.")
 
 
-@step("leaderboard")
+@step("leaderboard", version=2)  # 2: models.json names each base and its unknown data
 def leaderboard(
     cfg: LeaderboardConfig,
     evaluations: list[Path],
@@ -62,7 +62,7 @@ def leaderboard(
     summary = build_leaderboard(records, out)
     wide = json.loads((out / "leaderboard.json").read_text())
     quality = (out / "signal_quality.md").read_text()
-    trust = markdown_table(model_cards(cfg.labels, records, cards, out))
+    trust = markdown_table(model_cards(cfg.labels, records, cards, out, models))
     report_markdown(
         "leaderboard",
         f"## Leaderboard\n\n{markdown_table(wide)}\n\n## Signal quality\n\n{quality}"
@@ -73,16 +73,28 @@ def leaderboard(
 
 
 def model_cards(
-    labels: list[str], records: list[dict], cards: list[Path] | None, out: Path
+    labels: list[str],
+    records: list[dict],
+    cards: list[Path] | None,
+    out: Path,
+    models: list[Path] | None = None,
 ) -> list[dict[str, Any]]:
-    """One row per model: a link to its card and, per task, the share of the task's items seen
-    in its training corpus (``models.json`` / ``models.md``)."""
+    """One row per model: a link to its card, its base, and per task the share of the task's
+    items seen in its training corpus (``models.json`` / ``models.md``). For a model whose base
+    was pretrained elsewhere (found through ``models``' lineage) that share covers llmflow's
+    data alone, and the row says the base's own pretraining data is unknown."""
+    # NOTE: imported here: card.py imports this module (markdown_table)
+    from llmflow.tasks.evaluation.card import base_data_label, external_source
+
     rows = []
     for index, (label, record) in enumerate(zip(labels, records, strict=True)):
         card = cards[index] / "hf" / "README.md" if cards and index < len(cards) else None
+        base = external_source(models[index]) if models and index < len(models) else None
         row = {"model": label, "card": f"[README.md]({card})" if card else "not written"}
+        if models:
+            row["base"] = base or "none (trained from scratch)"
         for task, mark in sorted(record.get("contamination", {}).items()):
-            row[f"{task} contamination"] = mark.get("label")
+            row[f"{task} contamination"] = base_data_label(mark.get("label"), base)
         rows.append(row)
     (out / "models.json").write_text(json.dumps(rows, indent=1))
     (out / "models.md").write_text(markdown_table(rows))
