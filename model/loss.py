@@ -182,9 +182,29 @@ def _chunked(
         if grad_hidden is not None:
             grad_hidden[start : start + rows] = grad @ weight.to(compute_dtype)
         if grad_weight is not None:
-            grad_weight.addmm_(grad.t(), h.to(compute_dtype))
+            _add_matmul(grad_weight, grad.t(), h.to(compute_dtype))
     z_loss = z_sum / num_valid if z_weight else torch.zeros_like(ce_sum)
     return ce_sum / num_valid, z_loss, num_valid, compute_dtype
+
+
+def _add_matmul(out: Tensor, a: Tensor, b: Tensor) -> None:
+    """``out += a @ b`` for a float32 ``out`` and operands in the compute dtype (bf16 too).
+
+    NOTE: ``addmm_`` needs one dtype for all three, and a float32 accumulator with bf16
+    operands (autocast, FSDP2's bf16 parameters) raised on the first step. In bf16 the product
+    of one chunk is taken in bf16 (the GEMM accumulates in float32 inside; on CUDA it is written
+    out in float32 where torch offers ``out_dtype``) and summed across chunks in float32.
+    """
+    if a.dtype == out.dtype:
+        out.addmm_(a, b)
+        return
+    if out.is_cuda:
+        try:
+            out.add_(torch.mm(a, b, out_dtype=out.dtype))
+            return
+        except (RuntimeError, TypeError):  # an older torch, or no such kernel for this dtype
+            pass
+    out.add_(a @ b)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
