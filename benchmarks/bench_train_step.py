@@ -14,11 +14,13 @@ labels=...).loss``. Both use AdamW with the same hyperparameters and the same no
 - ``fused_adamw``: no compile, ``AdamW(fused=True)`` on both;
 - ``compiled``: each decoder layer ``torch.compile``d (as our trainer does), default AdamW, both.
 
-Rounds alternate over all variants (each round rotates the order) so machine load hits each alike;
-a variant's figure is the median over rounds of its tokens per second. ``identical_work`` says
-that both sides' first-step losses from the same weights agree within 1e-4. Prints ONE JSON line.
+In each round every pair's two sides run back to back (the pairs rotate, and which side goes
+first swaps each round), and the round's ratio is SmolLM3's time over ours; a pair's figure is
+the median of its per-round ratios, reported with their range (``ratio_range``), so a margin
+smaller than the spread shows as such. ``identical_work`` says that both sides' first-step
+losses from the same weights agree within 1e-4. Prints ONE JSON line.
 
-    python benchmarks/bench_train_step.py [--rounds 5] [--steps 4] [--no-compile]
+    python benchmarks/bench_train_step.py [--rounds 9] [--steps 4] [--no-compile]
 
 ``--breakdown`` instead times the eager step's parts on both sides (alternating rounds): the
 decoder body's forward+backward (embedding to final norm), the output projection with its loss,
@@ -34,7 +36,7 @@ import argparse
 import statistics
 
 import torch
-from common import alternate, emit
+from common import alternate, emit, paired_order, per_round_ratios
 
 from llmflow.model.config import ModelConfig
 from llmflow.model.hf import to_hf_state_dict
@@ -204,7 +206,7 @@ def breakdown(rounds: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--steps", type=int, default=4, help="train steps per timed call")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps (and compilation)")
     parser.add_argument("--no-compile", action="store_true")
@@ -225,17 +227,21 @@ def main() -> None:
     def run(step):
         return lambda: [step(ids, labels) for _ in range(args.steps)]
 
-    seconds = alternate({name: run(step) for name, step in steps.items()}, rounds=args.rounds)
+    pairs = [n.removeprefix("ours_") for n in steps if n.startswith("ours_")]
+    calls = paired_order([(f"ours_{p}", f"smollm3_{p}") for p in pairs], args.rounds)
+    seconds = alternate({name: run(step) for name, step in steps.items()}, args.rounds, calls=calls)
     tokens = args.steps * ids.numel()
     tps = {name: tokens / statistics.median(s) for name, s in seconds.items()}
-    pairs = [n.removeprefix("ours_") for n in steps if n.startswith("ours_")]
-    ratios = {p: round(tps[f"ours_{p}"] / tps[f"smollm3_{p}"], 3) for p in pairs}
+    per_round = {p: per_round_ratios(seconds, f"smollm3_{p}", f"ours_{p}") for p in pairs}
     same = all(abs(first[f"ours_{p}"] - first[f"smollm3_{p}"]) < 1e-4 for p in pairs)
     emit(
         "train_step_cpu",
         shape=f"h256 L6 H8/2 I768 V8192 tied, batch {BATCH}x{SEQ}, fp32, sdpa, 2 threads",
-        ratio=ratios["eager"],
-        ratios=ratios,
+        ratio=per_round["eager"]["median"],
+        ratio_range=per_round["eager"]["range"],
+        ratios={p: r["median"] for p, r in per_round.items()},
+        ratio_ranges={p: r["range"] for p, r in per_round.items()},
+        eager_round_ratios=per_round["eager"]["rounds"],
         tokens_per_s={k: round(v, 1) for k, v in tps.items()},
         first_step_loss={k: round(v, 6) for k, v in first.items()},
         rounds=args.rounds,

@@ -42,7 +42,11 @@ def order(names: list[str], rounds: int) -> list[str]:
 
 
 def alternate(
-    fns: dict[str, Callable[[], object]], rounds: int, *, warmup: bool = False
+    fns: dict[str, Callable[[], object]],
+    rounds: int,
+    *,
+    warmup: bool = False,
+    calls: list[str] | None = None,
 ) -> dict[str, list[float]]:
     """Wall seconds of each callable per round, called in alternating order.
 
@@ -50,6 +54,7 @@ def alternate(
         fns: Side name -> a no-argument callable doing that side's whole work once.
         rounds: Calls per side.
         warmup: Call each side once, untimed, before the rounds (imports, caches).
+        calls: The call order (default ``order(list(fns), rounds)``), e.g. ``paired_order``.
 
     Returns:
         Side name -> its ``rounds`` wall times in seconds, in call order.
@@ -60,11 +65,40 @@ def alternate(
         for fn in fns.values():
             fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
-    for name in order(list(fns), rounds):
+    for name in calls if calls is not None else order(list(fns), rounds):
         start = time.perf_counter()
         fns[name]()
         times[name].append(time.perf_counter() - start)
     return times
+
+
+def paired_order(pairs: list[tuple[str, str]], rounds: int) -> list[str]:
+    """The call order of paired rounds: in each round every pair's two sides run back to back.
+
+    The pairs rotate by one each round and a pair's two sides swap each round (A B, then B A),
+    so the two sides of a pair always see the same load, and a per-round ratio compares like
+    with like.
+    """
+    calls: list[str] = []
+    for r in range(rounds):
+        shift = r % len(pairs)
+        for a, b in pairs[shift:] + pairs[:shift]:
+            calls += [a, b] if r % 2 == 0 else [b, a]
+    return calls
+
+
+def per_round_ratios(times: dict[str, list[float]], peer: str, ours: str) -> dict:
+    """The peer's time over ours in each round: their median and range (above 1: ours faster).
+
+    A ratio of medians hides how much the rounds disagree; the median of per-round ratios,
+    with their smallest and largest, says whether a margin is larger than the spread.
+    """
+    rounds = [p / o for p, o in zip(times[peer], times[ours], strict=True)]
+    return {
+        "median": round(statistics.median(rounds), 3),
+        "range": [round(min(rounds), 3), round(max(rounds), 3)],
+        "rounds": [round(x, 3) for x in rounds],
+    }
 
 
 def ratio(times: dict[str, list[float]], peer: str, ours: str) -> float:

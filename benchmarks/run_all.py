@@ -69,7 +69,7 @@ class Bench:
 def benchmarks(data: Path) -> list[Bench]:
     text = str(data / "text")
     return [
-        Bench("train_step", "bench_train_step.py", ["--rounds", "5", "--steps", "2", "--warmup", "1"],
+        Bench("train_step", "bench_train_step.py", ["--rounds", "9", "--steps", "2", "--warmup", "1"],
               ["--rounds", "1", "--steps", "1", "--warmup", "0", "--no-compile"],
               [Goal("ratio", ">=", 1.2, "eager train step vs transformers SmolLM3")]),
         Bench("pack", "bench_pack.py", ["--text-dir", text, "--rounds", "3"],
