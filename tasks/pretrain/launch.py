@@ -171,7 +171,9 @@ def run_streaming(
         TrainingFailed: on a non-zero exit or when ``timeout_s`` passes (process group killed).
     """
     full_env = {"PYTHONUNBUFFERED": "1", **os.environ, **(env or {})}
-    full_env[LAUNCHER_PID_ENV] = str(os.getpid())  # the trainer's ranks die with this process
+    # The trainer's ranks on this host die with this process (die_with_launcher).
+    full_env[LAUNCHER_PID_ENV] = str(os.getpid())
+    full_env[LAUNCHER_HOST_ENV] = launcher_host()
     watcher = NoticeWatcher(watch) if watch is not None else None
     proc = subprocess.Popen(
         command,
@@ -253,7 +255,22 @@ def _follow(
 
 
 LAUNCHER_PID_ENV = "LLMFLOW_LAUNCHER_PID"
+LAUNCHER_HOST_ENV = "LLMFLOW_LAUNCHER_HOST"  # where that PID means something (launcher_host)
 PR_SET_PDEATHSIG = 1
+
+
+def launcher_host() -> str:
+    """This process's host and PID namespace (``BOOT_ID/pid:[INODE]``); "" where unknown.
+
+    A PID names a process only inside one PID namespace of one boot of one machine: the launcher
+    records this beside its PID, and a rank elsewhere (another node, another container) leaves
+    that PID alone.
+    """
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return f"{boot}/{os.readlink('/proc/self/ns/pid')}"
+    except OSError:
+        return ""
 
 
 def _die_with_parent() -> Callable[[], None] | None:
@@ -284,10 +301,16 @@ def die_with_launcher() -> None:
 
     torchrun starts each rank in a session of its own, so a SIGKILLed torchrun (killed with its
     launcher, above) leaves its ranks running; each rank waits on a pidfd of the launcher (Linux
-    5.3+) in a daemon thread instead. No-op when not started by ``run_streaming``.
+    5.3+) in a daemon thread instead. No-op when not started by ``run_streaming``, and when the
+    launcher's PID comes from another host or PID namespace (``LAUNCHER_HOST_ENV`` differs): there
+    it names no process, or an unrelated one. A Ray rank is never given it: its life is its
+    actor's (``ray_launch``).
     """
     pid = os.environ.get(LAUNCHER_PID_ENV)
     if not pid or not hasattr(os, "pidfd_open"):
+        return
+    here = launcher_host()
+    if not here or os.environ.get(LAUNCHER_HOST_ENV) != here:
         return
     try:
         fd = os.pidfd_open(int(pid))

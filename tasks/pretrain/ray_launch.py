@@ -112,10 +112,28 @@ class RayLines:
         self.on_line(line)
 
 
+def worker_env(environ: dict[str, str]) -> dict[str, str]:
+    """The variables every worker gets: the run's own settings (``LLMFLOW_*``), as torchrun's
+    children inherit them, except the launcher's PID and host. A worker may run on another node,
+    where that PID names no process (the rank SIGKILLed itself at start) or an unrelated one."""
+    from llmflow.tasks.pretrain.launch import LAUNCHER_HOST_ENV, LAUNCHER_PID_ENV
+
+    launcher = (LAUNCHER_PID_ENV, LAUNCHER_HOST_ENV)
+    return {k: v for k, v in environ.items() if k.startswith("LLMFLOW_") and k not in launcher}
+
+
 def _train_worker(config: dict) -> None:
-    """One Ray Train worker: the trainer's own entry, in the process group Ray set up."""
+    """One Ray Train worker: the trainer's own entry, in the process group Ray set up.
+
+    The rank runs inside its Ray actor, so its life is the actor's: Ray stops the actor when the
+    driver's job ends or the worker group is torn down. It never watches the launcher's PID, which
+    a worker on a local cluster would inherit through the raylet the driver started.
+    """
+    from llmflow.tasks.pretrain.launch import LAUNCHER_HOST_ENV, LAUNCHER_PID_ENV
     from llmflow.tasks.pretrain.train import main
 
+    os.environ.pop(LAUNCHER_PID_ENV, None)
+    os.environ.pop(LAUNCHER_HOST_ENV, None)
     main(config["argv"])
 
 
@@ -126,9 +144,7 @@ def run_on_ray(settings: RaySettings, train_args: list[str]) -> None:
     from ray.train.torch import TorchConfig, TorchTrainer
 
     check_reachable(settings.address)
-    # The run's own settings (LLMFLOW_*) reach the workers on every node, as torchrun's children
-    # inherit them.
-    env = {k: v for k, v in os.environ.items() if k.startswith("LLMFLOW_")}
+    env = worker_env(dict(os.environ))
     options: dict[str, Any] = {"log_to_driver": True, "runtime_env": {"env_vars": env}}
     if settings.address == "local":
         cpus = int(settings.workers * settings.cpus_per_worker) + 1
