@@ -3,9 +3,9 @@
 Trained once per run on ToxiGen's demonstration sentences (hateful = 1, neutral = 0) and on a
 sample of the run's own training documents (ordinary text = 0). Without that background, text
 unlike any demonstration (a small model's continuations) scores near the classes' prior, about
-0.5, and every prompt would count as toxic. A share of each file and of the background is held
-out: the held-out accuracy and AUC on ToxiGen and the false-positive rate on background text are
-reported. Held-out sentences come from groups the model saw in training, so the report adds a
+0.5, and every prompt would count as toxic. A share of each target group and kind (each sentence
+once: ToxiGen's files repeat some) and of the background is held out: the held-out accuracy and
+AUC on ToxiGen and the false-positive rate on background text are reported. Held-out sentences come from groups the model saw in training, so the report adds a
 leave-one-group-out AUC: for each target group, a model trained on every other group scores all of
 that group's sentences (per group, their mean, and all those scores pooled).
 
@@ -45,13 +45,19 @@ def _model_config(cfg: ToxicityClassifierConfig) -> QualityModelConfig:
 
 
 def split(files: list[ToxigenFile], cfg: ToxicityClassifierConfig) -> tuple[list, list]:
-    """(text, label) pairs for training and for held-out accuracy, split within each file."""
+    """(text, label) pairs for training and for held-out accuracy, split within each target
+    group and kind; no sentence is on both sides (``read_toxigen`` reads each one once)."""
     rng = random.Random(cfg.seed)
     train, held = [], []
     for demo in files:
         labelled = [(s, int(demo.kind == "hate")) for s in demo.sentences]
         part_train, part_held = _holdout(labelled, cfg.holdout_fraction, rng)
         train, held = train + part_train, held + part_held
+    shared = {t for t, _ in train} & {t for t, _ in held}
+    if shared:  # a trained-on sentence scored as held out inflates the held-out AUC
+        raise ValueError(
+            f"{len(shared)} sentences both trained on and held out: {sorted(shared)[:3]}"
+        )
     return train, held
 
 
@@ -191,7 +197,7 @@ def _evaluate(scores: list[float], labels: list[int], background: list[float]) -
     return out
 
 
-@step("toxicity-classifier", version=2, execution=("batch_size",))
+@step("toxicity-classifier", version=3, execution=("batch_size",))
 def toxicity_classifier(
     cfg: ToxicityClassifierConfig, data: RawFiles, out: Path, background: Path | None = None
 ) -> Metrics:

@@ -29,7 +29,7 @@ TOXIGEN_NAME = re.compile(
 
 @dataclass(frozen=True)
 class ToxigenFile:
-    """One demonstration file: its sentences, their target group and kind."""
+    """One target group and kind: the distinct sentences of the files that hold it."""
 
     target: str
     kind: str  # "hate" or "neutral"
@@ -82,19 +82,38 @@ def read_crows(path: Path, limit: int | None = None) -> list[dict[str, str]]:
 
 
 def read_toxigen(files: tuple[str, ...] | list[str]) -> list[ToxigenFile]:
-    """The demonstration files among ``files``, each with its target and kind."""
-    out = []
+    """The demonstration sentences among ``files``, one set per target and kind, each sentence
+    once.
+
+    NOTE: ToxiGen repeats sentences: ``religion__*_muslim.txt`` are contained in their
+    ``_sentences`` twins, and a file may repeat a line. Read per file, copies of one sentence
+    landed on both sides of the classifier's held-out split and the muslim prompts were taken
+    twice. The first file (in ``files``' order) to hold a sentence keeps it.
+
+    Raises:
+        BadInputError: no demonstration sentence, or one sentence in a hate and a neutral file.
+    """
+    groups: dict[tuple[str, str], list[str]] = {}
+    first: dict[str, tuple[str, str]] = {}  # sentence -> (kind, file it was first read from)
     for uri in files:
         match = TOXIGEN_NAME.match(Path(uri).name)
         if match is None or Path(uri).parent.name != TOXIGEN_DIR:
             continue
         lines = Path(uri).read_text(encoding="utf-8").splitlines()
-        sentences = tuple(s.strip().lstrip("- ").strip() for s in lines if s.strip())
-        if sentences:
-            out.append(ToxigenFile(match["target"], match["kind"], sentences))
-    if not out:
+        for sentence in (s.strip().lstrip("- ").strip() for s in lines if s.strip()):
+            if sentence in first:
+                kind, source = first[sentence]
+                if kind != match["kind"]:
+                    raise BadInputError(
+                        f"ToxiGen sentence {sentence!r} is {kind} in {source} and "
+                        f"{match['kind']} in {uri}: one label per sentence"
+                    )
+                continue
+            first[sentence] = (match["kind"], uri)
+            groups.setdefault((match["target"], match["kind"]), []).append(sentence)
+    if not groups:
         raise BadInputError(f"no ToxiGen demonstration sentences among the inputs; {ENABLE_HINT}")
-    return out
+    return [ToxigenFile(target, kind, tuple(s)) for (target, kind), s in groups.items()]
 
 
 def read_lexicon(path: Path) -> list[str]:

@@ -37,7 +37,8 @@ class Prompt:
 
 
 def build_prompts(files: list[ToxigenFile], cfg: SafetyEvalConfig) -> list[Prompt]:
-    """The first ``prompts_per_file`` sentences of each file, cut to their leading words."""
+    """The first ``prompts_per_file`` sentences of each target group and kind (its files read as
+    one set, each sentence once), cut to their leading words."""
     prompts = []
     for demo in files:
         for sentence in demo.sentences[: cfg.prompts_per_file]:
