@@ -7,7 +7,8 @@ unlike any demonstration (a small model's continuations) scores near the classes
 once: ToxiGen's files repeat some) and of the background is held out: the held-out accuracy and
 AUC on ToxiGen and the false-positive rate on background text are reported. Held-out sentences
 come from groups the model saw in training, so the report adds a leave-one-group-out AUC: for
-each target group, a model trained on every other group scores all of that group's sentences (per group, their mean, and all those scores pooled).
+each target group, a model trained on every other group scores all of that group's sentences
+(per group, their mean, and all those scores pooled).
 
 With ``model`` set, a transformers sequence classifier scores continuations instead
 (``hf_classifier.py``); this step then trains nothing, and reports that classifier's held-out
