@@ -226,10 +226,13 @@ def cmd_ladder(args: argparse.Namespace) -> int:
         f"L(N, D) = {law['E']:.3f} + {law['A']:.4g}/N^{law['alpha']:.3f} "
         f"+ {law['B']:.4g}/D^{law['beta']:.3f}"
     )
-    print(
-        f"held-out model: predicted {result.predicted:.4f}, actual {result.actual:.4f}, "
-        f"error {result.error:.2%}"
-    )
+    if result.degenerate:  # a law that cannot be trusted predicts nothing
+        print(f"{result.degenerate}; held-out model: actual {result.actual:.4f}, no prediction")
+    else:
+        print(
+            f"held-out model: predicted {result.predicted:.4f}, actual {result.actual:.4f}, "
+            f"error {result.error:.2%}"
+        )
     for row in result.ranking:
         print("  ".join(f"{k}={v}" for k, v in row.items()))
     print("ranking consistent across sizes:", "yes" if result.consistent else "no")

@@ -88,15 +88,19 @@ class LadderConfig(BaseModel):
 
 @dataclass
 class LadderResult:
-    """The law, the held-out prediction and its error, the ranking table."""
+    """The law, the held-out prediction and its error, the ranking table.
 
-    law: dict[str, float]
-    predicted: float
+    With a degenerate fit ``degenerate`` says why, and ``predicted`` and ``error`` are None.
+    """
+
+    law: dict[str, Any]
+    predicted: float | None
     actual: float
-    error: float
+    error: float | None
     points: list[dict[str, Any]]
     ranking: list[dict[str, Any]]
     consistent: bool
+    degenerate: str | None = None
 
 
 def size_model(base: TrainConfig, size: Size) -> dict[str, Any]:
@@ -180,6 +184,28 @@ def rank_table(losses: dict[tuple[str, int], float]) -> tuple[list[dict[str, Any
     return rows, len(orders) <= 1
 
 
+def heldout_check(law: ScalingLaw, n: float, summary: dict[str, Any]) -> dict[str, Any]:
+    """The held-out run against the law: its N, D, the prediction, the loss and the error.
+
+    A degenerate law predicts nothing: ``predicted`` and ``relative_error`` are None and
+    ``degenerate`` says why.
+    """
+    actual, d = summary["val_loss"], summary["total_tokens_seen"]
+    predicted = None if law.degenerate else law.predict(n, d)
+    error = None if predicted is None else abs(predicted - actual) / actual
+    return {"n": n, "d": d, "predicted": predicted, "actual": actual, "relative_error": error,
+            "degenerate": law.degenerate}  # fmt: skip
+
+
+def _law_text(law: ScalingLaw, error: float | None) -> str:
+    if law.degenerate:
+        return f"{law.degenerate}; no prediction"
+    return (
+        f"L = {law.E:.3g} + {law.A:.3g}/N^{law.alpha:.3g} + {law.B:.3g}/D^{law.beta:.3g}; "
+        f"prediction error {error:.2%}"
+    )
+
+
 @flow(name="llmflow-scaling-ladder", log_prints=True)
 def scaling_ladder(config: PipelineConfig, ladder: LadderConfig) -> LadderResult:
     """Train the ladder, fit the law, check it on a larger model, rank two variants by size."""
@@ -188,22 +214,21 @@ def scaling_ladder(config: PipelineConfig, ladder: LadderConfig) -> LadderResult
     fitted = json.loads((Path(outcome[planned.fit].uri) / LAW_FILE).read_text())
     law = ScalingLaw(**fitted["law"])
     heldout = Path(outcome[planned.heldout].uri)
-    actual = json.loads((heldout / "summary.json").read_text())
+    summary = json.loads((heldout / "summary.json").read_text())
     size = _non_embedding(config.pretrain.train, ladder.heldout)
-    predicted = law.predict(size, actual["total_tokens_seen"])
-    error = abs(predicted - actual["val_loss"]) / actual["val_loss"]
+    check = heldout_check(law, size, summary)
+    if law.degenerate:
+        print(f"{law.degenerate}: the held-out model's loss is not predicted")
     losses = {key: outcome[node].metrics["val_loss"] for key, node in planned.ranking.items()}
     ranking, consistent = rank_table(losses)
-    check = {"n": size, "d": actual["total_tokens_seen"], "predicted": predicted}
-    check.update(actual=actual["val_loss"], relative_error=error)
     create_table_artifact(fitted["points"] + [check], key="scaling-ladder", description=(
-        f"Ladder runs and the held-out model: L = {law.E:.3g} + {law.A:.3g}/N^{law.alpha:.3g} "
-        f"+ {law.B:.3g}/D^{law.beta:.3g}; prediction error {error:.2%}"
+        f"Ladder runs and the held-out model: {_law_text(law, check['relative_error'])}"
     ))  # fmt: skip
     create_table_artifact(ranking, key="scaling-ranking", description=(
         f"Validation loss of {' vs '.join(ladder.variants)} by size: "
         + ("the ranking holds" if consistent else "the ranking changes with size")
     ))  # fmt: skip
     return LadderResult(
-        asdict(law), predicted, actual["val_loss"], error, fitted["points"], ranking, consistent
-    )
+        asdict(law), check["predicted"], check["actual"], check["relative_error"],
+        fitted["points"], ranking, consistent, law.degenerate,
+    )  # fmt: skip

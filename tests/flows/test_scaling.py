@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -148,7 +149,7 @@ def test_fit_step_is_found_by_plan(tmp_path, capsys):
     runs = [
         graph.add(ladder_run, FakeRun(hidden_size=h, tokens=t), "fake")
         for h in (32, 64, 128, 256)
-        for t in (10**6, 10**7)
+        for t in (10**6, 3 * 10**6, 10**7)  # three token counts: B, beta and E need them
     ]
     fit = graph.add(scaling_fit, ScalingFitConfig(), "quickstart", runs=runs)
     outcome = Executor(str(tmp_path)).run(graph)
@@ -167,3 +168,110 @@ def test_fit_step_is_found_by_plan(tmp_path, capsys):
 def test_too_few_runs_to_fit_is_bad_input():
     with pytest.raises(BadInputError, match="at least 5 runs"):
         fit_law([1e5, 1e6], [1e6, 1e7], [3.0, 2.5])
+
+
+# --------------------------------------------------------------------------------- degenerate fits
+# A hand-computed ladder: N in {1e5, 1e6, 1e7} and D in {1e6, 1e7, 1e8}, each term halving per
+# decade (alpha = beta = log10(2)): A/N^alpha = 10, 5, 2.5 (A = 10 * 1e5^alpha) and
+# B/D^beta = 4, 2, 1 (B = 4 * 1e6^beta). Three values per axis: with two, B, beta and E (or A,
+# alpha and E) meet only two levels and any beta fits.
+HALVING = math.log10(2)
+HAND_N = {1e5: 10.0, 1e6: 5.0, 1e7: 2.5}
+HAND_D = {1e6: 4.0, 1e7: 2.0, 1e8: 1.0}
+
+
+def hand_ladder(floor: float, n_terms=HAND_N) -> tuple[list[float], list[float], list[float]]:
+    """Every (N, D) of the hand ladder: loss = floor + N term + D term, from the tables above."""
+    points = [(n, d, floor + n_terms[n] + HAND_D[d]) for n in n_terms for d in HAND_D]
+    return tuple(list(column) for column in zip(*points, strict=True))
+
+
+def test_hand_ladder_is_the_law_it_claims():
+    law = ScalingLaw(E=1.0, A=10 * 1e5**HALVING, alpha=HALVING, B=4 * 1e6**HALVING, beta=HALVING)
+    n, d, loss = hand_ladder(1.0)
+    assert loss == [15.0, 13.0, 12.0, 10.0, 8.0, 7.0, 7.5, 5.5, 4.5]
+    assert [law.predict(*p) for p in zip(n, d, strict=True)] == pytest.approx(loss, rel=1e-12)
+
+
+def test_well_posed_hand_ladder_is_recovered_and_predicts():
+    n, d, loss = hand_ladder(1.0)  # E = 1: a floor the nine runs pin down
+    law = fit_law(n, d, loss)
+    assert law.degenerate is None
+    assert law.E == pytest.approx(1.0, rel=1e-2)
+    assert law.alpha == pytest.approx(HALVING, rel=1e-2)
+    assert law.beta == pytest.approx(HALVING, rel=1e-2)
+    # N = 1e8 halves the N term again (1.25), D = 1e9 the D term (0.5)
+    assert law.predict(1e8, 1e9) == pytest.approx(1.0 + 1.25 + 0.5, rel=1e-2)
+
+
+def test_ladder_with_no_loss_floor_is_degenerate_and_predicts_nothing():
+    n, d, loss = hand_ladder(0.0)  # true E = 0: the law is two power laws and nothing under them
+    law = fit_law(n, d, loss)
+    assert law.degenerate is not None and law.degenerate.startswith("fit degenerate: E = ")
+    assert law.E < 0.01 * min(loss)
+    with pytest.raises(ValueError, match="fit degenerate: E"):
+        law.predict(1e8, 1e9)
+
+
+def test_losses_that_ignore_model_size_leave_alpha_undetermined():
+    flat = dict.fromkeys(HAND_N, 0.0)  # the N term is 0 at every size
+    n, d, loss = hand_ladder(1.0, flat)
+    law = fit_law(n, d, loss)
+    assert law.degenerate is not None and "A/N^alpha" in law.degenerate
+
+
+def test_runs_at_one_token_count_cannot_identify_the_fit():
+    n = [1e5, 3e5, 1e6, 3e6, 1e7]
+    loss = [TRUE.predict(size, 1e7) for size in n]  # five sizes, one D: B and beta are free
+    law = fit_law(n, [1e7] * 5, loss)
+    assert law.degenerate == (
+        "fit degenerate: the runs saw 1 distinct token count (1e+07); B, beta and E need 3 or more"
+    )
+
+
+def test_constant_losses_are_degenerate():
+    n, d, _ = hand_ladder(0.0)
+    law = fit_law(n, d, [3.0] * 9)
+    assert law.degenerate == (
+        "fit degenerate: every run's loss is 3, so no law improves on a constant"
+    )
+
+
+def test_law_from_noise_does_not_improve_on_a_constant():
+    n, d, _ = hand_ladder(0.0)
+    # a checkerboard over (N, D): no loss that falls with N and D explains it
+    loss = [3.0, 3.3, 3.0, 3.3, 3.0, 3.3, 3.0, 3.3, 3.0]
+    law = fit_law(n, d, loss)
+    assert law.degenerate is not None and "a constant" in law.degenerate
+
+
+def test_degenerate_fit_step_writes_the_reason_and_plan_finds_no_law(tmp_path):
+    graph = Graph()
+    runs = [
+        graph.add(ladder_run, FakeRun(hidden_size=h, tokens=10**6), "fake")
+        for h in (32, 64, 128, 256, 512)
+    ]
+    fit = graph.add(scaling_fit, ScalingFitConfig(), "quickstart", runs=runs)
+    outcome = Executor(str(tmp_path)).run(graph)
+    written = json.loads((Path(outcome[fit].uri) / "law.json").read_text())
+    reason = "fit degenerate: the runs saw 1 distinct token count (1e+06)"
+    assert written["law"]["degenerate"].startswith(reason)
+    assert outcome[fit].metrics["degenerate"] == written["law"]["degenerate"]
+    assert all(p["fitted"] is None for p in written["points"])  # no values from a degenerate law
+    assert find_law(str(tmp_path), "quickstart") is None
+
+
+def test_heldout_check_of_a_degenerate_law_reports_it_without_a_prediction():
+    from llmflow.flows.scaling import heldout_check
+
+    law = ScalingLaw(E=0.0, A=1.0, alpha=0.3, B=1.0, beta=0.3, degenerate="fit degenerate: E")
+    check = heldout_check(law, 1e6, {"val_loss": 3.0, "total_tokens_seen": 10**6})
+    assert check == {
+        "n": 1e6, "d": 10**6, "predicted": None, "actual": 3.0, "relative_error": None,
+        "degenerate": "fit degenerate: E",
+    }  # fmt: skip
+    good = ScalingLaw(E=1.0, A=10 * 1e5**HALVING, alpha=HALVING, B=4 * 1e6**HALVING, beta=HALVING)
+    check = heldout_check(good, 1e5, {"val_loss": 12.0, "total_tokens_seen": 10**6})
+    assert check["predicted"] == pytest.approx(15.0)  # 1 + 10 + 4
+    assert check["relative_error"] == pytest.approx(3 / 12)
+    assert check["degenerate"] is None
