@@ -12,9 +12,8 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-import fsspec
-
 from llmflow.tasks.framework.lineage import LINEAGE_FILE
+from llmflow.tasks.framework.s3config import filesystem
 
 STEP_NAME = "decontaminate"
 REPORT_FILE = "contamination.json"
@@ -23,7 +22,8 @@ MAX_OUTPUTS = 500  # a recipe has a few dozen outputs upstream of a model
 
 def read_json(uri: str) -> dict[str, Any] | None:
     try:
-        with fsspec.open(uri, "r") as f:
+        fs, path = filesystem(uri)
+        with fs.open(path, "r") as f:
             return json.load(f)
     except (FileNotFoundError, json.JSONDecodeError):
         return None

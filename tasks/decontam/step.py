@@ -15,7 +15,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from llmflow.tasks.decontam.config import DecontamConfig, decontam_config
@@ -31,6 +30,7 @@ from llmflow.tasks.decontam.scan import ScanResult, scan_corpus, task_counts, wr
 from llmflow.tasks.evaluation.suite import REAL_SET_FILES
 from llmflow.tasks.framework.errors import BadInputError
 from llmflow.tasks.framework.graph import Raw
+from llmflow.tasks.framework.s3config import filesystem
 from llmflow.tasks.framework.step import Metrics, RawFiles, report_table, step
 
 MATCHES_FILE = "contamination.parquet"
@@ -68,7 +68,7 @@ def _local_files(files: RawFiles | None, tmp: Path) -> list[Path]:
     """The real sets' files as local paths (remote ones are copied into ``tmp``)."""
     local = []
     for uri in files or ():
-        fs, path = fsspec.core.url_to_fs(uri)
+        fs, path = filesystem(uri)
         if isinstance(fs, LocalFileSystem):
             local.append(Path(path))
         else:

@@ -164,9 +164,9 @@ def record(
 
 def source_record(uri: str) -> dict[str, Any]:
     """A raw file's URI, sha256 and size (hashed once per process while it is unchanged)."""
-    import fsspec
+    from llmflow.tasks.framework.s3config import filesystem
 
-    fs, path = fsspec.core.url_to_fs(uri)
+    fs, path = filesystem(uri)
     info = fs.info(path)
     stamp = (info.get("size"), info.get("mtime") or info.get("LastModified") or info.get("ETag"))
     return _source_record(uri, str(stamp))
@@ -176,9 +176,9 @@ def source_record(uri: str) -> dict[str, Any]:
 def _source_record(uri: str, stamp: str) -> dict[str, Any]:
     import hashlib
 
-    import fsspec
+    from llmflow.tasks.framework.s3config import filesystem
 
-    fs, path = fsspec.core.url_to_fs(uri)
+    fs, path = filesystem(uri)
     digest = hashlib.sha256()
     with fs.open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):

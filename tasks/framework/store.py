@@ -27,7 +27,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from llmflow.tasks.framework import lineage, s3config
@@ -47,7 +46,7 @@ class Store:
 
     def __init__(self, root: str | os.PathLike, cache_dir: Path | None = None):
         root = str(root)
-        self.fs, _ = fsspec.core.url_to_fs(root, **s3config.storage_options(root))
+        self.fs, _ = s3config.filesystem(root)
         self.is_local = isinstance(self.fs, LocalFileSystem)
         self.root = str(Path(root).expanduser().resolve()) if self.is_local else root.rstrip("/")
         self.cache_dir = cache_dir or default_cache_dir()

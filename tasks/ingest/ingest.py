@@ -16,12 +16,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
-import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from tqdm import tqdm
 
+from llmflow.tasks.framework import s3config
 from llmflow.tasks.framework.errors import BadInputError
 from llmflow.tasks.framework.step import Metrics, RawFiles, report_table, step
 from llmflow.tasks.ingest import hub as hub_sources
@@ -91,7 +91,7 @@ def list_files(paths: list[str]) -> list[str]:
     """Expand files, directories and globs (local or remote) into a sorted list of data files."""
     found: list[str] = []
     for path in paths:
-        fs, _ = fsspec.core.url_to_fs(path)
+        fs, _ = s3config.filesystem(path)
         protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
         prefix = "" if protocol in ("file", "local") else f"{protocol}://"
         if any(ch in path for ch in "*?["):
@@ -130,7 +130,8 @@ class _Rejects:
 
 def _records(uri: str, kind: str, cfg: IngestConfig) -> Iterator[tuple[int, Any]]:
     """Yield (index, record or error string) for every record in one file."""
-    with fsspec.open(uri, "rb") as f:
+    fs, path = s3config.filesystem(uri)
+    with fs.open(path, "rb") as f:
         if kind == "parquet":
             index = 0
             for batch in pq.ParquetFile(f).iter_batches(batch_size=1024):

@@ -12,12 +12,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import fsspec
 import torch
 from fsspec.implementations.local import LocalFileSystem
 
 from llmflow.tasks.evaluation.models import hf_dir, load_hf_model, load_tokenizer, write_progress
 from llmflow.tasks.framework.errors import BadInputError
+from llmflow.tasks.framework.s3config import filesystem
 from llmflow.tasks.framework.step import RawFiles
 
 if TYPE_CHECKING:
@@ -125,7 +125,7 @@ def local_data(data: RawFiles | None, out_dir: Path) -> Path | None:
         return None
     if len(data) != 1:
         raise BadInputError(f"post-training reads one data file, got {len(data)}: {list(data)}")
-    fs, path = fsspec.core.url_to_fs(data[0])
+    fs, path = filesystem(data[0])
     if isinstance(fs, LocalFileSystem):
         return Path(path)
     target = Path(out_dir) / "data" / Path(path).name
