@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from llmflow.tasks.pretrain.config import UNVERSIONED, TrainConfig
 from llmflow.tasks.pretrain.notices import NOTICES, PREEMPTED_EVENT, PREEMPTED_EXIT_CODE
@@ -70,6 +70,29 @@ class LaunchSettings(BaseModel):
     )
     ray: RaySettings = Field(default_factory=RaySettings, json_schema_extra=UNVERSIONED)
 
+    @model_validator(mode="after")
+    def _one_world_size(self) -> LaunchSettings:
+        """Refuse an accelerate config that would start more ranks than the run counts.
+
+        ``num_processes`` is passed to accelerate, which starts that many: a count other than
+        the YAML's is accelerate's documented override (a machine with fewer GPUs, or the ranks
+        of every node in all). Left at 1 beside a YAML of several, the user meant the YAML's
+        count, and the run would budget its steps and take its address for 1 rank (the YAML's 8
+        ranks trained 8x the tokens before the launcher passed the count), so it is refused.
+        """
+        if self.accelerate_config is None or self.launcher == "ray":
+            return self
+        launched = accelerate_processes(self.accelerate_config)
+        if self.num_processes == 1 and launched is not None and launched > 1:
+            raise ValueError(
+                f"num_processes is 1 but accelerate_config {self.accelerate_config} launches "
+                f"{launched} processes (num_processes: {launched}); set "
+                f"pretrain.num_processes={launched} (the world size sets the step count and the "
+                "run's address), or use a one-process config such as "
+                "deployments/accelerate/single_gpu.yaml"
+            )
+        return self
+
     @property
     def world_size(self) -> int:
         """Data-parallel ranks the run trains on, whatever launches them."""
@@ -82,6 +105,29 @@ class LaunchSettings(BaseModel):
     def launch_settings(self) -> dict[str, Any]:
         """These settings alone, to start a run with the same launch (``StageRun(**...)``)."""
         return {name: getattr(self, name) for name in LaunchSettings.model_fields}
+
+
+def accelerate_processes(path: str) -> int | None:
+    """The processes an accelerate YAML launches on its own (its ``num_processes``; 1 for a
+    ``distributed_type: NO`` without it), or None where it leaves the count to the command line.
+
+    Raises:
+        ValueError: no such file (here or shipped with llmflow), or not an accelerate YAML.
+    """
+    import yaml
+
+    from llmflow.tasks.framework.resources import preset_path
+
+    try:
+        data = yaml.safe_load(preset_path(path).read_text())
+    except (OSError, yaml.YAMLError) as err:
+        raise ValueError(f"accelerate_config {path!r} cannot be read: {err}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"accelerate_config {path!r} is not a mapping of accelerate settings")
+    count = data.get("num_processes", 1 if data.get("distributed_type") == "NO" else None)
+    if count is not None and (not isinstance(count, int) or isinstance(count, bool)):
+        raise ValueError(f"accelerate_config {path!r}: num_processes={count!r} is not a count")
+    return count if count is None or count > 0 else None  # -1: "pass --num_processes"
 
 
 class TrainingFailed(RuntimeError):
@@ -111,14 +157,15 @@ def build_command(
 
     Args:
         train_args: Arguments of ``python -m llmflow.tasks.pretrain.train``.
-        num_processes: Processes on this machine (torchrun on CPU when > 1 and no config).
+        num_processes: Processes on this machine (torchrun on CPU when > 1 and no config), or
+            in all with an accelerate config: always passed to it, so the ranks that start are
+            the ones the run's step count and address count, whatever the YAML says.
         accelerate_config: An accelerate YAML (``deployments/accelerate/*.yaml``); wins if set.
     """
     if accelerate_config is not None:
         launcher = [sys.executable, "-m", "accelerate.commands.launch"]
         launcher += ["--config_file", str(accelerate_config)]
-        if num_processes > 1:
-            launcher += ["--num_processes", str(num_processes)]
+        launcher += ["--num_processes", str(num_processes)]
         return launcher + ["-m", TRAIN_MODULE, *train_args]
     if num_processes > 1:
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
