@@ -91,3 +91,29 @@ def test_a_second_card_run_in_the_same_working_folder_replaces_its_links(tmp_pat
     assert (
         os.stat(out / "hf" / "config.json").st_ino == os.stat(model / "hf" / "config.json").st_ino
     )
+
+
+def test_an_external_model_folder_with_a_readme_keeps_it_after_its_card(tiny_model, tmp_path):
+    """A local model folder with the README.md most Hub models carry, through the real
+    ``external-model`` step: its committed copy still verifies after the card."""
+    import shutil
+
+    from llmflow.tasks.evaluation.external import external_model, pin_model
+    from llmflow.tasks.framework.graph import Raw
+
+    folder = tmp_path / "theirs"
+    shutil.copytree(tiny_model, folder)
+    (folder / "README.md").write_text(MODEL_README)
+    source, files = pin_model(str(folder))
+    graph = Graph()
+    model = graph.add(external_model, source, "theirs", files=Raw(files))
+    evaluation = graph.add(fixture_evaluation, FolderFixture(), "theirs")
+    card = graph.add(model_card, CardConfig(model_name="theirs"), "theirs", model=model,
+                     evaluation=evaluation)  # fmt: skip
+    root = tmp_path / "runs"
+    outcome = Executor(str(root)).run(graph)
+    assert (Path(outcome[model].uri) / "hf" / "README.md").read_text() == MODEL_README
+    assert "theirs" in (Path(outcome[card].uri) / "hf" / "README.md").read_text()
+    assert (folder / "README.md").read_text() == MODEL_README  # the user's own file too
+    checks = verify_root(str(root))
+    assert [c.status for c in checks] == ["ok"] * 3, [c.problems for c in checks]
