@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import posixpath
+import re
 from typing import Any
 
 from pydantic import BaseModel
 
 HASH_CHARS = 16
+PROTOCOL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
 
 def canonical_json(obj: Any) -> str:
@@ -76,3 +79,19 @@ def step_hash(step: str, version: str, config: Any, input_hashes: dict[str, Any]
             "inputs": input_hashes,
         }
     )
+
+
+def relative_names(uris: list[str] | tuple[str, ...]) -> list[str]:
+    """Each raw file's path relative to the files' common folder (one file: its name).
+
+    What a raw input's hash holds beside each file's bytes: a step may read meaning from a name
+    (ToxiGen's label and target group are in its file names), so a renamed file must make
+    another address; the folder the files lie in is where, not what, and stays out.
+    """
+    parts = [posixpath.normpath(PROTOCOL.sub("", str(uri))).lstrip("/").split("/") for uri in uris]
+    common = min((len(p) - 1 for p in parts), default=0)
+    for depth in range(common):
+        if len({p[depth] for p in parts}) > 1:
+            common = depth
+            break
+    return ["/".join(p[common:]) for p in parts]

@@ -35,7 +35,7 @@ from llmflow.tasks.framework import lineage
 from llmflow.tasks.framework.audit import recording
 from llmflow.tasks.framework.concurrency import gpu_slot
 from llmflow.tasks.framework.errors import BadInputError
-from llmflow.tasks.framework.hashing import step_hash
+from llmflow.tasks.framework.hashing import relative_names, step_hash
 from llmflow.tasks.framework.store import Store, now
 
 Metrics = dict[str, Any]
@@ -43,7 +43,8 @@ OUT = "out"
 
 
 class RawFiles(tuple):
-    """URIs of raw files a step reads from outside the store (their sha256 enters the hash)."""
+    """URIs of raw files a step reads from outside the store (each file's sha256 and its path
+    relative to the files' common folder enter the hash)."""
 
 
 @dataclass(frozen=True)
@@ -220,7 +221,14 @@ class Shard:
 
 def _input_hash(store: Store, value: Any) -> Any:
     if isinstance(value, RawFiles):
-        return {"raw": [lineage.source_record(uri)["sha256"] for uri in value]}
+        # NOTE: each file's relative path with its bytes: a step may read meaning from a name
+        # (ToxiGen's labels), so a renamed file must be another input, never a Cached output
+        return {
+            "raw": [
+                [name, lineage.source_record(uri)["sha256"]]
+                for name, uri in zip(relative_names(value), value, strict=True)
+            ]
+        }
     if isinstance(value, Shard):
         return f"{store.input_hash(value.uri)}/{value.name}"
     if isinstance(value, list):
