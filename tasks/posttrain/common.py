@@ -65,19 +65,58 @@ def chat_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
     A base model released without a chat template (a base Llama) gets the project's ChatML
     template (``tasks/tokenizer/train.py``): post-training teaches it, and the tokenizer saved
     with the result carries it. Its ``<|im_start|>``/``<|im_end|>`` are single tokens only where
-    the vocabulary has them (Qwen, SmolLM); elsewhere they are spelled out in ordinary tokens.
+    the vocabulary has them (Qwen, SmolLM); elsewhere they are spelled out in ordinary tokens,
+    and a spelled-out ``<|im_end|>`` is no id generation can stop at: there every turn ends with
+    the tokenizer's eos instead, which the model then learns to emit (see `stop_token_ids`).
     """
     tokenizer = load_tokenizer(model_dir)
     if not tokenizer.chat_template:
         from llmflow.tasks.tokenizer.train import CHAT_TEMPLATE
 
-        _say_once(f"the tokenizer in {model_dir} has no chat template: using ChatML")
-        tokenizer.chat_template = CHAT_TEMPLATE
+        template = CHAT_TEMPLATE
+        if END_OF_TURN not in tokenizer.get_vocab() and tokenizer.eos_token:
+            template = CHAT_TEMPLATE.replace("'<|im_end|>", "eos_token + '")
+        _say_once(
+            f"the tokenizer in {model_dir} has no chat template: using ChatML, turns ending "
+            f"with {END_OF_TURN if template == CHAT_TEMPLATE else tokenizer.eos_token}"
+        )
+        tokenizer.chat_template = template
     if tokenizer.pad_token is None:
         # NOTE: padding with eos would mask eos out of the labels in some collators; the project's
         # tokenizer has <|pad|>, this is only for foreign models.
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+_PROBE = "llmflow end-of-turn probe"
+
+
+def end_of_turn_id(tokenizer: PreTrainedTokenizerBase) -> int | None:
+    """The token the chat template closes an assistant turn with, or None when that is no single
+    added token (a template that closes turns with plain text, or none at all).
+
+    ChatML's ``<|im_end|>``, Llama 3's ``<|eot_id|>``, Gemma's ``<end_of_turn>``, Mistral's eos:
+    read from an assistant turn the template renders, never from a list of known names.
+    """
+    from jinja2 import TemplateError
+
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _PROBE}]
+    try:
+        text = tokenizer.apply_chat_template(chat, tokenize=False)
+    except TemplateError:  # a template that wants another conversation shape: eos alone
+        return None
+    at = text.rfind(_PROBE)
+    if at < 0:  # the template rewrote the content; nothing to read
+        return None
+    suffix = text[at + len(_PROBE) :].lstrip()
+    ids = tokenizer(suffix, add_special_tokens=False)["input_ids"] if suffix else []
+    return ids[0] if ids and ids[0] in tokenizer.added_tokens_decoder else None
+
+
+def stop_token_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """Ids that end a generated answer: the template's end of turn first, then eos."""
+    ids = [end_of_turn_id(tokenizer), tokenizer.eos_token_id]
+    return list(dict.fromkeys(i for i in ids if i is not None))
 
 
 _SAID: set[str] = set()
@@ -214,10 +253,7 @@ def export_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out
     out = Path(out)
     model = model.to(torch.float32)
     generation_config = model.generation_config
-    stop_ids = [tokenizer.eos_token_id]
-    if END_OF_TURN in tokenizer.get_vocab():
-        stop_ids.insert(0, tokenizer.convert_tokens_to_ids(END_OF_TURN))
-    generation_config.eos_token_id = stop_ids
+    generation_config.eos_token_id = stop_token_ids(tokenizer)
     generation_config.pad_token_id = tokenizer.pad_token_id
     model.config.pad_token_id = tokenizer.pad_token_id
     # NOTE: the Trainer turned the KV cache off for training; inference wants it back.

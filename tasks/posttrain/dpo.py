@@ -234,7 +234,8 @@ def prepare_pairs(
     )
 
 
-@step("dpo", gpu=True, execution=TRAIN_EXECUTION)
+# version 2: generation_config stops at the chat template's end of turn (<|eot_id|>, ...)
+@step("dpo", version=2, gpu=True, execution=TRAIN_EXECUTION)
 def dpo(
     cfg: DPOStepConfig,
     model: Path,

@@ -39,6 +39,7 @@ from llmflow.tasks.posttrain.common import (
     offline_environment,
     require_examples,
     split_heldout,
+    stop_token_ids,
     train_model,
     write_rejects,
 )
@@ -174,11 +175,18 @@ def resolve_grpo_data(cfg: GRPOStepConfig, data_path: Path | None) -> Path | Non
 
 
 # -- training ---------------------------------------------------------------------------------
-def grpo_training_args(cfg: GRPOStepConfig, out_dir: Path) -> GRPOConfig:
-    """TRL's GRPOConfig from the step config (``use_vllm`` / ``vllm_mode`` passed through)."""
+def grpo_training_args(
+    cfg: GRPOStepConfig, out_dir: Path, stop_ids: list[int] | None = None
+) -> GRPOConfig:
+    """TRL's GRPOConfig from the step config (``use_vllm`` / ``vllm_mode`` passed through).
+
+    ``stop_ids``: the chat template's end of turn and eos; vLLM's sampling stops there (TRL's
+    transformers generation reads them from the model's generation_config instead)."""
     from trl import GRPOConfig
 
+    vllm_stop = {"stop_token_ids": stop_ids} if cfg.use_vllm and stop_ids else None
     return GRPOConfig(
+        generation_kwargs=vllm_stop,
         num_generations=cfg.num_generations,
         max_completion_length=cfg.max_completion_length,
         temperature=cfg.temperature,
@@ -203,12 +211,19 @@ def build_grpo_trainer(
     from datasets import Dataset
     from trl import GRPOTrainer
 
+    tokenizer = chat_tokenizer(model_dir)
+    model = train_model(model_dir, cfg.attn_implementation)
+    # NOTE: TRL ends completions at the tokenizer's eos and the model's generation_config eos ids;
+    # a start model whose config names eos alone (a base Llama 3 under a Llama 3 template) would
+    # run past <|eot_id|> to max_completion_length.
+    stop = stop_token_ids(tokenizer)
+    model.generation_config.eos_token_id = stop
     return GRPOTrainer(
-        model=train_model(model_dir, cfg.attn_implementation),
+        model=model,
         reward_funcs=rewards,
-        args=grpo_training_args(cfg, out_dir),
+        args=grpo_training_args(cfg, out_dir, stop),
         train_dataset=Dataset.from_list(train),
-        processing_class=chat_tokenizer(model_dir),
+        processing_class=tokenizer,
     )
 
 
@@ -221,13 +236,6 @@ def _prompt_batch(tokenizer: PreTrainedTokenizerBase, records: list[Record], dev
     tokenizer.padding_side = "left"
     batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
     return {k: v.to(device) for k, v in batch.items()}
-
-
-def _stop_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
-    ids = [tokenizer.eos_token_id]
-    if "<|im_end|>" in tokenizer.get_vocab():
-        ids.insert(0, tokenizer.convert_tokens_to_ids("<|im_end|>"))
-    return ids
 
 
 @torch.no_grad()
@@ -249,7 +257,7 @@ def generate(
     model.eval()
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
-    stop = _stop_ids(tokenizer)
+    stop = stop_token_ids(tokenizer)
     results = []
     for start in range(0, len(records), batch_size):
         batch = _prompt_batch(tokenizer, records[start : start + batch_size], model.device)
@@ -373,7 +381,8 @@ def evaluate_heldout(trainer, heldout, rewards, cfg, reference=None) -> dict[str
     return metrics
 
 
-@step("grpo", gpu=True, execution=TRAIN_EXECUTION)
+# version 2: generation_config stops at the chat template's end of turn (<|eot_id|>, ...)
+@step("grpo", version=2, gpu=True, execution=TRAIN_EXECUTION)
 def grpo(
     cfg: GRPOStepConfig,
     model: Path,

@@ -102,7 +102,8 @@ def prepare_sft_examples(
     return load_normalized(data_file, normalize_sft, tokenizer, cfg.max_length, "messages", exclude)
 
 
-@step("sft", gpu=True, execution=TRAIN_EXECUTION)
+# version 2: generation_config stops at the chat template's end of turn (<|eot_id|>, ...)
+@step("sft", version=2, gpu=True, execution=TRAIN_EXECUTION)
 def sft(
     cfg: SFTStepConfig,
     model: Path,

@@ -72,3 +72,29 @@ def save_tiny_llama(folder: Path, seed: int = 0, tokenizer_vocab: int = 384, **c
     model.save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+LLAMA3_CHAT_TOKENS = ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+
+
+def build_llama3_chat_tokenizer(vocab_size: int = 384):
+    """`build_tokenizer` plus Llama 3 Instruct's header and end-of-turn tokens and its chat
+    template (TRL's copy): a turn ends with ``<|eot_id|>``, not ``<|im_end|>`` nor eos."""
+    import trl
+
+    tokenizer = build_tokenizer(vocab_size)
+    tokenizer.add_special_tokens({"additional_special_tokens": LLAMA3_CHAT_TOKENS})
+    template = Path(trl.__file__).parent / "chat_templates" / "llama3.jinja"
+    tokenizer.chat_template = template.read_text()
+    return tokenizer
+
+
+def save_tiny_llama3_chat(folder: Path, seed: int = 0) -> Path:
+    """A Hub-layout tiny Llama with a Llama-3-style chat template; config.json's eos is
+    ``<|end_of_text|>`` only (as a base Llama 3), so the end of turn must come from the template."""
+    tokenizer = build_llama3_chat_tokenizer()
+    model = build_llama(len(tokenizer), seed, eos_token_id=tokenizer.convert_tokens_to_ids(EOS))
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+    return folder
