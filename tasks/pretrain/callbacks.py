@@ -206,6 +206,7 @@ class RankInfo(Callback):
             "world_size": rt.world_size,
             "init_checksum": trainer.init_checksum,
             "first_batch_sha256": digest,
+            "matmul_dtype": trainer.matmul_dtype,
             "step": out.step - 1,
             **sharding_report(trainer.model),
         }

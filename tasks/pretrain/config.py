@@ -12,7 +12,7 @@ import dataclasses
 import json
 import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -28,6 +28,9 @@ from pydantic import (
 from llmflow.model.config import ModelConfig, preset
 from llmflow.tasks.framework.errors import ConfigError
 from llmflow.tasks.framework.hashing import OMIT_DEFAULT, versioned_fields  # noqa: F401  (versioned_fields re-exported: the store's hash view)
+
+if TYPE_CHECKING:
+    import torch
 
 UNVERSIONED = {"versioned": False}
 
@@ -264,6 +267,13 @@ class TrainConfig(_Section):
         description="torch.use_deterministic_algorithms on CPU (bitwise-exact resume).",
         json_schema_extra=UNVERSIONED,
     )
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        "auto",
+        description="Compute precision: bf16 keeps float32 master weights and optimizer state "
+        "and computes in bf16 (autocast in one process, FSDP2's bf16 parameters with float32 "
+        "gradient reduction when sharded); auto is bf16 on CUDA and fp32 on CPU.",
+        json_schema_extra=OMIT_DEFAULT,
+    )
     eval_batches: int = Field(4, gt=0, description="Validation batches per evaluation.")
     continue_data: bool = Field(
         False,
@@ -283,6 +293,13 @@ class TrainConfig(_Section):
     tracker: TrackerConfig = Field(
         default_factory=TrackerConfig, description="Trackers.", json_schema_extra=UNVERSIONED
     )
+
+    def compute_dtype(self, device_type: str) -> torch.dtype:
+        """The dtype matrix multiplies run in on ``device_type`` (``auto``: bf16 on CUDA only)."""
+        import torch
+
+        bf16 = self.precision == "bf16" or (self.precision == "auto" and device_type == "cuda")
+        return torch.bfloat16 if bf16 else torch.float32
 
     @model_validator(mode="after")
     def _length_given(self) -> TrainConfig:

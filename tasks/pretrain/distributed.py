@@ -56,14 +56,18 @@ def teardown_runtime() -> None:
         dist.destroy_process_group()
 
 
-def shard_model(model: nn.Module, runtime: Runtime) -> nn.Module:
+def shard_model(
+    model: nn.Module, runtime: Runtime, compute_dtype: torch.dtype = torch.float32
+) -> nn.Module:
     """Apply FSDP2 per transformer block and at the root, as torchtitan does.
 
-    bf16 parameters with fp32 gradient reduction on GPU; plain fp32 on CPU.
+    With a bf16 ``compute_dtype``: float32 sharded parameters (the master weights the optimizer
+    steps), gathered in bf16 for the forward and backward, gradients reduced in float32. On a
+    CPU over gloo too, so CI runs the path GPU users run.
     """
     mesh = init_device_mesh(runtime.device.type, (runtime.world_size,))
-    if runtime.device.type == "cuda":
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if compute_dtype != torch.float32:
+        policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     else:
         policy = MixedPrecisionPolicy()
     for block in model.layers:

@@ -82,6 +82,7 @@ class Trainer:
         if val_dir is not None:
             check_data(cfg, val_dir, role="val_dir")
         self.model_config = cfg.model_config_obj()
+        self.compute_dtype = cfg.compute_dtype(rt.device.type)
         self.model = self._build_model()
         self.optimizers = build_optimizers(self.model, cfg.optimizer)
         self.base_lrs = [[g["base_lr"] for g in o.param_groups] for o in self.optimizers]
@@ -90,9 +91,11 @@ class Trainer:
             data_dir, cfg.batch.micro_batch_size, rt.rank, rt.world_size, seed=cfg.seed
         )
         self.state = TrainState()
+        # NOTE: one process computes in bf16 under autocast; sharded, FSDP2 gathers bf16
+        # parameters (shard_model), so no autocast is needed there.
         self.autocast = (
-            torch.autocast("cuda", dtype=torch.bfloat16)
-            if rt.device.type == "cuda" and not rt.distributed
+            torch.autocast(rt.device.type, dtype=self.compute_dtype)
+            if self.compute_dtype != torch.float32 and not rt.distributed
             else contextlib.nullcontext()
         )
         self.guard = StabilityGuard(cfg.guard)
@@ -113,14 +116,27 @@ class Trainer:
         apply_activation_checkpointing(
             model, cfg.activation_checkpointing, cfg.activation_checkpointing_every_k
         )
+        self.matmul_dtype: str | None = None  # seen in the first forward (ranks/*.json)
+        if not cfg.compile:  # NOTE: a hook inside a compiled block would be traced into it
+            self._watch_matmul_dtype(model)
         if cfg.compile:  # per block, before sharding, as torchtitan does
             for block in model.layers:
                 block.compile()
         if rt.distributed:
-            shard_model(model, rt)
+            shard_model(model, rt, self.compute_dtype)
         materialize_sharded(model, rt, cfg.seed)
         self.init_checksum = param_checksum(model)
         return model
+
+    def _watch_matmul_dtype(self, model: torch.nn.Module) -> None:
+        """Record the dtype the first block's first projection computes in (bf16 or float32)."""
+        linear = next(m for m in model.layers[0].modules() if isinstance(m, torch.nn.Linear))
+
+        def hook(module, args, output) -> None:
+            self.matmul_dtype = str(output.dtype).removeprefix("torch.")
+            handle.remove()
+
+        handle = linear.register_forward_hook(hook)
 
     def _components(self, val_dir: Path | None) -> list[Callback]:
         """The components in hook order; the fault injector only under ``LLMFLOW_FAULTS``."""
@@ -284,6 +300,7 @@ class Trainer:
             "guard_events": self.guard.num_events,
             "rewinds": self.guard.num_rewinds,
             "world_size": self.runtime.world_size,
+            "precision": "bf16" if self.compute_dtype == torch.bfloat16 else "fp32",
         }
 
     def mfu(self, tokens_per_s: float) -> float | None:
