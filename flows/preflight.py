@@ -447,15 +447,17 @@ def run_test_steps(report: Report, config, options: PreflightOptions, work: Path
 def rehearsal_plan_gb(
     config, seq_len: int, micro: int, ranks: int, activation_checkpointing: str | None = None
 ) -> float:
-    """The plan's memory per rank of the test steps (bf16 on GPU, float32 on CPU)."""
+    """The plan's memory per rank of the test steps, at the recipe's precision on this machine
+    (``auto``: bf16 on a GPU, float32 on a CPU)."""
     import torch
 
-    from llmflow.tasks.pretrain.planner import memory_per_gpu
+    from llmflow.tasks.pretrain.planner import memory_per_gpu, precision_bytes
 
-    train = config.pretrain.train  # the test steps' own optimizer and checkpointing
+    train = config.pretrain.train  # the test steps' own optimizer, checkpointing and precision
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     return memory_per_gpu(
         train.model_config_obj(), seq_len=seq_len, micro_batch_size=micro, num_gpus=ranks,
-        param_dtype_bytes=2 if torch.cuda.is_available() else 4, optimizer=train.optimizer.name,
+        param_dtype_bytes=precision_bytes(train, device), optimizer=train.optimizer.name,
         fsdp=ranks > 1, activation_checkpointing=activation_checkpointing or train.activation_checkpointing,
         every_k=train.activation_checkpointing_every_k,
     ).total_gb  # fmt: skip

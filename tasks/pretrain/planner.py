@@ -67,6 +67,18 @@ class Plan:
     """Validation loss from the recipe's fitted scaling law (``llmflow ladder``), if one exists."""
 
 
+def precision_bytes(train, device_type: str = "cuda") -> int:
+    """Bytes per parameter copy, gradient and activation a ``TrainConfig`` computes in on
+    ``device_type``: 2 in bf16 (float32 master weights counted apart), 4 in fp32.
+
+    ``auto`` is bf16 on CUDA: a recipe's plan is for the GPUs it declares, so it plans bf16;
+    preflight's rehearsal on a CPU plans fp32 unless the recipe asks for bf16.
+    """
+    import torch
+
+    return torch.finfo(train.compute_dtype(device_type)).bits // 8
+
+
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """6N + 12·L·C·T, N = non-embedding parameters + the output projection (tied or not).
 
@@ -394,6 +406,7 @@ def recipe_plan(
         gpu_mem_gb=gpu_mem_gb or hardware.gpu_mem_gb,
         mfu=mfu or hardware.mfu,
         peak_tflops=hardware.peak_tflops,
+        param_dtype_bytes=precision_bytes(train),
         micro_batch_size=batch.micro_batch_size,
         optimizer=train.optimizer.name,
         activation_checkpointing=train.activation_checkpointing,
@@ -414,7 +427,8 @@ def extension_memory(pretrain, extend, hardware, num_gpus: int | None = None) ->
     for stage in extend.stages:
         memory = memory_per_gpu(
             model, seq_len=stage.seq_len, micro_batch_size=stage.micro_batch_size,
-            num_gpus=num_gpus, param_dtype_bytes=2, optimizer=train.optimizer.name, fsdp=True,
+            num_gpus=num_gpus, param_dtype_bytes=precision_bytes(train),
+            optimizer=train.optimizer.name, fsdp=True,
             activation_checkpointing=train.activation_checkpointing,
             every_k=train.activation_checkpointing_every_k,
         )  # fmt: skip
