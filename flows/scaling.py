@@ -26,6 +26,7 @@ from llmflow.tasks.framework.graph import Graph, Node
 from llmflow.tasks.pretrain.config import TrainConfig
 from llmflow.tasks.pretrain.step import pretrain
 from llmflow.tasks.scaling.fit import LAW_FILE, ScalingFitConfig, ScalingLaw, scaling_fit
+from llmflow.tasks.scaling.space import scaled_learning_rates
 
 
 class Size(BaseModel):
@@ -72,6 +73,12 @@ class LadderConfig(BaseModel):
     )
     heldout_tokens: int = Field(300_000, gt=0, description="Tokens of the held-out run.")
     warmup_steps: int = Field(5, ge=0, description="LR warmup of every ladder run.")
+    lr_scale: float = Field(
+        1.0,
+        gt=0,
+        description="Multiplies every learning rate of the recipe's optimizer in every ladder "
+        "run: AdamW's lr; Muon's muon_lr and its AdamW groups' lr together (their ratio kept).",
+    )
     variants: dict[str, dict[str, Any]] = Field(
         default_factory=lambda: {
             "cosine": {"schedule.name": "cosine"},
@@ -155,6 +162,9 @@ def ladder_graph(config: PipelineConfig, ladder: LadderConfig) -> LadderGraph:
     data, held_out = full.find(step="mixture")[0], full.find(step="validation")[0]
     graph = full.closure([data, held_out])
     base, name = config.pretrain.train, f"{config.name}-ladder"
+    # NOTE: the recipe's optimizer decides which rates move (Muon's are not AdamW's); at 1.0
+    # every run keeps the recipe's own values, and its address.
+    base = base.replaced(**scaled_learning_rates(base, ladder.lr_scale))
 
     def add(train: TrainConfig) -> Node:
         run = stage_run(config, train)

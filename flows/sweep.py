@@ -420,6 +420,7 @@ def sweep(
     validation: str | None = None,
 ) -> SweepResult:
     """Run (or resume) the study; ``data``/``validation`` default to the recipe's stage 1."""
+    space = space.for_recipe(config)  # `params: learning_rates` follows the recipe's optimizer
     check_space(config, space)  # before any trial: unknown fields and rejected values
     if data is None or validation is None:
         data, validation = sweep_inputs(config)
@@ -437,6 +438,7 @@ def run_sweep(
 ) -> SweepResult:
     """Check the space (no Prefect yet), then run the flow with ``space.concurrency`` threads
     (or, with ``backend: ray_tune``, the Ray Tune sweep of ``flows/sweep_ray.py``)."""
+    space = space.for_recipe(config)
     check_space(config, space)
     if space.backend == "ray_tune":
         from llmflow.flows.sweep_ray import run_tune_sweep

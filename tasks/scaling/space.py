@@ -15,6 +15,13 @@ dotted config path (the same paths ``llmflow run --set`` takes)::
 Every path and every bound (or choice) is applied to the real config before the sweep starts,
 so an unknown field or a value the config rejects fails naming the field, before any training.
 
+``params: learning_rates`` searches the learning rates of the recipe's own optimizer, each on a
+log range around the recipe's value (``lr_params``): AdamW has one (``optimizer.lr``); Muon has
+its own for the hidden matrices (``optimizer.muon_lr``) and AdamW's for the embeddings, norms and
+head (``optimizer.lr``). Muon's update has a fixed spectral norm whatever the gradient's scale,
+so its useful learning rates are not AdamW's, and a search over ``optimizer.lr`` alone would move
+only the AdamW groups of a Muon recipe.
+
 ``backend`` picks who schedules the trials: ``optuna`` (the default: one process drives an Optuna
 study) or ``ray_tune`` (Ray Tune on a Ray cluster, ``flows/sweep_ray.py``). Neither it nor
 ``ray_address`` reaches a trial's config: the same parameters train the same cached segments.
@@ -25,14 +32,26 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from llmflow.tasks.config import PipelineConfig, apply_overrides, format_validation_error
 from llmflow.tasks.framework.errors import BadInputError, ConfigError
+from llmflow.tasks.pretrain.config import TrainConfig
 
 TUNABLE_PREFIX = "pretrain.train."
 """A trial is one pretraining run: only the trainer's fields change what it computes."""
+
+LEARNING_RATES = "learning_rates"
+"""``params: learning_rates``: the recipe optimizer's learning rates (``lr_params``)."""
+LR_RANGES = {"lr": (1 / 3, 30.0), "muon_lr": (1 / 4, 4.0)}
+"""Default search range of each learning rate, as factors of the recipe's own value. AdamW's
+spans two decades, mostly above the value (small models train best well above a large model's
+LR): [1e-3, 9e-2] around 3e-3. Muon's orthogonalised update has a fixed spectral norm, so its
+useful range is narrower: [0.005, 0.08] around 0.02 (modded-nanogpt trains at 0.05)."""
+MUON_ONLY = ("muon_lr", "muon_momentum", "muon_weight_decay", "muon_adjust_lr")
+"""OptimizerConfig fields that only a Muon recipe reads."""
 
 
 class _Strict(BaseModel):
@@ -156,7 +175,10 @@ class SweepSpace(_Strict):
     )
     sampler: SamplerSpec = Field(default_factory=SamplerSpec)
     pruner: PrunerSpec = Field(default_factory=PrunerSpec)
-    params: dict[str, Param] = Field(description="Dotted config path -> dimension.")
+    params: dict[str, Param] | Literal["learning_rates"] = Field(
+        description="Dotted config path -> dimension, or `learning_rates`: the recipe "
+        "optimizer's learning rates, each on a log range around the recipe's value."
+    )
     backend: Literal["optuna", "ray_tune"] = Field(
         "optuna",
         description="Who schedules the trials: an Optuna study driven by this process, or Ray "
@@ -181,6 +203,11 @@ class SweepSpace(_Strict):
     @model_validator(mode="after")
     def _grid_is_categorical(self) -> SweepSpace:
         if self.sampler.name == "grid":
+            if self.params == LEARNING_RATES:
+                raise ValueError(
+                    "sampler grid needs categorical params; params: learning_rates gives ranges "
+                    "(list the grid's learning rates as choices)"
+                )
             ranges = [k for k, p in self.params.items() if p.type != "categorical"]
             if ranges:
                 raise ValueError(f"sampler grid needs categorical params; {ranges} are ranges")
@@ -219,6 +246,12 @@ class SweepSpace(_Strict):
     def segment_steps(self) -> int:
         return self.max_steps // self.segments
 
+    def for_recipe(self, config: PipelineConfig) -> SweepSpace:
+        """This space with ``params: learning_rates`` made the recipe's own (``lr_params``)."""
+        if self.params != LEARNING_RATES:
+            return self
+        return self.model_copy(update={"params": lr_params(config)})
+
     @classmethod
     def load(cls, path: str | Path) -> SweepSpace:
         """Read a space from YAML; a malformed file is a ConfigError naming the field."""
@@ -248,13 +281,60 @@ def _yaml_value(value: Any) -> str:
     return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("\n...").strip()
 
 
+def learning_rates(train: TrainConfig) -> dict[str, float]:
+    """The peak learning rates the recipe's optimizer reads, by ``OptimizerConfig`` field:
+    AdamW's ``lr``; Muon's ``muon_lr`` (hidden matrices) and ``lr`` (the AdamW groups)."""
+    optimizer = train.optimizer
+    rates = {"lr": optimizer.lr}
+    return {"muon_lr": optimizer.muon_lr, **rates} if optimizer.name == "muon" else rates
+
+
+def lr_params(config: PipelineConfig, points: int | None = None) -> dict[str, Param]:
+    """The default learning-rate search of a recipe: each of its optimizer's learning rates on a
+    log range of ``LR_RANGES`` factors around the recipe's value; with ``points``, a grid of
+    that many log-spaced choices each (3 significant digits)."""
+    params = {}
+    for field, value in learning_rates(config.pretrain.train).items():
+        below, above = LR_RANGES[field]
+        low, high = _round(value * below), _round(value * above)
+        path = f"{TUNABLE_PREFIX}optimizer.{field}"
+        if points is None:
+            params[path] = Param(type="float", low=low, high=high, log=True)
+        else:
+            choices = [_round(x) for x in np.geomspace(low, high, points)]
+            params[path] = Param(type="categorical", choices=choices)
+    return params
+
+
+def _round(value: float) -> float:
+    return float(f"{value:.3g}")
+
+
+def scaled_learning_rates(train: TrainConfig, factor: float) -> dict[str, float]:
+    """``TrainConfig.replaced`` updates that multiply every learning rate of the recipe's
+    optimizer by ``factor`` (Muon's and AdamW's together: their ratio is the recipe's)."""
+    return {f"optimizer.{k}": v * factor for k, v in learning_rates(train).items()}
+
+
 def check_space(config: PipelineConfig, space: SweepSpace) -> None:
-    """Fail before any trial on a path outside the trainer, an unknown field or a bad value."""
+    """Fail before any trial on a path outside the trainer, an unknown field, a bad value or a
+    field the recipe's optimizer never reads (Muon's on an AdamW recipe)."""
+    space = space.for_recipe(config)
+    optimizer = config.pretrain.train.optimizer.name
+    if f"{TUNABLE_PREFIX}optimizer.name" in space.params:
+        optimizer = "muon"  # the trials choose their optimizer: a Muon field may matter
     for path, param in space.params.items():
         if not path.startswith(TUNABLE_PREFIX):
             raise BadInputError(
                 f"search space field {path!r}: a trial is one pretraining run, so only fields "
                 f"under {TUNABLE_PREFIX!r} can be searched"
+            )
+        field = path.removeprefix(f"{TUNABLE_PREFIX}optimizer.")
+        if optimizer != "muon" and field in MUON_ONLY:
+            raise BadInputError(
+                f"search space field {path!r}: the recipe's optimizer is {optimizer}, which has "
+                "no Muon group, so every trial would train the same model (search "
+                "pretrain.train.optimizer.lr, or params: learning_rates)"
             )
         for value in param.extremes():
             try:

@@ -108,6 +108,23 @@ def test_ladder_graph_builds_every_run_on_the_first_stage(tmp_path):
     assert planned.fit.inputs["runs"] == planned.points
 
 
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_ladder_lr_scale_moves_the_recipes_own_learning_rates(tmp_path, optimizer):
+    overrides = [f"root={tmp_path}", f"pretrain.train.optimizer.name={optimizer}"]
+    cfg = load_config(None, [*overrides, "pretrain.train.optimizer.lr=0.003"])
+    recipe_optimizer = cfg.pretrain.train.optimizer
+    same = ladder_graph(cfg, LadderConfig())
+    doubled = ladder_graph(cfg, LadderConfig(lr_scale=2.0))
+    for kept, scaled in zip(same.points + [same.heldout], doubled.points + [doubled.heldout],
+                            strict=True):  # fmt: skip
+        assert kept.config.train.optimizer == recipe_optimizer  # 1.0: the recipe's own rates
+        got = scaled.config.train.optimizer
+        assert got.lr == pytest.approx(0.006)
+        # Muon's own rate moves with AdamW's (their ratio is the recipe's); AdamW has none
+        want = 2 * recipe_optimizer.muon_lr if optimizer == "muon" else recipe_optimizer.muon_lr
+        assert got.muon_lr == pytest.approx(want)
+
+
 def test_rank_table_flags_a_flip():
     same = {("cosine", 32): 3.0, ("wsd", 32): 2.9, ("cosine", 64): 2.5, ("wsd", 64): 2.4}
     rows, consistent = rank_table(same)

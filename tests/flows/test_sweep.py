@@ -116,6 +116,67 @@ def test_field_outside_the_trainer_is_refused(tmp_path):
         check_space(tiny_config(tmp_path), bad)
 
 
+LR, MUON_LR = "pretrain.train.optimizer.lr", "pretrain.train.optimizer.muon_lr"
+
+
+def optimizer_config(root: Path, name: str):
+    """The tiny recipe with ``name``'s optimizer at lr 3e-3 (and Muon's group at 0.02)."""
+    lrs = ["pretrain.train.optimizer.lr=0.003", "pretrain.train.optimizer.muon_lr=0.02"]
+    return tiny_config(root, f"pretrain.train.optimizer.name={name}", *lrs)
+
+
+def test_default_lr_space_follows_the_recipes_optimizer(tmp_path):
+    from llmflow.tasks.scaling.space import lr_params
+
+    adamw = lr_params(optimizer_config(tmp_path, "adamw"))
+    muon = lr_params(optimizer_config(tmp_path, "muon"))
+    # AdamW has one learning rate; Muon two: its own (hidden matrices) and AdamW's for the rest
+    assert list(adamw) == [LR] and list(muon) == [MUON_LR, LR]
+    assert muon != adamw
+    # log ranges around the recipe's own values: AdamW [lr/3, 30 lr], Muon [muon_lr/4, 4 muon_lr]
+    assert (adamw[LR].low, adamw[LR].high, adamw[LR].log) == (0.001, 0.09, True)
+    assert (muon[MUON_LR].low, muon[MUON_LR].high, muon[MUON_LR].log) == (0.005, 0.08, True)
+    assert muon[LR] == adamw[LR]
+    # a grid: log-spaced choices, 3 significant digits, the recipe's value in the middle
+    grid = lr_params(optimizer_config(tmp_path, "muon"), points=3)
+    assert grid[MUON_LR].choices == [0.005, 0.02, 0.08]
+    assert grid[LR].choices == [0.001, 0.00949, 0.09]
+
+
+def test_space_file_learning_rates_follows_each_recipe(tmp_path):
+    path = tmp_path / "space.yaml"
+    path.write_text(yaml.safe_dump({"study": "x", "max_steps": 8, "params": "learning_rates"}))
+    spec = SweepSpace.load(path)
+    for name, paths in (("adamw", [LR]), ("muon", [MUON_LR, LR])):
+        cfg = optimizer_config(tmp_path, name)
+        check_space(cfg, spec)
+        assert list(spec.for_recipe(cfg).params) == paths
+    grid = {"study": "x", "max_steps": 8, "params": "learning_rates", "sampler": {"name": "grid"}}
+    path.write_text(yaml.safe_dump(grid))
+    with pytest.raises(ConfigError, match="sampler grid needs categorical"):
+        SweepSpace.load(path)
+
+
+def test_quickstart_lr_space_searches_muons_learning_rates():
+    folder = Path(__file__).parents[2] / "configs"
+    quickstart = load_config(folder / "quickstart.yaml")
+    assert quickstart.pretrain.train.optimizer.name == "muon"
+    params = SweepSpace.load(folder / "sweeps" / "lr.yaml").for_recipe(quickstart).params
+    muon_lr = quickstart.pretrain.train.optimizer.muon_lr
+    assert params[MUON_LR].low < muon_lr < params[MUON_LR].high
+    assert params[LR].low < quickstart.pretrain.train.optimizer.lr < params[LR].high
+
+
+def test_muon_lr_on_an_adamw_recipe_is_refused(tmp_path):
+    bad = space(params={MUON_LR: {"type": "float", "low": 0.01, "high": 0.05}})
+    with pytest.raises(BadInputError, match=r"optimizer\.muon_lr.*optimizer is adamw"):
+        check_space(optimizer_config(tmp_path, "adamw"), bad)
+    check_space(optimizer_config(tmp_path, "muon"), bad)
+    name = {"type": "categorical", "choices": ["adamw", "muon"]}  # trials that pick Muon read it
+    both = space(params={**bad.params, "pretrain.train.optimizer.name": name})
+    check_space(optimizer_config(tmp_path, "adamw"), both)
+
+
 def test_space_file_errors_name_the_field(tmp_path):
     path = tmp_path / "space.yaml"
     path.write_text(yaml.safe_dump({"study": "x", "max_steps": 10, "segments": 3, "params": {}}))
@@ -169,6 +230,24 @@ def test_tiny_sweep_reports_segments_and_a_repeat_reuses_every_trial(prefect_har
     study = optuna.load_study(study_name="b", storage=storage_url(cfg, space(study="b")))
     assert all(t.user_attrs["cached_segments"] == len(t.intermediate_values) for t in study.trials)
     assert [r["val_loss"] for r in again.rows] == [r["val_loss"] for r in first.rows]
+
+
+@pytest.mark.slow
+def test_learning_rates_space_trains_a_muon_recipe_at_the_sampled_rates(prefect_harness, tmp_path):
+    from llmflow.flows.sweep import run_sweep
+    from llmflow.tasks.pretrain.config import TrainConfig
+
+    data, val = packed_inputs(tmp_path)
+    cfg = optimizer_config(tmp_path, "muon")
+    spec = space(study="muon", trials=1, max_steps=4, segments=1, params="learning_rates")
+    result = run_sweep(cfg, spec, data, val)
+    (row,) = result.rows
+    assert 0.005 <= row[MUON_LR] <= 0.08 and 0.001 <= row[LR] <= 0.09
+    best = yaml.safe_load((Path(result.folder) / "best.yaml").read_text())["pretrain"]["train"]
+    assert (best["optimizer"]["muon_lr"], best["optimizer"]["lr"]) == (row[MUON_LR], row[LR])
+    (segment,) = (tmp_path / "pretrain").glob("*-sweep-*")  # what the trial really trained
+    trained = TrainConfig.load(segment / "train_config.json").optimizer
+    assert (trained.name, trained.muon_lr, trained.lr) == ("muon", row[MUON_LR], row[LR])
 
 
 DRIVER = """
