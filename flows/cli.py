@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import time
@@ -376,9 +377,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _NoBadInputTraceback(logging.Filter):
+    """Drops the traceback from a record that logs a BadInputError: the input is wrong, not the
+    code, and ``main`` prints the one line that says what to fix."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], BadInputError):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+PREFECT_RUN_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")
+"""Where Prefect's engines log a run's exception with its traceback."""
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
     args = build_parser().parse_args(argv)
+    for name in PREFECT_RUN_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _NoBadInputTraceback) for f in logger.filters):
+            logger.addFilter(_NoBadInputTraceback())
     try:
         return args.func(args)
     except BadInputError as err:

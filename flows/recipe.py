@@ -18,7 +18,7 @@ from pathlib import Path
 
 from llmflow.tasks.config import PHASES, PipelineConfig
 from llmflow.tasks.curation.recipe import add_curation
-from llmflow.tasks.dataprep.mixture import mixture, validation
+from llmflow.tasks.dataprep.mixture import check_data_domains, mixture, validation
 from llmflow.tasks.dataprep.tokenize import tokenize_corpus
 from llmflow.tasks.decontam.posttrain import add_posttrain_check
 from llmflow.tasks.decontam.step import add_decontamination
@@ -118,10 +118,12 @@ def yarn_rope(config: PipelineConfig) -> dict:
 
 def ingested(graph: Graph, config: PipelineConfig) -> Node:
     """The ingest node: the user's raw files (listed now, so a bad path fails now) and Hub
-    datasets (pinned to a commit now, so an unreachable one fails now), or the sample."""
+    datasets (pinned to a commit now, so an unreachable one fails now), or the sample. A
+    mixture weighing a domain the data lacks fails now too."""
     if config.data:
         local, hub = data_sources(config)
         files = Raw(tuple(list_files(local))) if local else None
+        check_data_domains(config, list(files.files) if files else [], hub)
         ingest_cfg = config.ingest.model_copy(update={"hub": hub}) if hub else config.ingest
         return graph.add(ingest_sources, ingest_cfg, config.name, files=files)
     generated = graph.add(sample, config.sample, config.name)

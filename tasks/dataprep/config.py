@@ -77,7 +77,8 @@ class StageMixture(PackConfig):
 
     weights: dict[str, float] = Field(
         description="Relative weight per domain (the `domain` column); normalized to sum to 1. "
-        "Domains absent here are not used in this stage."
+        "Domains absent here are not used in this stage. Empty: every domain of the data, in "
+        "proportion to its tokens (a recipe for whatever data the user brings)."
     )
     num_tokens: int = Field(
         description="Token budget of the stage, counting each document's trailing eos token."
@@ -97,12 +98,10 @@ class StageMixture(PackConfig):
     @field_validator("weights")
     @classmethod
     def _weights_valid(cls, value: dict[str, float]) -> dict[str, float]:
-        if not value:
-            raise ValueError("weights is empty; give at least one domain a positive weight")
         negative = {k: v for k, v in value.items() if v < 0}
         if negative:
             raise ValueError(f"weights must be >= 0, got negative weights {negative}")
-        if sum(value.values()) <= 0:
+        if value and sum(value.values()) <= 0:  # empty: the data's domains (plan_mixture)
             raise ValueError(f"weights are all zero ({value}); give some domain a positive weight")
         return value
 

@@ -9,11 +9,13 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from llmflow.tasks.dataprep.config import StageMixture, ValidationConfig
 from llmflow.tasks.dataprep.pack import write_packed
+from llmflow.tasks.framework import s3config
 from llmflow.tasks.framework.errors import BadInputError
 from llmflow.tasks.framework.step import Metrics, step
 
@@ -52,7 +54,7 @@ def plan_mixture(cfg: StageMixture, available: dict[str, int]) -> tuple[dict[str
         BadInputError: A weighted domain is missing, or would need more than max_epochs and
             on_overflow is "fail" (or no domain is left to take the excess).
     """
-    weights = cfg.normalized_weights()
+    weights = cfg.normalized_weights() or _data_weights(available)
     missing = sorted(set(weights) - {d for d, n in available.items() if n > 0})
     if missing:
         raise BadInputError(
@@ -87,6 +89,92 @@ def plan_mixture(cfg: StageMixture, available: dict[str, int]) -> tuple[dict[str
         logger.warning(note)
         notes.append(note)
     return {d: int(round(t)) for d, t in targets.items()}, notes
+
+
+def _data_weights(available: dict[str, int]) -> dict[str, float]:
+    """Weights for a mixture that names no domain: each domain of the data in proportion to its
+    tokens (said in one log line)."""
+    present = {d: n for d, n in sorted(available.items()) if n > 0}
+    if not present:
+        raise BadInputError("the mixture names no domain, and no domain has training tokens")
+    total = sum(present.values())
+    weights = {d: n / total for d, n in present.items()}
+    logger.info(
+        "mixture: the weights name no domain, so the stage trains on the data's domains in "
+        "proportion to their tokens: %s",
+        ", ".join(f"{d} {w:.1%}" for d, w in weights.items()),
+    )
+    return weights
+
+
+def mixture_weights(config: Any) -> dict[str, dict[str, float]]:
+    """The weights of every mixture a pipeline config runs (up to ``until``), by config path."""
+    from llmflow.tasks.config import PHASES
+
+    reach = PHASES.index(config.until) if config.until else len(PHASES)
+    weights = {}
+    if reach >= PHASES.index("mixture"):
+        weights = {f"pretrain.stages.{s.name}": s.mixture.weights for s in config.pretrain.stages}
+    if config.extend.stages and reach >= PHASES.index("extend"):
+        weights["extend.weights"] = config.extend.weights
+    return weights
+
+
+def check_data_domains(config: Any, files: list[str], hub: list[str]) -> None:
+    """Every domain a mixture of ``config`` weighs must be in its ``--data``, before any step runs.
+
+    ``files`` are the local or remote data files, ``hub`` the Hub URIs. The files are read only
+    until every weighed domain is seen; Hub sources count by the domain their URI names (one
+    that names none leaves the check to the mixture step, after ingest).
+
+    Raises:
+        BadInputError: naming the mixture, its missing domains and the domains the data has.
+    """
+    from llmflow.tasks.ingest.hub import parse_uri
+
+    named = {
+        label: sorted(d for d, w in weights.items() if w > 0)
+        for label, weights in mixture_weights(config).items()
+    }
+    wanted = set().union(*named.values())
+    sources = [parse_uri(uri) for uri in hub]
+    if not wanted or not all(source.domain for source in sources):
+        return
+    provided = {source.domain for source in sources}
+    if files:
+        provided |= _file_domains(files, config.ingest, wanted - provided)
+    for label, domains in named.items():
+        missing = [d for d in domains if d not in provided]
+        if missing:
+            shown = ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+            raise BadInputError(
+                f"{label} weighs domain(s) {missing} that the --data sources lack: they give "
+                f"{sorted(provided)} (files: {shown}; a record's {config.ingest.domain_field!r} "
+                f"field, else ingest.domain_map by file name, else ingest.default_domain="
+                f"{config.ingest.default_domain!r}). Weigh those domains, or leave the weights "
+                "empty ({}) to train on every domain in proportion to its tokens"
+            )
+
+
+def _file_domains(files: list[str], ingest_cfg, wanted: set[str]) -> set[str]:
+    """``file_domains``, remembered per files' sizes and times, ingest settings and ``wanted``."""
+    # NOTE: the CLI builds the recipe three times (its checks, run_pipeline, the flow), and a
+    # rare domain can sit at the end of a large file: read it once.
+    from llmflow.tasks.ingest.ingest import file_domains
+
+    stats = []
+    for uri in files:
+        fs, path = s3config.filesystem(uri)
+        info = fs.info(path)
+        stats.append((uri, info.get("size"), info.get("mtime") or info.get("LastModified")))
+    key = (tuple(stats), ingest_cfg.model_dump_json(), frozenset(wanted))
+    if key not in _FOUND:
+        _FOUND.clear()  # one data set at a time
+        _FOUND[key] = frozenset(file_domains(files, ingest_cfg, wanted))
+    return set(_FOUND[key])
+
+
+_FOUND: dict[tuple, frozenset[str]] = {}
 
 
 def select_documents(doc_lengths: np.ndarray, target: int, rng: np.random.Generator) -> np.ndarray:

@@ -398,5 +398,7 @@ def data_sources(config: Any) -> tuple[list[str], list[str]]:
     local, hub = split_sources(config.data)
     if hub and not local and all(source.domain for source in hub):
         weights = {f"pretrain.stages.{s.name}": s.mixture.weights for s in config.pretrain.stages}
-        check_domains(hub, {**weights, "extend.weights": config.extend.weights})
+        if config.extend.stages:  # without stages no extension mixture is built
+            weights["extend.weights"] = config.extend.weights
+        check_domains(hub, weights)
     return local, [pin(source.uri) for source in hub]

@@ -320,6 +320,32 @@ def first_documents(uri: str, cfg: IngestConfig, count: int) -> list[str]:
     return texts
 
 
+def file_domains(files: list[str], cfg: IngestConfig, wanted: set[str]) -> set[str]:
+    """The domains ingest gives the usable records of ``files``, read in order until every
+    domain in ``wanted`` is seen. A file whose records cannot name one (plain text, Parquet
+    without the domain column) is not read: its domain is its name's or the default."""
+    found: set[str] = set()
+    for uri in files:
+        kind = SUFFIXES[Path(uri).suffix]
+        if kind == "text" or (kind == "parquet" and not _has_column(uri, cfg.domain_field)):
+            found.add(_domain_for(uri, {}, cfg))
+        else:
+            for _, record in _records(uri, kind, cfg):
+                if _check(record, cfg) is None:
+                    found.add(_domain_for(uri, record, cfg))
+                    if wanted <= found:
+                        break
+        if wanted <= found:
+            break
+    return found
+
+
+def _has_column(uri: str, name: str) -> bool:
+    fs, path = s3config.filesystem(uri)
+    with fs.open(path, "rb") as f:
+        return name in pq.ParquetFile(f).schema_arrow.names
+
+
 def _check(record: Any, cfg: IngestConfig) -> str | None:
     """Why a record is unusable, or None."""
     if isinstance(record, str) and record.startswith("!"):
