@@ -137,10 +137,47 @@ def _init_architecture(config):
     return config.model_copy(update={"pretrain": import_model._on_model(config, model)})
 
 
+def _init_size(config) -> str:
+    """The ``init`` model's parameters as transformers counts them, built from its config.json
+    on the meta device (any causal LM, no weights read)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from llmflow.tasks.ingest import import_model, models
+
+    try:
+        source = models.resolve(config.init, "init")
+        hf_config = AutoConfig.from_pretrained(import_model._config_folder(source))
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(hf_config)
+    except (BadInputError, OSError, ValueError) as err:
+        return f"init model           {config.init}: its size is unknown ({err})"
+    count = sum(p.numel() for p in model.parameters())
+    return f"init model           {source.name} ({hf_config.model_type}): {count:,} parameters"
+
+
+def _plan_without_stages(config, args: argparse.Namespace) -> int:
+    """``plan`` of a recipe that post-trains its ``init`` model directly: no pretraining to plan;
+    the model's size, and each context-extension stage's memory (those still train)."""
+    from llmflow.tasks.pretrain.planner import NO_STAGE, extension_memory
+
+    print(f"{config.name} on {args.gpus or config.hardware.gpus} GPU(s)")
+    print(f"{NO_STAGE}: nothing to pretrain, the init model goes on as it is")
+    print(_init_size(config))
+    if config.extend.stages:  # the extension trains the imported model: on its architecture
+        config = _init_architecture(config)
+        for line in extension_memory(config.pretrain, config.extend, config.hardware, args.gpus):
+            print(line)
+    return 0
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from llmflow.tasks.pretrain.planner import extension_memory, format_plan, recipe_plan
 
-    config = _init_architecture(_load(args))
+    config = _load(args)
+    if not config.pretrain.stages:
+        return _plan_without_stages(config, args)
+    config = _init_architecture(config)
     result = recipe_plan(
         config.pretrain, config.hardware, num_gpus=args.gpus, gpu_mem_gb=args.gpu_mem, mfu=args.mfu
     )

@@ -144,6 +144,11 @@ def check_config(report: Report, config_path: str | None, overrides: list[str]):
         config = load_config(config_path, overrides)
         config, _ = init_config(config)  # init: its architecture, pinned and checked
         report.recipe = config.name
+        if not config.pretrain.stages:  # the init model as it is: no architecture of ours
+            from llmflow.tasks.pretrain.planner import NO_STAGE
+
+            row["detail"] = f"{config.name}: {NO_STAGE}, init {config.init}"
+            return config
         model = config.pretrain.train.model_config_obj()
         row["detail"] = (
             f"{config.name}: {model.num_layers} layers x {model.hidden_size}, {len(config.pretrain.stages)} stages"
@@ -154,7 +159,9 @@ def check_config(report: Report, config_path: str | None, overrides: list[str]):
 
 def check_sources(report: Report, config, docs: int) -> None:
     """(2) Every data source is reachable and yields documents; every weighed domain has one."""
+    from llmflow.tasks.dataprep.mixture import check_data_domains
     from llmflow.tasks.ingest import hub
+    from llmflow.tasks.ingest.ingest import list_files
 
     local, sources = hub.split_sources(config.data)
     if not config.data:
@@ -169,14 +176,14 @@ def check_sources(report: Report, config, docs: int) -> None:
     if local:
         with timed(report, "data: local files") as row:
             row["detail"] = _check_local(local, config.ingest, docs)
-    if sources and not local and all(s.domain for s in sources):
+    if config.data:
         with timed(report, "data: domains") as row:
-            weights = {
-                f"pretrain.stages.{s.name}": s.mixture.weights for s in config.pretrain.stages
-            }
-            hub.check_domains(sources, {**weights, "extend.weights": config.extend.weights})
+            files = list_files(local) if local else []
+            found = check_data_domains(config, files, [s.uri for s in sources])
             row["detail"] = (
-                f"every weighed domain has a source ({len({s.domain for s in sources})} domains)"
+                "not checked before ingest (no mixture weighs a domain, or a Hub source names none)"
+                if found is None
+                else f"every weighed domain has a source (the data gives {sorted(found)})"
             )
 
 
@@ -192,9 +199,12 @@ def _check_local(paths: list[str], ingest_cfg, docs: int) -> str:
 
 def check_plan(report: Report, config):
     """(3) The plan on the declared hardware: a recipe that does not fit is a no-go with fixes."""
-    from llmflow.tasks.pretrain.planner import recipe_plan
+    from llmflow.tasks.pretrain.planner import NO_STAGE, recipe_plan
 
     with timed(report, "plan") as row:
+        if not config.pretrain.stages:
+            row["detail"] = f"{NO_STAGE}: nothing to pretrain, so no steps, time or memory to plan"
+            return None
         plan = recipe_plan(config.pretrain, config.hardware)
         m, hw = plan.memory, config.hardware
         report.numbers["plan"] = {"num_parameters": plan.num_parameters, "memory_gb": m.total_gb,
@@ -710,6 +720,13 @@ def preflight(
         check_sources(report, config, options.docs_per_source)
     plan = check_plan(report, config)
     check_extension_plan(report, config)
+    if not config.pretrain.stages:
+        with timed(report, "training rehearsal") as row:
+            row["detail"] = (
+                "skipped: pretrain.stages is empty, no stage to rehearse (the meta build, test "
+                "steps, resume, throughput, memory and first scores are a stage's)"
+            )
+        return report
     check_meta_build(report, config, plan)
     if options.train:
         work = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="llmflow-preflight-"))

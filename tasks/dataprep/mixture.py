@@ -120,12 +120,16 @@ def mixture_weights(config: Any) -> dict[str, dict[str, float]]:
     return weights
 
 
-def check_data_domains(config: Any, files: list[str], hub: list[str]) -> None:
+def check_data_domains(config: Any, files: list[str], hub: list[str]) -> set[str] | None:
     """Every domain a mixture of ``config`` weighs must be in its ``--data``, before any step runs.
 
     ``files`` are the local or remote data files, ``hub`` the Hub URIs. The files are read only
     until every weighed domain is seen; Hub sources count by the domain their URI names (one
     that names none leaves the check to the mixture step, after ingest).
+
+    Returns:
+        The domains found, or None when nothing was checked (no mixture weighs a domain, or a
+        Hub source names none).
 
     Raises:
         BadInputError: naming the mixture, its missing domains and the domains the data has.
@@ -139,7 +143,7 @@ def check_data_domains(config: Any, files: list[str], hub: list[str]) -> None:
     wanted = set().union(*named.values())
     sources = [parse_uri(uri) for uri in hub]
     if not wanted or not all(source.domain for source in sources):
-        return
+        return None
     provided = {source.domain for source in sources}
     if files:
         provided |= _file_domains(files, config.ingest, wanted - provided)
@@ -147,13 +151,15 @@ def check_data_domains(config: Any, files: list[str], hub: list[str]) -> None:
         missing = [d for d in domains if d not in provided]
         if missing:
             shown = ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+            shown = f"files: {shown}; " if files else ""
             raise BadInputError(
                 f"{label} weighs domain(s) {missing} that the --data sources lack: they give "
-                f"{sorted(provided)} (files: {shown}; a record's {config.ingest.domain_field!r} "
+                f"{sorted(provided)} ({shown}a record's {config.ingest.domain_field!r} "
                 f"field, else ingest.domain_map by file name, else ingest.default_domain="
                 f"{config.ingest.default_domain!r}). Weigh those domains, or leave the weights "
                 "empty ({}) to train on every domain in proportion to its tokens"
             )
+    return provided
 
 
 def _file_domains(files: list[str], ingest_cfg, wanted: set[str]) -> set[str]:

@@ -18,6 +18,8 @@ GB = 1e9
 HEADROOM = 0.9
 """Fraction of GPU memory a plan may use; the rest is CUDA context and allocator fragmentation."""
 CHINCHILLA_TOKENS_PER_PARAM = 20
+NO_STAGE = "no pretraining stage (pretrain.stages is empty)"
+"""How plans and preflight name a recipe that post-trains its ``init`` model directly."""
 OPTIMIZER_STATES = {"adamw": 2, "lion": 1, "sgd": 0, "muon": 1}
 """Float32 state tensors per parameter (AdamW: first and second moment). Muon keeps one momentum
 buffer, for the hidden matrices only: embeddings, norms and the output projection stay on AdamW."""
@@ -392,7 +394,12 @@ def recipe_plan(
 
     ``pretrain`` is a ``PretrainConfig`` and ``hardware`` a ``HardwareConfig``; the keyword
     arguments replace the declared GPU count, memory and MFU (``llmflow plan --gpus ...``).
+
+    Raises:
+        BadInputError: the recipe has no pretraining stage (``NO_STAGE``): nothing to plan.
     """
+    if not pretrain.stages:
+        raise BadInputError(f"{NO_STAGE}: no pretraining tokens, steps, time or memory to plan")
     num_gpus = num_gpus or hardware.gpus
     train = pretrain.train
     batch = train.batch

@@ -113,6 +113,24 @@ def test_domains_come_from_records_file_names_and_the_default(tmp_path):
         recipe(lacking)
 
 
+def test_preflight_names_a_weighed_domain_the_data_files_lack(tmp_path):
+    from llmflow.flows.preflight import Report, check_sources
+
+    plain = _write_jsonl(tmp_path / "plain.jsonl", [{"text": t} for t in _prose()[:3]])
+    config = load_config(None, [f"root={tmp_path}"]).model_copy(update={"data": [str(plain)]})
+    report = Report("quickstart")
+    check_sources(report, config, docs=1)
+    rows = {c.check: c for c in report.checks}
+    assert rows["data: local files"].go
+    assert (
+        not rows["data: domains"].go and "['code', 'math', 'prose']" in rows["data: domains"].detail
+    )
+    named = config.model_copy(update={"data": [str(plain)], "until": "curate"})
+    report = Report("quickstart")
+    check_sources(report, named, docs=1)
+    assert report.go and "not checked" in report.checks[-1].detail
+
+
 # ----------------------------------------------------------------------------- no traceback
 
 
