@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 ROPE_TYPES = ("default", "yarn", "linear", "llama3")
 HF_MODEL_TYPES = ("smollm3", "llama", "qwen2", "qwen3")
 """transformers architectures a model is exported as (`model_type` in its config.json)."""
+HF_DTYPES = ("float32", "bfloat16", "float16")
+"""dtypes an export writes its weights in (`dtype`/`torch_dtype` in its config.json)."""
 ADDED = {"omit_default": True}
 """Metadata of a field added after outputs were made: at its default it stays out of the hashes
 of the configs that carry it, so those outputs keep their addresses."""
@@ -64,6 +66,9 @@ class ModelConfig:
     hf_model_type: str = field(default="smollm3", metadata=ADDED)
     """The transformers architecture the export writes (one of `HF_MODEL_TYPES`); an imported
     model keeps its own."""
+    hf_dtype: str | None = field(default=None, metadata=ADDED)
+    """The dtype the export writes (one of `HF_DTYPES`): an imported bf16 checkpoint keeps
+    "bfloat16" though the trainer holds float32 master weights; None: the weights' own dtype."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads"):
@@ -114,6 +119,8 @@ class ModelConfig:
         kind = self.hf_model_type
         if kind not in HF_MODEL_TYPES:
             raise ValueError(f"hf_model_type={kind!r} must be one of {HF_MODEL_TYPES}")
+        if self.hf_dtype is not None and self.hf_dtype not in HF_DTYPES:
+            raise ValueError(f"hf_dtype={self.hf_dtype!r} must be one of {HF_DTYPES} or None")
         required = {  # field: the value the architecture needs (None: any)
             "attention_bias": {"qwen2": True}.get(kind, False),
             "qk_norm": {"qwen3": True, "smollm3": None}.get(kind, False),

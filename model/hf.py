@@ -118,6 +118,9 @@ def export_hf(
 ) -> None:
     """Write a transformers-loadable directory of the class `cfg.hf_model_type` names.
 
+    The weights are written in `cfg.hf_dtype` when set (an imported bf16 checkpoint goes back
+    to bf16 after the trainer held it in float32), else in their own dtype.
+
     Args:
         state_dict: our model's state dict (wrapper prefixes are tolerated).
         cfg: the model's config; SmolLM3 (the default) refuses `qk_norm=True` (no equivalent).
@@ -126,10 +129,14 @@ def export_hf(
             tokens, chat template) are copied beside the weights.
     """
     out_dir = Path(out_dir)
-    config = hf_config(cfg, dtype=_clean(state_dict)["embed.weight"].dtype)
+    dtype = _clean(state_dict)["embed.weight"].dtype
+    if cfg.hf_dtype is not None:
+        dtype = getattr(torch, cfg.hf_dtype)
+    config = hf_config(cfg, dtype=dtype)
     out_dir.mkdir(parents=True, exist_ok=True)
     weights = to_hf_state_dict(state_dict, cfg)
-    save_file({k: v.cpu() for k, v in weights.items()}, out_dir / WEIGHTS_NAME, {"format": "pt"})
+    weights = {k: v.to(device="cpu", dtype=dtype).contiguous() for k, v in weights.items()}
+    save_file(weights, out_dir / WEIGHTS_NAME, {"format": "pt"})
     _write_json(out_dir / "config.json", config)
     generation = {"_from_model_config": True}
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
@@ -154,7 +161,8 @@ def import_hf(hf_dir: Path) -> tuple[ModelConfig, dict[str, Tensor]]:
 
     The config, then the weights' names and shapes (from the safetensors headers), are checked
     before any tensor is read; what does not map raises `BadInputError` naming the field or
-    tensor. Weights keep their saved dtype.
+    tensor. Weights keep their saved dtype, and a bf16 or fp16 `config.json` dtype is kept in
+    `ModelConfig.hf_dtype`, so the export writes it back.
     """
     hf_dir = Path(hf_dir)
     if not hf_dir.is_dir():

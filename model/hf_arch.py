@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from llmflow.model.config import ROPE_TYPES, ModelConfig
+from llmflow.model.config import HF_DTYPES, ROPE_TYPES, ModelConfig
 from llmflow.tasks.framework.errors import BadInputError
 
 ARCHITECTURES = {
@@ -99,11 +99,26 @@ def config_from_hf(config: dict, source: str = "config.json") -> ModelConfig:
         eos_token_id=(eos or None) if isinstance(eos, list) else eos,
         pad_token_id=config.get("pad_token_id"),
         hf_model_type=kind,
+        hf_dtype=_dtype(config, source),
     )
     try:
         return ModelConfig(**fields)
     except ValueError as err:
         raise BadInputError(f"{source}: {CLASS_OF[kind]} config does not map: {err}") from err
+
+
+def _dtype(config: dict, source: str) -> str | None:
+    """The checkpoint's dtype when the export must write it back (bfloat16, float16); None for
+    float32 or none given (the export then writes the weights' own dtype, as before)."""
+    field = "dtype" if config.get("dtype") is not None else "torch_dtype"
+    dtype = config.get(field)
+    if dtype is None:
+        return None
+    if dtype not in HF_DTYPES:
+        raise BadInputError(
+            f"{source}: {field}={dtype!r} is not supported (supported: {', '.join(HF_DTYPES)})"
+        )
+    return None if dtype == "float32" else dtype
 
 
 def _refuse_other_heads(config: dict, source: str) -> None:
@@ -227,8 +242,9 @@ def _nope(config: dict, num_layers: int, source: str) -> tuple[int, list[int] | 
     return 0, [i for i, rope in enumerate(uses_rope) if not rope]
 
 
-def hf_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
-    """`config.json` contents for the transformers class of `cfg.hf_model_type`."""
+def hf_config(cfg: ModelConfig, dtype: torch.dtype | None = None) -> dict:
+    """`config.json` contents for the transformers class of `cfg.hf_model_type`; its `dtype` is
+    `cfg.hf_dtype`, else `dtype`, else float32."""
     kind = cfg.hf_model_type
     if kind == "smollm3" and cfg.qk_norm:
         raise ValueError(
@@ -244,7 +260,7 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
         pad = pad if pad is not None else 0
     rope_parameters = {"rope_type": "default", **(cfg.rope_scaling or {})}
     rope_parameters["rope_theta"] = cfg.rope_theta
-    dtype_name = str(dtype).removeprefix("torch.")
+    dtype_name = cfg.hf_dtype or str(dtype or torch.float32).removeprefix("torch.")
     config = {
         "architectures": [CLASS_OF[kind]],
         "model_type": kind,

@@ -130,7 +130,7 @@ def tokenizer_size(folder: Path) -> int:
     return len(AutoTokenizer.from_pretrained(str(folder), local_files_only=True))
 
 
-@step("import-model", version=1)
+@step("import-model", version=2)  # 2: model_config.json keeps a bf16/fp16 dtype (hf_dtype)
 def import_model(cfg: ImportModelConfig, out: Path, files: RawFiles | None = None) -> Metrics:
     """Convert the pinned transformers model into a weights-only checkpoint (``final/``) and
     keep its tokenizer (``tokenizer/``); ``files`` are its folder's files, hashed."""
