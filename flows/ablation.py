@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from llmflow.flows.recipe import Models, export_and_evaluate, recipe, stage_run
 from llmflow.tasks.config import PipelineConfig
 from llmflow.tasks.dataprep.mixture import mixture
+from llmflow.tasks.framework.errors import BadInputError
 from llmflow.tasks.framework.executor import PrefectExecutor
 from llmflow.tasks.framework.graph import Graph
 from llmflow.tasks.pretrain.config import TrainConfig
@@ -34,7 +35,18 @@ class AblationConfig(BaseModel):
 
 
 def arm_weights(baseline: dict[str, float], candidate: str, share: float) -> dict[str, float]:
-    """(1 - share) x the baseline mix plus share on the candidate domain."""
+    """(1 - share) x the baseline mix plus share on the candidate domain.
+
+    Raises:
+        BadInputError: the baseline names no domain (``weights: {}``, the data's own domains by
+            their tokens): the arm would train on the candidate alone, not 40% baseline.
+    """
+    if not baseline:
+        raise BadInputError(
+            "ablation: the last pretraining stage's mixture.weights is {} (the data's domains by "
+            "their tokens), so there is no baseline mix to keep 40% of; name the baseline's "
+            "domains, e.g. --set 'pretrain.stages.N.mixture.weights={web: 1.0}' (N: the last stage)"
+        )
     total = sum(baseline.values())
     weights = {k: (1 - share) * v / total for k, v in baseline.items()}
     weights[candidate] = weights.get(candidate, 0.0) + share

@@ -41,6 +41,14 @@ def test_candidate_arm_is_forty_sixty():
     assert w == pytest.approx({"prose": 0.4, "code": 0.6})
 
 
+def test_a_baseline_naming_no_domain_is_refused_not_made_a_candidate_only_arm():
+    from llmflow.tasks.framework.errors import BadInputError
+
+    # weights {} trains on the data's domains by tokens: arm_weights made {"code": 0.6} of it
+    with pytest.raises(BadInputError, match=r"mixture.weights is \{\}"):
+        arm_weights({}, "code", 0.6)
+
+
 def test_arms_anneal_from_the_chosen_stage_on_their_own_mixtures():
     config = load_config(None, TINY)
     graph, models = ablation_graph(config, AblationConfig(candidate="math", num_tokens=2048))
