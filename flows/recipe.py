@@ -24,6 +24,7 @@ from llmflow.tasks.decontam.posttrain import add_posttrain_check
 from llmflow.tasks.decontam.step import add_decontamination
 from llmflow.tasks.evaluation.card import card_config, model_card
 from llmflow.tasks.evaluation.export import ExportConfig, export
+from llmflow.tasks.evaluation.external import STEP_NAME as EXTERNAL_STEP
 from llmflow.tasks.evaluation.harness import evaluate
 from llmflow.tasks.evaluation.leaderboard import LeaderboardConfig, leaderboard
 from llmflow.tasks.extend.config import extension_mixture, extension_train_config
@@ -201,15 +202,18 @@ def stage_run(config: PipelineConfig, train) -> StageRun:
 def export_and_evaluate(
     graph, config, models, label, checkpoint, tokenizer, tokenized, **rope
 ) -> Node:
-    """Export a checkpoint to Hugging Face format, then evaluate the export."""
-    exported = graph.add(
-        export,
-        ExportConfig(label=label, **rope),
-        f"{config.name}-{label}",
-        phase="evaluate",
-        checkpoint=checkpoint,
-        tokenizer=tokenizer,
-    )
+    """Export a checkpoint to Hugging Face format, then evaluate the export (an ``init`` model
+    no stage trains is a model output already: evaluated as it is)."""
+    exported = checkpoint
+    if checkpoint.step.name != EXTERNAL_STEP:
+        exported = graph.add(
+            export,
+            ExportConfig(label=label, **rope),
+            f"{config.name}-{label}",
+            phase="evaluate",
+            checkpoint=checkpoint,
+            tokenizer=tokenizer,
+        )
     evaluate_model(graph, config, models, label, exported, tokenized, phase="evaluate")
     return exported
 

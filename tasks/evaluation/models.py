@@ -43,7 +43,21 @@ def load_hf_model(
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
     model = AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True, **kwargs)
+    inference_router(model)
     return model if device is None else model.to(device)
+
+
+def inference_router(model) -> None:
+    """Turn a mixture of experts' router logits off (a no-op for a dense model).
+
+    They only feed the load-balancing loss of training (TRL turns them on and a saved config keeps
+    them), and with them on transformers' ``generate`` fails on its cached steps: the loss sees
+    one token's router logits against the whole attention mask. A trainer that wants them sets
+    them again from its own coefficient (TRL does).
+    """
+    config = model.config.get_text_config()
+    if getattr(config, "output_router_logits", False):
+        config.output_router_logits = False
 
 
 def load_tokenizer(folder: Path):

@@ -17,6 +17,13 @@ Two steps follow:
 - ``import-tokenizer`` stands where ``train_tokenizer`` stands: the model's tokenizer, plus
   ``vocab_meta.json`` (the embedding's rows as the vocabulary size, the eos, pad and bos ids)
   that ``tokenize`` reads instead of our special-token names.
+
+When no stage trains (``pretrain.stages: []`` and ``extend.stages: []``) nothing is imported:
+the pinned folder becomes an ``external-model`` output (``tasks/evaluation/external.py``, its
+files copied as they are), which post-training, merging, evaluation and the card take as
+transformers loads it, so a model our trainer cannot express (a mixture of experts, sliding-window
+attention, any ``*ForCausalLM``) is still post-trained and evaluated; ``import-tokenizer`` reads
+its ``hf/`` folder for the held-out documents' tokenizer.
 """
 
 from __future__ import annotations
@@ -34,6 +41,8 @@ from llmflow.model.config import ModelConfig
 from llmflow.model.hf import import_hf, save_model
 from llmflow.model.hf_arch import config_from_hf
 from llmflow.tasks.dataprep.tokenize import VOCAB_META
+from llmflow.tasks.evaluation import external
+from llmflow.tasks.evaluation.models import hf_dir
 from llmflow.tasks.framework.errors import BadInputError
 from llmflow.tasks.framework.graph import Graph, Node, Raw
 from llmflow.tasks.framework.step import Metrics, RawFiles, step
@@ -171,11 +180,16 @@ def copy_tokenizer(folder: Path, out: Path) -> None:
 
 @step("import-tokenizer", version=1)
 def import_tokenizer(cfg: ImportTokenizerConfig, model: Path, out: Path) -> Metrics:
-    """The imported model's tokenizer, with the ids tokenize needs (``vocab_meta.json``)."""
+    """The model's tokenizer, with the ids tokenize needs (``vocab_meta.json``); ``model`` is an
+    ``import-model`` output, or an ``external-model`` one when no stage trains."""
     from tokenizers import Tokenizer
 
-    shutil.copytree(model / "tokenizer", out, dirs_exist_ok=True)
-    fields = json.loads((model / "final" / "model_config.json").read_text())
+    if (hf_dir(model) / "config.json").is_file():  # the pinned folder as it is
+        copy_tokenizer(hf_dir(model), out)
+        fields = hf_fields(hf_dir(model))
+    else:
+        shutil.copytree(model / "tokenizer", out, dirs_exist_ok=True)
+        fields = json.loads((model / "final" / "model_config.json").read_text())
     tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
     size, rows = tokenizer.get_vocab_size(True), fields["vocab_size"]
     if size > rows:
@@ -186,6 +200,18 @@ def import_tokenizer(cfg: ImportTokenizerConfig, model: Path, out: Path) -> Metr
     meta = {"vocab_size": rows, "tokenizer_vocab_size": size, **special_ids(out, fields)}
     (out / VOCAB_META).write_text(json.dumps(meta, indent=1))
     return meta
+
+
+def hf_fields(folder: Path) -> dict:
+    """``vocab_size`` and the special ids of a transformers config.json (a multimodal model's
+    language model keeps them in ``text_config``)."""
+    config = json.loads((folder / "config.json").read_text())
+    text = config.get("text_config") or {}
+    names = ("vocab_size", "eos_token_id", "pad_token_id", "bos_token_id")
+    fields = {k: config[k] if config.get(k) is not None else text.get(k) for k in names}
+    if not isinstance(fields["vocab_size"], int):
+        raise BadInputError(f"{FIELD}: {folder / 'config.json'} has no vocab_size")
+    return fields
 
 
 def special_ids(folder: Path, fields: dict) -> dict[str, int | None]:
@@ -219,10 +245,19 @@ def special_ids(folder: Path, fields: dict) -> dict[str, int | None]:
 
 def add_init(graph: Graph, config: PipelineConfig) -> tuple[PipelineConfig, Node | None]:
     """With ``init`` set: the config with ``init`` pinned and pretraining on the imported model's
-    architecture, and the ``import-model`` node; without it, the config as it is and None."""
+    architecture, and the ``import-model`` node; when no stage trains, the config with ``init``
+    pinned and an ``external-model`` node (the folder as it is); without ``init``, the config as
+    it is and None."""
     config, found = init_config(config)
-    if found is None:
+    if config.init is None:
         return config, None
+    if found is None:  # nothing trains: post-training and evaluation take the folder itself
+        pinned, files = external.pin_model(config.init, FIELD)
+        node = graph.add(
+            external.external_model, pinned, config.name, phase="tokenizer",
+            files=Raw(files) if files else None,
+        )  # fmt: skip
+        return config, node
     pinned = found.source.pinned_uri
     files = models.model_files(found.source)
     node = graph.add(
@@ -238,12 +273,27 @@ def add_init(graph: Graph, config: PipelineConfig) -> tuple[PipelineConfig, Node
 def init_config(config: PipelineConfig) -> tuple[PipelineConfig, InitModel | None]:
     """The config as the recipe runs it: ``init`` pinned and checked (``inspect_init``),
     ``pretrain`` on its architecture; unchanged (and None) without ``init``. Plans and
-    preflight checks read this, so they size the model that will train."""
+    preflight checks read this, so they size the model that will train. When no stage trains,
+    ``init`` is pinned and checked as a causal LM only (no architecture of ours), and None."""
     if config.init is None:
         return config, None
+    if not trains(config):
+        source = models.resolve(config.init, FIELD, _causal_lm)
+        return config.model_copy(update={"init": source.pinned_uri}), None
     found = inspect_init(config.init)
     update = {"init": found.source.pinned_uri, "pretrain": _on_model(config, found)}
     return config.model_copy(update=update), found
+
+
+def _causal_lm(folder: Path, uri: str) -> dict:
+    """Any transformers causal LM with weights and a tokenizer (``external.check_causal_lm``)."""
+    return external.check_causal_lm(folder, uri, FIELD)
+
+
+def trains(config: PipelineConfig) -> bool:
+    """Whether any pretraining or context-extension stage runs (only then is ``init`` imported
+    into our trainer's format)."""
+    return bool(config.pretrain.stages or config.extend.stages)
 
 
 def _on_model(config: PipelineConfig, found: InitModel) -> PretrainConfig:

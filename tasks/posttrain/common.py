@@ -15,7 +15,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from fsspec.implementations.local import LocalFileSystem
 
-from llmflow.tasks.evaluation.models import hf_dir, load_hf_model, load_tokenizer, write_progress
+from llmflow.tasks.evaluation.models import (
+    hf_dir,
+    inference_router,
+    load_hf_model,
+    load_tokenizer,
+    write_progress,
+)
 from llmflow.tasks.framework.errors import BadInputError
 from llmflow.tasks.framework.s3config import filesystem
 from llmflow.tasks.framework.step import RawFiles
@@ -258,6 +264,7 @@ def export_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out
     model.config.pad_token_id = tokenizer.pad_token_id
     # NOTE: the Trainer turned the KV cache off for training; inference wants it back.
     model.config.use_cache = True
+    inference_router(model)
     model.save_pretrained(str(out), safe_serialization=True)
     tokenizer.save_pretrained(str(out))
     return out

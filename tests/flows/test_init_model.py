@@ -142,13 +142,16 @@ def test_a_changed_weight_file_changes_the_address_and_breaks_the_old_pin(mirror
         recipe(load_config(CONFIG, [f"root={root}", f"init={old_pin}", *SMALL]))
 
 
-def test_without_stages_the_imported_model_is_exported_as_itself(mirror, tmp_path):
+def test_without_stages_the_init_model_is_the_base_as_it_is(mirror, tmp_path):
+    """No stage trains: nothing is imported or exported; the pinned folder, copied as it is
+    (``external-model``), is the base (tests/flows/test_init_as_is.py: models we cannot import)."""
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
     root = tmp_path / "runs"
     graph = recipe(_config(root, "pretrain.stages=[]"))
-    assert not graph.find(step="pretrain")
-    exported = _run(graph, root, "export") / "hf"
+    steps = {n.step.name for n in graph.nodes}
+    assert not steps & {"pretrain", "import-model", "export"}
+    exported = _run(graph, root, "external-model") / "hf"
     model = AutoModelForCausalLM.from_pretrained(exported).eval()
     original = LlamaForCausalLM.from_pretrained(mirror / REPO).eval()
     assert type(model) is LlamaForCausalLM

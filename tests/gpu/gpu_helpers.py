@@ -1,5 +1,7 @@
 """Shared pieces of the GPU suite: the trainer-test helpers of tests/tasks/pretrain/conftest.py
-(loaded by path, so this folder needs no package), the skip marker, and bf16's unit roundoff."""
+(loaded by path, so this folder needs no package), the skip marker, and bf16's unit roundoff.
+No conftest.py here: it would shadow the ``conftest`` module the trainer tests import from when
+both folders are collected in one run."""
 
 from __future__ import annotations
 

@@ -21,9 +21,23 @@ import sys
 
 import pytest
 import torch
-from gpu_helpers import GPU, REPO, TINY_MODEL, U, losses_by_step, run_trainer, tiny_config
+from gpu_helpers import (
+    GPU,
+    REPO,
+    TINY_MODEL,
+    U,
+    losses_by_step,
+    make_packed,
+    run_trainer,
+    tiny_config,
+)
 
 pytestmark = GPU
+
+
+@pytest.fixture(scope="module")
+def gpu_train_data(tmp_path_factory):
+    return make_packed(tmp_path_factory.mktemp("data") / "train", num_docs=300, seed=0)
 
 
 def _summary(out) -> dict:

@@ -137,7 +137,8 @@ def test_the_recipe_post_trains_an_init_model_directly_and_the_card_names_it(tmp
          "until=dpo", "dpo.loss_type=apo_zero", "safety.data_root=null", *small],
     )  # fmt: skip
     graph = recipe(config)
-    assert not graph.find(step="pretrain") and graph.find(step="import-model")
+    assert not graph.find(step="pretrain") and not graph.find(step="import-model")
+    assert graph.find(step="sft")[0].inputs["model"] is graph.find(step="external-model")[0]
     (card,) = [n for n in graph.find(step="card") if n.name.endswith("-dpo")]
     outcome = Executor(str(tmp_path / "runs")).run(graph.closure([card]))
     (aligned,) = graph.find(step="dpo")
@@ -145,4 +146,4 @@ def test_the_recipe_post_trains_an_init_model_directly_and_the_card_names_it(tmp
     assert isinstance(AutoModelForCausalLM.from_pretrained(dpo_dir), Qwen2ForCausalLM)
     text = (Path(outcome[card].uri) / "hf" / "README.md").read_text()
     assert "base_model: acme/tiny-qwen" in text
-    assert "trained with llmflow from `hf://models/acme/tiny-qwen@local-" in text
+    assert f"trained with llmflow from `hf://models/acme/tiny-qwen@{COMMIT}`" in text
