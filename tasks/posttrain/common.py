@@ -325,7 +325,11 @@ def _has_cuda() -> bool:
 
 
 def common_training_args(cfg: Any, out_dir: Path) -> dict[str, Any]:
-    """The TrainingArguments SFT and DPO share: no checkpoints, no trackers, CPU-safe precision."""
+    """The TrainingArguments SFT and DPO share: no checkpoints, no trackers, and the precision
+    ``cfg.precision`` names (bf16: mixed precision over float32 weights, on CPU through
+    ``use_cpu``, which transformers requires before it runs bf16 autocast without a GPU)."""
+    cuda = _has_cuda()
+    bf16 = cfg.uses_bf16("cuda" if cuda else "cpu")
     return dict(
         output_dir=str(Path(out_dir) / "trainer"),
         learning_rate=cfg.learning_rate,
@@ -339,7 +343,8 @@ def common_training_args(cfg: Any, out_dir: Path) -> dict[str, Any]:
         gradient_accumulation_steps=cfg.gradient_accumulation_steps,
         seed=cfg.seed,
         data_seed=cfg.seed,
-        bf16=cfg.bf16,
+        bf16=bf16,
+        use_cpu=bf16 and not cuda,
         **_checkpointing_arg(cfg.gradient_checkpointing),
         dataloader_pin_memory=_has_cuda(),
         logging_steps=cfg.logging_steps,

@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from llmflow.tasks.framework.hashing import OMIT_DEFAULT
 from llmflow.tasks.posttrain.rewards import RewardSpec
 
 UNVERSIONED = {"versioned": False}
@@ -49,7 +50,16 @@ class _TrainStepConfig(BaseModel):
         32, ge=0, description="Examples held out (by seed) for before/after evaluation."
     )
     seed: int = Field(0, description="Seed for the held-out split, data order and init.")
-    bf16: bool = Field(False, description="bfloat16 mixed precision (GPU); False on CPU.")
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        "auto",
+        description="Compute precision: bf16 is TRL's bf16 mixed precision (autocast over "
+        "float32 weights and optimizer state; on CPU too); auto is bf16 on CUDA and fp32 on CPU, "
+        "as pretrain.train.precision.",
+        json_schema_extra=OMIT_DEFAULT,  # NOTE: added after outputs existed; auto keeps them
+    )
+    bf16: bool = Field(
+        False, description="The older spelling of precision='bf16': true computes in bf16."
+    )
     attn_implementation: str = Field(
         "sdpa",
         description="Attention kernel: 'sdpa' or 'eager' (CPU), 'flash_attention_2' (GPU).",
@@ -63,6 +73,18 @@ class _TrainStepConfig(BaseModel):
     dataloader_num_workers: int = Field(
         0, ge=0, description="Data loader worker processes.", json_schema_extra=UNVERSIONED
     )
+
+    @model_validator(mode="after")
+    def _one_precision(self) -> _TrainStepConfig:
+        if self.bf16 and self.precision == "fp32":
+            raise ValueError("bf16=True contradicts precision='fp32'; set one of them")
+        return self
+
+    def uses_bf16(self, device_type: str) -> bool:
+        """Whether TRL computes in bf16 on ``device_type`` (``auto``: on CUDA only)."""
+        if self.bf16 or self.precision == "bf16":
+            return True
+        return self.precision == "auto" and device_type == "cuda"
 
     @field_validator("data")
     @classmethod

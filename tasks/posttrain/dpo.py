@@ -193,17 +193,28 @@ def build_dpo_trainer(
 
 
 def evaluate_heldout(trainer: DPOTrainer, heldout: list[Record], cfg: DPOStepConfig, when: str):
-    """TRL's eval metrics and the policy's preference accuracy, keys suffixed with ``when``."""
+    """TRL's eval metrics and the policy's preference accuracy, keys suffixed with ``when``.
+
+    NOTE: in bf16 the trainer autocasts the reference from the start but the policy only once
+    ``train()`` has prepared it, so before training the policy computed in float32 against a
+    bf16 reference (margins of 1e-6, not 0); the accelerator's autocast puts both in bf16,
+    before and after (a no-op in fp32).
+    """
     if not heldout:
         return {}
-    trl_metrics = trainer.evaluate()
+    with trainer.accelerator.autocast():
+        trl_metrics = trainer.evaluate()
+        logps = response_logps(
+            trainer.model,
+            trainer.processing_class,
+            heldout,
+            cfg.max_length,
+            cfg.per_device_batch_size,
+        )
     metrics = {
         f"heldout_{k.removeprefix('eval_').replace('/', '_')}_{when}": trl_metrics[k]
         for k in TRL_EVAL_KEYS
     }
-    logps = response_logps(
-        trainer.model, trainer.processing_class, heldout, cfg.max_length, cfg.per_device_batch_size
-    )
     metrics.update({f"heldout_{k}_{when}": v for k, v in preference_metrics(logps).items()})
     return metrics
 
