@@ -114,7 +114,8 @@ def test_domains_come_from_records_file_names_and_the_default(tmp_path):
 
 
 def test_preflight_names_a_weighed_domain_the_data_files_lack(tmp_path):
-    from llmflow.flows.preflight import Report, check_sources
+    from llmflow.tasks.preflight import Report
+    from llmflow.tasks.preflight.checks import check_sources
 
     plain = _write_jsonl(tmp_path / "plain.jsonl", [{"text": t} for t in _prose()[:3]])
     config = load_config(None, [f"root={tmp_path}"]).model_copy(update={"data": [str(plain)]})

@@ -328,7 +328,8 @@ def test_continued_pretraining_starts_at_transformers_loss_lowers_it_and_resumes
 
 
 def test_preflight_sizes_the_imported_model_and_names_a_bad_one(mirror, tmp_path):
-    from llmflow.flows.preflight import Report, check_config
+    from llmflow.tasks.preflight import Report
+    from llmflow.tasks.preflight.checks import check_config
 
     report = Report("continue-pretrain")
     config = check_config(report, CONFIG, [f"root={tmp_path}", INIT])

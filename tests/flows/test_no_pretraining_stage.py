@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from llmflow.flows.cli import main
-from llmflow.flows.preflight import PreflightOptions, preflight
 from llmflow.tasks.ingest.hub import MIRROR_ENV
+from llmflow.tasks.preflight import PreflightOptions, preflight
 from tests.flows.tiny_llama import save_tiny_llama
 
 REPO = "test/tiny-llama"

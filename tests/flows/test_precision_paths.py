@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from llmflow.flows.preflight import rehearsal_plan_gb, steps_train_config
 from llmflow.flows.recipe import recipe
 from llmflow.tasks.config import CONFIGS, load_config
 from llmflow.tasks.framework.hashing import digest, versioned_fields
+from llmflow.tasks.preflight.rehearsal import steps_train_config
+from llmflow.tasks.preflight.shape import rehearsal_plan_gb
 from llmflow.tasks.pretrain.planner import extension_memory, memory_per_gpu, recipe_plan
 from llmflow.tasks.scaling.trial import segment_runs, trial_train_config
 

@@ -9,9 +9,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from llmflow.flows.preflight import PreflightOptions, PreflightRun, preflight
+from llmflow.flows.preflight import PreflightRun
 from llmflow.tasks.config import CONFIGS
 from llmflow.tasks.ingest import hub
+from llmflow.tasks.preflight import PreflightOptions, preflight
 
 PLAN_ONLY = PreflightOptions(train=False, check_data=False)
 
@@ -126,7 +127,8 @@ def test_flow_publishes_the_go_no_go_table_as_an_artifact(prefect_harness):
 
 
 def _shape(options: PreflightOptions):
-    from llmflow.flows.preflight import Report, rehearsal_plan_gb, rehearsal_shape
+    from llmflow.tasks.preflight import Report
+    from llmflow.tasks.preflight.shape import rehearsal_plan_gb, rehearsal_shape
 
     config = PreflightRun(preset="smollm3-135m").config()
     report = Report("135m")
@@ -154,7 +156,7 @@ def test_an_asked_shape_is_kept_and_said_to_be_over_the_host():
 
 
 def test_out_of_memory_is_told_apart_from_other_failures():
-    from llmflow.flows.preflight import out_of_memory
+    from llmflow.tasks.preflight.memory import out_of_memory
 
     torchrun = ["[1]:", "  exitcode  : -9 (pid: 4242)", "  traceback : Signal 9 (SIGKILL) received by PID 4242"]  # fmt: skip
     assert "signal 9" in out_of_memory(1, torchrun)

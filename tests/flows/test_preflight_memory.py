@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import pytest
 
-from llmflow.flows.preflight import (
+from llmflow.tasks.config import CONFIGS, load_config
+from llmflow.tasks.preflight.rehearsal import (
     MEMORY_TOLERANCE,
-    Launcher,
-    _peak_memory_gb,
-    _runtime_baseline_gb,
+    RehearsalLauncher,
+    peak_memory_gb,
     random_packed,
-    rehearsal_plan_gb,
+    runtime_baseline_gb,
     steps_train_config,
 )
-from llmflow.tasks.config import CONFIGS, load_config
+from llmflow.tasks.preflight.shape import rehearsal_plan_gb
 
 # 135M's layout (GQA, SwiGLU, tied embeddings) at 4 layers of width 512 and an 8k vocabulary:
 # long sequences make activations dominate, short ones weights, gradients and optimizer states.
@@ -36,7 +36,7 @@ def recipe(checkpointing: str = "none"):
 def runtime_gb(tmp_path_factory) -> float:
     """The runtime's share of a rank's peak RSS (Python, torch, gloo), measured once."""
     work = tmp_path_factory.mktemp("baseline")
-    return _runtime_baseline_gb(recipe(), work, Launcher(RANKS, 600, lambda _: None), 64, 1)
+    return runtime_baseline_gb(recipe(), work, RehearsalLauncher(RANKS, 600, lambda _: None), 64, 1)
 
 
 @pytest.mark.slow
@@ -53,8 +53,8 @@ def test_plan_is_within_tolerance_of_the_measured_peak(
     data = random_packed(tmp_path / "data", vocab=vocab, seq_len=seq_len, rows=8 * micro * RANKS,
                          seed=0)  # fmt: skip
     train = steps_train_config(config, seq_len, micro, 2)  # step 2 has optimizer states
-    Launcher(RANKS, 600, lambda _: None)(train, data, tmp_path / "run")
-    measured = _peak_memory_gb(tmp_path / "run") - runtime_gb
+    RehearsalLauncher(RANKS, 600, lambda _: None)(train, data, tmp_path / "run")
+    measured = peak_memory_gb(tmp_path / "run") - runtime_gb
     plan = rehearsal_plan_gb(config, seq_len, micro, RANKS)
     error = (plan - measured) / measured
     print(f"seq {seq_len} x micro {micro}, checkpointing {checkpointing}: plan {plan:.3f} GB, "

@@ -167,14 +167,14 @@ def test_plan_predicts_the_measured_peak_at_the_1_7b_shapes_within_10_percent(tm
     """The 1.7B recipe at full width and depth, micro-batch 1 on one GPU (bf16 under autocast):
     the plan's memory per GPU against ``torch.cuda.max_memory_allocated`` after two steps (the
     second has the optimizer states), the trainer's ``memory_gib``, as preflight measures it."""
-    from llmflow.flows.preflight import (
-        Launcher,
-        _peak_memory_gb,
+    from llmflow.tasks.config import CONFIGS, load_config
+    from llmflow.tasks.preflight.rehearsal import (
+        RehearsalLauncher,
+        peak_memory_gb,
         random_packed,
-        rehearsal_plan_gb,
         steps_train_config,
     )
-    from llmflow.tasks.config import CONFIGS, load_config
+    from llmflow.tasks.preflight.shape import rehearsal_plan_gb
 
     config = load_config(str(CONFIGS / "smollm3-1.7b.yaml"))  # launched here on one GPU
     seq = max(s.mixture.seq_len for s in config.pretrain.stages)
@@ -182,8 +182,8 @@ def test_plan_predicts_the_measured_peak_at_the_1_7b_shapes_within_10_percent(tm
     data = random_packed(tmp_path / "data", vocab=vocab, seq_len=seq, rows=8, seed=0)
     train = steps_train_config(config, seq, 1, 2).replaced(deterministic=False)
     assert train.compute_dtype("cuda") == torch.bfloat16
-    Launcher(1, 1200, print)(train, data, tmp_path / "run")
-    measured = _peak_memory_gb(tmp_path / "run")
+    RehearsalLauncher(1, 1200, print)(train, data, tmp_path / "run")
+    measured = peak_memory_gb(tmp_path / "run")
     planned = rehearsal_plan_gb(config, seq, 1, 1)
     error = (planned - measured) / measured
     print(f"1.7B seq {seq} micro 1: plan {planned:.2f} GB, measured {measured:.2f} GB "
