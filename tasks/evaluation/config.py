@@ -79,6 +79,12 @@ class EvalConfig(BaseModel):
         json_schema_extra={"versioned": False},
     )
 
+    def versioned_extras(self) -> dict[str, str]:
+        """Outside float32, the dtype lm-eval's log-probs are taken in, for the hash: float32
+        (``harness.load_model``) where they were the model's own dtype before, so bf16 and fp16
+        results moved and take new addresses; float32 results keep theirs."""
+        return {} if self.dtype == "float32" else {"log_softmax_dtype": "float32"}
+
     @field_validator("tasks")
     @classmethod
     def _check_tasks(cls, value: list[str]) -> list[str]:

@@ -221,6 +221,10 @@ def load_model(cfg: EvalConfig, model_dir: Path):
         tokenizer=tokenizer,
         batch_size=batch_size,
         max_batch_size=cfg.max_batch_size,
+        # NOTE: lm-eval takes log_softmax in the model's dtype and sums the tokens' log-probs
+        # there: in bf16 each log-prob was rounded to 8 bits and a document's sum lost more
+        # with every token. Logits stay in the model's dtype; the log-probs are float32.
+        softmax_dtype=torch.float32,
     )
 
 

@@ -122,6 +122,10 @@ class SafetyEvalConfig(BaseModel):
         json_schema_extra={"versioned": False},
     )
 
+    def versioned_extras(self) -> dict[str, str]:
+        """As ``EvalConfig``'s: CrowS-Pairs log-probs are float32 outside float32 (new numbers)."""
+        return {} if self.dtype == "float32" else {"log_softmax_dtype": "float32"}
+
 
 class SafetyConfig(BaseModel):
     """The pipeline's safety section. On by default, on the data shipped with llmflow; off with
