@@ -1,10 +1,12 @@
 """Start the trainer as its own process and watch it (Prefect-free).
 
 ``launch_training()`` is the plain entry point the pretrain step calls: it writes the config into
-``out_dir``, builds the command (``accelerate launch``, ``torchrun`` or plain ``python``), streams
-every output line to ``on_line``, calls ``on_checkpoint`` for each checkpoint the trainer announces
-in ``checkpoints.jsonl`` (a file it polls, never the output), enforces a wall-clock deadline by
-killing the process group, and returns the headline metrics the trainer wrote to ``summary.json``.
+``out_dir``, runs the command of its :class:`~.launchers.Launcher` (plain ``python``, ``torchrun``,
+``accelerate launch``, Ray's driver), streams every output line to ``on_line``, calls
+``on_checkpoint`` for each checkpoint the trainer announces in ``checkpoints.jsonl`` (a file it
+polls, never the output), enforces a wall-clock deadline by killing the process group, and returns
+the headline metrics the trainer wrote to ``summary.json``. Every launcher gets the same contract
+(docs/ARCHITECTURE.md, "The launcher–trainer contract").
 """
 
 from __future__ import annotations
@@ -22,112 +24,26 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-
-from llmflow.tasks.pretrain.config import UNVERSIONED, TrainConfig
-from llmflow.tasks.pretrain.notices import NOTICES, PREEMPTED_EVENT, PREEMPTED_EXIT_CODE
-from llmflow.tasks.pretrain.ray_launch import (
-    RayLines,
-    RaySettings,
-    build_ray_command,
-    check_reachable,
+from llmflow.tasks.pretrain.config import TrainConfig
+from llmflow.tasks.pretrain.launchers import (  # noqa: F401 (LaunchSettings: the steps' import)
+    Launcher,
+    LaunchSettings,
+    keyword_launcher,
+    local_launcher,
 )
-
-TRAIN_MODULE = "llmflow.tasks.pretrain.train"
-
-
-class LaunchSettings(BaseModel):
-    """How a trainer run is started: on this machine or on Ray.
-
-    The fields are execution-only: a run on 2 local processes and one on 2 Ray workers give the
-    same weights. What they add up to is not: ``micro_batch_size`` is per rank, so the world size
-    sets the global batch and the step count of a token budget, and it enters the hash
-    (``versioned_extras``; a single-rank run keeps the address it always had).
-    """
-
-    model_config = ConfigDict(extra="forbid")
-
-    num_processes: int = Field(
-        1, ge=1, description="Processes on this machine.", json_schema_extra=UNVERSIONED
-    )
-    accelerate_config: str | None = Field(
-        None,
-        description="accelerate YAML, e.g. deployments/accelerate/multi_gpu_fsdp2.yaml.",
-        json_schema_extra=UNVERSIONED,
-    )
-    timeout_s: float | None = Field(
-        None,
-        gt=0,
-        description="Deadline of each trainer run (the process group is killed).",
-        json_schema_extra=UNVERSIONED,
-    )
-    launcher: Literal["local", "ray"] = Field(
-        "local",
-        description="local: this machine (torchrun/accelerate); ray: Ray Train workers.",
-        json_schema_extra=UNVERSIONED,
-    )
-    ray: RaySettings = Field(default_factory=RaySettings, json_schema_extra=UNVERSIONED)
-
-    @model_validator(mode="after")
-    def _one_world_size(self) -> LaunchSettings:
-        """Refuse an accelerate config that would start more ranks than the run counts.
-
-        ``num_processes`` is passed to accelerate, which starts that many: a count other than
-        the YAML's is accelerate's documented override (a machine with fewer GPUs, or the ranks
-        of every node in all). Left at 1 beside a YAML of several, the user meant the YAML's
-        count, and the run would budget its steps and take its address for 1 rank (the YAML's 8
-        ranks trained 8x the tokens before the launcher passed the count), so it is refused.
-        """
-        if self.accelerate_config is None or self.launcher == "ray":
-            return self
-        launched = accelerate_processes(self.accelerate_config)
-        if self.num_processes == 1 and launched is not None and launched > 1:
-            raise ValueError(
-                f"num_processes is 1 but accelerate_config {self.accelerate_config} launches "
-                f"{launched} processes (num_processes: {launched}); set "
-                f"pretrain.num_processes={launched} (the world size sets the step count and the "
-                "run's address), or use a one-process config such as "
-                "deployments/accelerate/single_gpu.yaml"
-            )
-        return self
-
-    @property
-    def world_size(self) -> int:
-        """Data-parallel ranks the run trains on, whatever launches them."""
-        return self.ray.workers if self.launcher == "ray" else self.num_processes
-
-    def versioned_extras(self) -> dict[str, int]:
-        """The world size, for the hash (left out at 1, so single-rank addresses are unchanged)."""
-        return {"world_size": self.world_size} if self.world_size != 1 else {}
-
-    def launch_settings(self) -> dict[str, Any]:
-        """These settings alone, to start a run with the same launch (``StageRun(**...)``)."""
-        return {name: getattr(self, name) for name in LaunchSettings.model_fields}
-
-
-def accelerate_processes(path: str) -> int | None:
-    """The processes an accelerate YAML launches on its own (its ``num_processes``; 1 for a
-    ``distributed_type: NO`` without it), or None where it leaves the count to the command line.
-
-    Raises:
-        ValueError: no such file (here or shipped with llmflow), or not an accelerate YAML.
-    """
-    import yaml
-
-    from llmflow.tasks.framework.resources import preset_path
-
-    try:
-        data = yaml.safe_load(preset_path(path).read_text())
-    except (OSError, yaml.YAMLError) as err:
-        raise ValueError(f"accelerate_config {path!r} cannot be read: {err}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"accelerate_config {path!r} is not a mapping of accelerate settings")
-    count = data.get("num_processes", 1 if data.get("distributed_type") == "NO" else None)
-    if count is not None and (not isinstance(count, int) or isinstance(count, bool)):
-        raise ValueError(f"accelerate_config {path!r}: num_processes={count!r} is not a count")
-    return count if count is None or count > 0 else None  # -1: "pass --num_processes"
+from llmflow.tasks.pretrain.notices import (
+    CONFIG_FILE,
+    LAUNCHER_HOST_ENV,
+    LAUNCHER_PID_ENV,
+    NOTICES,
+    PREEMPTED_EVENT,
+    PREEMPTED_EXIT_CODE,
+    SUMMARY,
+    TRAIN_MODULE,  # noqa: F401 (kept importable from here)
+)
+from llmflow.tasks.pretrain.ray_launch import RaySettings
 
 
 class TrainingFailed(RuntimeError):
@@ -153,25 +69,8 @@ def build_command(
     num_processes: int = 1,
     accelerate_config: Path | None = None,
 ) -> list[str]:
-    """Return the argv that runs the trainer.
-
-    Args:
-        train_args: Arguments of ``python -m llmflow.tasks.pretrain.train``.
-        num_processes: Processes on this machine (torchrun on CPU when > 1 and no config), or
-            in all with an accelerate config: always passed to it, so the ranks that start are
-            the ones the run's step count and address count, whatever the YAML says.
-        accelerate_config: An accelerate YAML (``deployments/accelerate/*.yaml``); wins if set.
-    """
-    if accelerate_config is not None:
-        launcher = [sys.executable, "-m", "accelerate.commands.launch"]
-        launcher += ["--config_file", str(accelerate_config)]
-        launcher += ["--num_processes", str(num_processes)]
-        return launcher + ["-m", TRAIN_MODULE, *train_args]
-    if num_processes > 1:
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        launcher += ["--nproc_per_node", str(num_processes)]
-        return launcher + ["-m", TRAIN_MODULE, *train_args]
-    return [sys.executable, "-m", TRAIN_MODULE, *train_args]
+    """The argv of this machine's launcher (:func:`~.launchers.local_launcher`) for these args."""
+    return local_launcher(num_processes, accelerate_config).command(train_args)
 
 
 class NoticeWatcher:
@@ -301,8 +200,6 @@ def _follow(
     return list(tail)
 
 
-LAUNCHER_PID_ENV = "LLMFLOW_LAUNCHER_PID"
-LAUNCHER_HOST_ENV = "LLMFLOW_LAUNCHER_HOST"  # where that PID means something (launcher_host)
 PR_SET_PDEATHSIG = 1
 
 
@@ -437,6 +334,7 @@ def launch_training(
     *,
     val_dir: Path | None = None,
     init_from: Path | None = None,
+    launcher: Launcher | None = None,
     num_processes: int = 1,
     accelerate_config: Path | None = None,
     ray: RaySettings | None = None,
@@ -446,37 +344,55 @@ def launch_training(
 ) -> dict[str, Any]:
     """Train (or resume training) into ``out_dir``; return headline metrics.
 
-    Fails before starting the process when the config does not fit the data or the run
-    (vocab size, sequence length, init_from architecture).
+    Fails before starting the process when the launcher cannot start (an unreachable Ray head)
+    or the config does not fit the data or the run (vocab size, sequence length, init_from
+    architecture). The launcher's side of the contract is docs/ARCHITECTURE.md's.
 
     Args:
-        ray: Run the trainer on a Ray cluster with these settings instead of on this machine.
+        launcher: What starts the ranks (``LaunchSettings.build_launcher()``). Without it, the
+            keyword form: ``ray`` (Ray Train workers), else ``num_processes`` and
+            ``accelerate_config`` on this machine.
         on_checkpoint: Called once per checkpoint the trainer completes, with its notice
             (``{"path", "step", "final"}``), while the trainer runs.
 
     Returns:
         The trainer's ``summary.json``: final_loss, val_loss, tokens_seen, total_tokens_seen,
         tokens_per_s, steps, ...
+
+    Raises:
+        TrainingPreempted: the trainer checkpointed on SIGTERM and exited (75): retry.
+        TrainingFailed: any other non-zero exit, or the deadline passed.
     """
     from llmflow.tasks.pretrain.validate import validate_run
 
+    if launcher is None:
+        launcher = keyword_launcher(num_processes, accelerate_config, ray)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    workers = ray.workers if ray is not None else num_processes
-    if ray is not None:
-        check_reachable(ray.address)
-    validate_run(cfg, Path(data_dir), val_dir, init_from, world_size=workers)
-    config_path = out_dir / "train_config.json"
+    launcher.check()
+    validate_run(cfg, Path(data_dir), val_dir, init_from, world_size=launcher.workers)
+    config_path = out_dir / CONFIG_FILE
     cfg.save(config_path)
-    args = train_arguments(config_path, data_dir, out_dir, val_dir, init_from)
-    command = (
-        build_ray_command(args, ray)
-        if ray is not None
-        else build_command(args, num_processes=num_processes, accelerate_config=accelerate_config)
-    )
-    if ray is not None:
-        on_line = RayLines(on_line)
+    command = launcher.command(train_arguments(config_path, data_dir, out_dir, val_dir, init_from))
+    on_line = launcher.printer(on_line)
     on_line("launching: " + " ".join(command))
+    _watch(command, out_dir, on_line, on_checkpoint, timeout_s)
+    summary = json.loads((out_dir / SUMMARY).read_text())
+    if launcher.workers > 1 and summary.get("world_size") != launcher.workers:
+        # NOTE: accelerate's MULTI_CPU launch needs mpirun; on CPU use torchrun (no config).
+        used = summary.get("world_size")
+        on_line(f"warning: asked for {launcher.workers} processes, the run used {used}")
+    return summary
+
+
+def _watch(
+    command: list[str],
+    out_dir: Path,
+    on_line: Callable[[str], Any],
+    on_checkpoint: Callable[[dict[str, Any]], Any],
+    timeout_s: float | None,
+) -> None:
+    """Run the launcher's command to its end; TrainingPreempted on code 75 or its event."""
     preempted: list[dict[str, Any]] = []
 
     def on_notice(notice: dict[str, Any]) -> None:
@@ -487,27 +403,17 @@ def launch_training(
 
     try:
         run_streaming(
-            command,
-            on_line=on_line,
-            timeout_s=timeout_s,
-            watch=out_dir / NOTICES,
+            command, on_line=on_line, timeout_s=timeout_s, watch=out_dir / NOTICES,
             on_notice=on_notice,
-        )
+        )  # fmt: skip
     except TrainingFailed as err:
+        # NOTE: torchrun (and Ray's driver) replace the ranks' code 75: the event tells instead.
         if err.returncode != PREEMPTED_EXIT_CODE and not preempted:
             raise
-        where = (
-            f" at step {preempted[-1]['step']}, checkpoint {preempted[-1]['path']}"
-            if preempted
-            else ""
-        )
+        last = preempted[-1] if preempted else None
+        where = f" at step {last['step']}, checkpoint {last['path']}" if last else ""
         message = (
             f"trainer preempted (SIGTERM){where}; exit code {err.returncode}; "
             "a retry resumes from its latest checkpoint"
         )
         raise TrainingPreempted(message, err.returncode, err.tail) from None
-    summary = json.loads((out_dir / "summary.json").read_text())
-    if workers > 1 and summary.get("world_size") != workers:
-        # NOTE: accelerate's MULTI_CPU launch needs mpirun; on CPU use torchrun (no config).
-        on_line(f"warning: asked for {workers} processes, the run used {summary.get('world_size')}")
-    return summary

@@ -26,9 +26,8 @@ import torch
 
 from llmflow.tasks.pretrain import checkpoint as ckpt
 from llmflow.tasks.pretrain.callbacks import Callback, append_jsonl
-from llmflow.tasks.pretrain.checkpointer import NOTICES
 from llmflow.tasks.pretrain.distributed import all_reduce_sum
-from llmflow.tasks.pretrain.notices import PREEMPTED_EVENT, PREEMPTED_EXIT_CODE
+from llmflow.tasks.pretrain.notices import NOTICES, PREEMPTED_EVENT, PREEMPTED_EXIT_CODE
 from llmflow.tasks.pretrain.state import StepOutput
 
 if TYPE_CHECKING:

@@ -30,6 +30,8 @@ from urllib.parse import urlparse
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from llmflow.tasks.pretrain.notices import LAUNCHER_HOST_ENV, LAUNCHER_PID_ENV
+
 CONNECT_TIMEOUT_S = 5.0
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -62,15 +64,21 @@ class RaySettings(BaseModel):
     )
 
     def arguments(self) -> list[str]:
-        """This module's command-line flags for these settings."""
-        return [
-            f"--address={self.address}",
-            f"--workers={self.workers}",
-            f"--cpus-per-worker={self.cpus_per_worker}",
-            f"--gpus-per-worker={self.gpus_per_worker}",
-            f"--max-failures={self.max_failures}",
-            f"--backend={self.backend}",
-        ]
+        """This module's command-line flags for these settings (one per field)."""
+        return [f"--{_flag(name)}={getattr(self, name)}" for name in RaySettings.model_fields]
+
+    @classmethod
+    def from_arguments(cls, argv: list[str]) -> RaySettings:
+        """The settings ``arguments()`` gave; a flag left out keeps the field's default."""
+        parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+        for name, field in cls.model_fields.items():
+            parser.add_argument(f"--{_flag(name)}", dest=name, help=field.description)
+        given = {k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None}
+        return cls(**given)  # NOTE: pydantic turns the flags' strings into the fields' types
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
 
 
 def build_ray_command(train_args: list[str], settings: RaySettings) -> list[str]:
@@ -116,8 +124,6 @@ def worker_env(environ: dict[str, str]) -> dict[str, str]:
     """The variables every worker gets: the run's own settings (``LLMFLOW_*``), as torchrun's
     children inherit them, except the launcher's PID and host. A worker may run on another node,
     where that PID names no process (the rank SIGKILLed itself at start) or an unrelated one."""
-    from llmflow.tasks.pretrain.launch import LAUNCHER_HOST_ENV, LAUNCHER_PID_ENV
-
     launcher = (LAUNCHER_PID_ENV, LAUNCHER_HOST_ENV)
     return {k: v for k, v in environ.items() if k.startswith("LLMFLOW_") and k not in launcher}
 
@@ -129,7 +135,6 @@ def _train_worker(config: dict) -> None:
     driver's job ends or the worker group is torn down. It never watches the launcher's PID, which
     a worker on a local cluster would inherit through the raylet the driver started.
     """
-    from llmflow.tasks.pretrain.launch import LAUNCHER_HOST_ENV, LAUNCHER_PID_ENV
     from llmflow.tasks.pretrain.train import main
 
     os.environ.pop(LAUNCHER_PID_ENV, None)
@@ -174,16 +179,7 @@ def run_on_ray(settings: RaySettings, train_args: list[str]) -> None:
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     split = argv.index("--") if "--" in argv else len(argv)
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--address", default="local")
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--cpus-per-worker", type=float, default=1.0)
-    parser.add_argument("--gpus-per-worker", type=float, default=0.0)
-    parser.add_argument("--max-failures", type=int, default=1)
-    parser.add_argument("--backend", default="auto")
-    args = parser.parse_args(argv[:split])
-    settings = RaySettings(**{k: v for k, v in vars(args).items()})
-    run_on_ray(settings, argv[split + 1 :])
+    run_on_ray(RaySettings.from_arguments(argv[:split]), argv[split + 1 :])
 
 
 if __name__ == "__main__":

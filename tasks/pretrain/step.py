@@ -14,7 +14,6 @@ from pathlib import Path
 
 from pydantic import ConfigDict, Field
 
-from llmflow.tasks.framework.resources import preset_path
 from llmflow.tasks.framework.step import Metrics, checkpoint_saved, step
 from llmflow.tasks.pretrain.config import TrainConfig
 from llmflow.tasks.pretrain.launch import LaunchSettings, launch_training
@@ -66,16 +65,13 @@ def pretrain(
     init: Path | None = None,
 ) -> Metrics:
     """Train (or resume) one stage; final/ is its checkpoint, summary.json its metrics."""
-    accelerate = preset_path(cfg.accelerate_config) if cfg.accelerate_config else None
     return launch_training(
         with_data_vocab(cfg.train, data),
         data,
         out,
         val_dir=validation,
         init_from=init / "final" if init is not None else None,
-        num_processes=cfg.num_processes,
-        accelerate_config=accelerate,
-        ray=cfg.ray if cfg.launcher == "ray" else None,
+        launcher=cfg.build_launcher(),
         on_line=log.info,
         on_checkpoint=lambda _notice: checkpoint_saved(),
         timeout_s=cfg.timeout_s,
