@@ -10,7 +10,8 @@ from prefect import flow
 from prefect.artifacts import create_table_artifact
 from pydantic import BaseModel, ConfigDict, Field
 
-from llmflow.flows.recipe import Models, export_and_evaluate, recipe, stage_run
+from llmflow.flows.model_evaluation import Evaluated
+from llmflow.flows.recipe import export_and_evaluate, recipe, stage_run
 from llmflow.tasks.config import PipelineConfig
 from llmflow.tasks.dataprep.mixture import mixture
 from llmflow.tasks.framework.errors import BadInputError
@@ -63,8 +64,11 @@ def annealing_train_config(config: PipelineConfig, num_tokens: int) -> TrainConf
     )
 
 
-def ablation_graph(config: PipelineConfig, ablation: AblationConfig) -> tuple[Graph, Models]:
-    """The recipe up to pretraining, plus each arm's mixture, annealing run, export and evaluation."""
+def ablation_graph(
+    config: PipelineConfig, ablation: AblationConfig
+) -> tuple[Graph, list[Evaluated]]:
+    """The recipe up to pretraining, plus each arm's mixture, annealing run, export and evaluation
+    (baseline first)."""
     graph = recipe(config).until("pretrain")
     start = graph.find(step="pretrain")[ablation.from_stage]
     (tokenizer,), (tokenized,) = graph.find(step="tokenizer"), graph.find(step="tokenize")
@@ -77,7 +81,7 @@ def ablation_graph(config: PipelineConfig, ablation: AblationConfig) -> tuple[Gr
         ),
     }
     run = stage_run(config, annealing_train_config(config, ablation.num_tokens))
-    models = Models()
+    models = []
     for label, weights in arms.items():
         name = f"{config.name}-ablation-{label}"
         data_cfg = baseline.model_copy(
@@ -87,8 +91,8 @@ def ablation_graph(config: PipelineConfig, ablation: AblationConfig) -> tuple[Gr
         annealed = graph.add(
             pretrain, run, name, phase="pretrain", data=data, validation=held_out, init=start
         )
-        export_and_evaluate(
-            graph, config, models, f"ablation-{label}", annealed, tokenizer, tokenized
+        models.append(
+            export_and_evaluate(graph, config, f"ablation-{label}", annealed, tokenizer, tokenized)
         )
     return graph, models
 
@@ -112,8 +116,8 @@ def annealing_ablation(config: PipelineConfig, ablation: AblationConfig) -> list
     """Anneal baseline vs baseline+candidate from one checkpoint; table of metric differences."""
     graph, models = ablation_graph(config, ablation)
     outcome = PrefectExecutor(config.root).run(graph)
-    (_, _, base), (_, _, cand) = models.evaluated
-    rows = difference(outcome[base].metrics, outcome[cand].metrics)
+    base, cand = models
+    rows = difference(outcome[base.scores].metrics, outcome[cand.scores].metrics)
     create_table_artifact(
         rows,
         key="llmflow-annealing-ablation",

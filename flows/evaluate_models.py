@@ -28,16 +28,20 @@ from prefect import flow
 from pydantic import BaseModel, ConfigDict, Field
 
 from llmflow.flows.evaluate_scheduled import label_of
-from llmflow.flows.recipe import Models, add_leaderboard, safety_config, safety_inputs
+from llmflow.flows.model_evaluation import (
+    add_leaderboard,
+    add_model_evaluation,
+    add_safety_inputs,
+    safety_with_background,
+)
 from llmflow.tasks.config import PHASES, PipelineConfig, load_config
-from llmflow.tasks.evaluation.card import CardConfig, card_config, model_card
+from llmflow.tasks.evaluation.card import CardConfig, card_config
 from llmflow.tasks.evaluation.external import (
     display_name,
     external_model,
     pin_model,
     store_output,
 )
-from llmflow.tasks.evaluation.harness import evaluate
 from llmflow.tasks.evaluation.suite import PPL_TAG
 from llmflow.tasks.framework.errors import BadInputError
 from llmflow.tasks.framework.executor import PrefectExecutor
@@ -45,7 +49,6 @@ from llmflow.tasks.framework.graph import Existing, Graph, Raw
 from llmflow.tasks.framework.resources import data_dir
 from llmflow.tasks.framework.step import StepResult
 from llmflow.tasks.framework.store import Store
-from llmflow.tasks.safety.step import safety
 
 log = logging.getLogger("llmflow.evaluate_models")
 PRESET_ROOT = data_dir("configs").parent
@@ -144,23 +147,14 @@ def evaluation_graph(
     found = [(uri, store_output(uri)) for uri in models]
     pinned = [None if output else pin_model(uri) for uri, output in found]
     graph = Graph(PHASES)
-    if corpus_leaf is None and config.safety.data_root and config.safety.classifier.model is None:
-        # NOTE: the hashed classifier learns "not hateful" from a corpus's ordinary text; without
-        # one it scores any continuation near 0.5, which would read as toxicity.
-        log.info(
-            "safety is off for these models: the hashed toxicity classifier needs --corpus (its "
-            "ordinary text) or safety.classifier.model (a transformers classifier)"
-        )
-        config = config.model_copy(
-            update={"safety": config.safety.model_copy(update={"data_root": None})}
-        )
-    recorded = Models(safety_inputs=safety_inputs(graph, config, corpus_leaf))
+    config = safety_with_background(config, corpus_leaf, "--corpus")
+    checks = add_safety_inputs(graph, config, config.name, background=corpus_leaf)
+    evaluated = []
     names = [
         label_of(out) if out else display_name(pin[0])
         for (_, out), pin in zip(found, pinned, strict=True)
     ]
     for label, (uri, output), pin in zip(unique_labels(names), found, pinned, strict=True):
-        name = f"{config.name}-{label}"
         if output is not None:
             model = Existing(output)
         else:
@@ -168,33 +162,20 @@ def evaluation_graph(
             model = graph.add(
                 external_model, source, label, phase="evaluate", files=Raw(files) if files else None
             )
-        scores = graph.add(
-            evaluate, config.evaluate, name, model=model, heldout=heldout_leaf, corpus=corpus_leaf
-        )
-        recorded.evaluated.append((label, model, scores))
-        checked = None
-        if recorded.safety_inputs is not None:
-            classifier, files_leaf = recorded.safety_inputs
-            checked = graph.add(
-                safety,
-                safety_config(config),
-                name,
-                phase="evaluate",
-                model=model,
-                classifier=classifier,
-                data=files_leaf,
+        evaluated.append(
+            add_model_evaluation(
+                graph,
+                model,
+                label,
+                name=f"{config.name}-{label}",
+                suite=config.evaluate,
+                card=model_card_config(config, label, uri),
+                safety_inputs=checks,
+                heldout=heldout_leaf,
+                corpus=corpus_leaf,
             )
-        card = graph.add(
-            model_card,
-            model_card_config(config, label, uri),
-            name,
-            phase="evaluate",
-            model=model,
-            evaluation=scores,
-            safety=checked,
         )
-        recorded.cards.append(card)
-    add_leaderboard(graph, config.name, recorded)
+    add_leaderboard(graph, config.name, evaluated)
     return graph
 
 

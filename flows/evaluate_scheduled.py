@@ -1,9 +1,12 @@
 """Scheduled evaluation: score every model output in the store once per suite, keep a leaderboard.
 
-The recipe is a graph: one ``evaluate`` node per committed model output (``export``, ``sft``,
-``dpo``; each an ``Existing`` leaf) and per model made elsewhere (``models``: a folder or
-``hf://models/OWNER/NAME[@REV]``, pinned at each run and copied in by ``external-model``), then
-one ``leaderboard`` over the models that were scored.
+The recipe is a graph: per committed model output (``export``, ``sft``, ``dpo``; each an
+``Existing`` leaf) and per model made elsewhere (``models``: a folder or
+``hf://models/OWNER/NAME[@REV]``, pinned at each run and copied in by ``external-model``), the
+recipe's own per-model evaluation (``add_model_evaluation``: ``evaluate``, ``safety`` when it
+has a classifier to trust, ``card``), then one ``leaderboard`` over the models that were scored.
+Safety needs ``corpus`` (a decontaminated corpus of the store: the hashed toxicity classifier's
+ordinary text) or ``safety.classifier.model``; without either it is off, said in the log.
 The store's content addressing makes it run-once: an evaluation of the same model on the same
 suite has the same address, so a later run finds it (Cached) instead of scoring again. A model
 that fails to evaluate (a truncated safetensors, say) fails alone: the others are scored, the
@@ -29,6 +32,14 @@ from prefect import flow
 from prefect.artifacts import create_table_artifact
 from pydantic import BaseModel, ConfigDict, Field
 
+from llmflow.flows.model_evaluation import (
+    Evaluated,
+    add_leaderboard,
+    add_model_evaluation,
+    add_safety_inputs,
+    safety_with_background,
+)
+from llmflow.tasks.evaluation.card import CardConfig, card_config
 from llmflow.tasks.evaluation.config import EvalConfig
 from llmflow.tasks.evaluation.external import STEP_NAME as EXTERNAL_STEP
 from llmflow.tasks.evaluation.external import (
@@ -38,11 +49,11 @@ from llmflow.tasks.evaluation.external import (
     pin_model,
 )
 from llmflow.tasks.evaluation.harness import evaluate
-from llmflow.tasks.evaluation.leaderboard import LeaderboardConfig, leaderboard
 from llmflow.tasks.framework.errors import BadInputError
 from llmflow.tasks.framework.executor import Outcome, PrefectExecutor
 from llmflow.tasks.framework.graph import Existing, Graph, Node, Raw
 from llmflow.tasks.framework.store import Store
+from llmflow.tasks.safety.config import SafetyConfig
 
 MODEL_STEPS = ("export", "sft", "dpo")  # the steps whose outputs hold a model in hf/
 LEADERBOARD_NAME = "scheduled"
@@ -72,6 +83,16 @@ class ScheduledEvaluationConfig(BaseModel):
         "hf://models/OWNER/NAME[@REVISION], pinned at each run (a revision that moved is a "
         "new model, scored once).",
     )
+    safety: SafetyConfig = Field(
+        default_factory=SafetyConfig,
+        description="Bias and toxicity settings (on when corpus or safety.classifier.model is "
+        "set: the hashed classifier needs a corpus's ordinary text).",
+    )
+    corpus: str | None = Field(
+        None,
+        description="A committed decontaminate output (store URI): the toxicity classifier's "
+        "ordinary text, and the share of each task's items found in it.",
+    )
 
 
 class CheckpointEvalError(RuntimeError):
@@ -99,17 +120,52 @@ def evaluation_graph(
     models: list[str],
     external: list[tuple[ExternalModelConfig, tuple[str, ...]]] = (),
 ) -> Graph:
-    """One evaluate node per model output, each on the same suite; a model made elsewhere is
-    first copied into the store (``external-model``, pinned)."""
+    """The recipe's per-model evaluation of each model output, on the same suite; a model made
+    elsewhere is first copied into the store (``external-model``, pinned)."""
     graph = Graph()
     heldout = Existing(config.heldout) if config.heldout else None
-    for uri in models:
-        graph.add(evaluate, config.evaluate, label_of(uri), model=Existing(uri), heldout=heldout)
+    corpus = committed_corpus(config)
+    config = safety_with_background(config, corpus, "corpus")
+    checks = add_safety_inputs(graph, config, LEADERBOARD_NAME, background=corpus)
+    found: list[tuple[str, str, Node | Existing]] = [
+        (uri, label_of(uri), Existing(uri)) for uri in models
+    ]
     for source, files in external:
         name = display_name(source)
         model = graph.add(external_model, source, name, files=Raw(files) if files else None)
-        graph.add(evaluate, config.evaluate, name, model=model, heldout=heldout)
+        found.append((source.pinned, name, model))
+    for source, label, model in found:
+        add_model_evaluation(
+            graph,
+            model,
+            label,
+            name=label,
+            suite=config.evaluate,
+            card=scheduled_card(config, label, source),
+            safety_inputs=checks,
+            heldout=heldout,
+            corpus=corpus,
+        )
     return graph
+
+
+def committed_corpus(config: ScheduledEvaluationConfig) -> Existing | None:
+    """``config.corpus`` as an input, checked to be a committed output of the store."""
+    if config.corpus is None:
+        return None
+    if not Store(config.root).is_complete(config.corpus):
+        raise BadInputError(f"corpus={config.corpus!r} is not a committed output of the store")
+    return Existing(config.corpus)
+
+
+def scheduled_card(config: ScheduledEvaluationConfig, label: str, source: str) -> CardConfig:
+    """The card of a model scored here: named for the model, with the suite that scored it (the
+    model list is left out, so adding a model does not re-card the others)."""
+    suite = config.model_copy(update={"models": []})
+    command = f"scheduled evaluation of {config.root} (deployments/prefect.yaml) on {source}"
+    return card_config(suite, label).model_copy(
+        update={"model_name": label, "run_command": command}
+    )
 
 
 def pin_external(refs: list[str]) -> tuple[list, list[dict[str, Any]]]:
@@ -121,37 +177,39 @@ def pin_external(refs: list[str]) -> tuple[list, list[dict[str, Any]]]:
             pinned.append(pin_model(ref))
         except BadInputError as err:
             rows.append({"checkpoint": ref, "status": "failed", "cached": False,
-                         "evaluation": "", "error": str(err)})  # fmt: skip
+                         "evaluation": "", "card": "", "error": str(err)})  # fmt: skip
     return pinned, rows
 
 
-def leaderboard_graph(scored: list[tuple[str, str]]) -> Graph:
-    """One leaderboard over ``(model uri, evaluation uri)`` pairs, labelled uniquely."""
-    labels = [label_of(model) for model, _ in scored]
+def leaderboard_graph(scored: list[tuple[str, str, str]]) -> Graph:
+    """One leaderboard over ``(model, evaluation, card)`` URIs, labelled uniquely."""
+    labels = [label_of(model) for model, _, _ in scored]
     if len(set(labels)) < len(labels):  # same label, other hashes: keep the folder names
-        labels = [model.rstrip("/").rsplit("/", 1)[-1] for model, _ in scored]
+        labels = [model.rstrip("/").rsplit("/", 1)[-1] for model, _, _ in scored]
     graph = Graph()
-    graph.add(
-        leaderboard,
-        LeaderboardConfig(labels=labels),
-        LEADERBOARD_NAME,
-        evaluations=[Existing(evaluation) for _, evaluation in scored],
-        models=[Existing(model) for model, _ in scored],
-    )
+    entries = [
+        Evaluated(label, Existing(model), Existing(evaluation), Existing(card))
+        for label, (model, evaluation, card) in zip(labels, scored, strict=True)
+    ]
+    add_leaderboard(graph, LEADERBOARD_NAME, entries)
     return graph
 
 
 def statuses(graph: Graph, outcome: Outcome) -> list[dict[str, Any]]:
-    """One row per model output: ok (ran or cached) or failed, with its evaluation or error."""
+    """One row per model output: ok (its evaluation, safety and card ran or were cached) or
+    failed, with the first of them that failed."""
     rows = []
-    for node in graph.find(step=evaluate.name):
-        row: dict[str, Any] = {"checkpoint": _model_uri(node, outcome)}
-        if node in outcome.results:
-            result = outcome.results[node]
-            row.update(status="ok", cached=result.cached, evaluation=result.uri, error="")
+    for scores in graph.find(step=evaluate.name):
+        (card,) = [n for n in graph.find(step="card") if n.inputs["evaluation"] is scores]
+        nodes = [n for n in (scores, card.inputs.get("safety"), card) if n is not None]
+        failed = [outcome.failed[n] for n in nodes if n in outcome.failed]
+        row: dict[str, Any] = {"checkpoint": _model_uri(scores, outcome)}
+        if failed:
+            row.update(status="failed", cached=False, evaluation="", card="", error=f"{failed[0]}")
         else:
-            error = outcome.failed[node]
-            row.update(status="failed", cached=False, evaluation="", error=f"{error}")
+            result = outcome.results[scores]
+            row.update(status="ok", cached=result.cached, evaluation=result.uri, error="")
+            row["card"] = outcome.results[card].uri
         rows.append(row)
     return rows
 
@@ -178,13 +236,13 @@ def raise_for_failures(rows: list[dict[str, Any]]) -> None:
 
 def build_leaderboard(executor: PrefectExecutor, rows: list[dict[str, Any]]) -> list[dict]:
     """The leaderboard over the models scored so far; a row for it if it failed."""
-    scored = [(r["checkpoint"], r["evaluation"]) for r in rows if r["status"] == "ok"]
+    scored = [(r["checkpoint"], r["evaluation"], r["card"]) for r in rows if r["status"] == "ok"]
     if not scored:
         return []
     failed = executor.run(leaderboard_graph(scored)).failed.values()
     return [
         {"checkpoint": "(leaderboard)", "status": "failed", "cached": False, "evaluation": "",
-         "error": str(err)}
+         "card": "", "error": str(err)}
         for err in failed
     ]  # fmt: skip
 

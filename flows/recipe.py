@@ -13,20 +13,25 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-from dataclasses import dataclass, field
 from pathlib import Path
 
+from llmflow.flows.model_evaluation import (
+    Evaluated,
+    SafetyInputs,
+    add_leaderboard,
+    add_model_evaluation,
+    add_safety_inputs,
+    safety_config,  # noqa: F401  (re-exported: the safety settings test reads it here)
+)
 from llmflow.tasks.config import PHASES, PipelineConfig
 from llmflow.tasks.curation.recipe import add_curation
 from llmflow.tasks.dataprep.mixture import check_data_domains, mixture, validation
 from llmflow.tasks.dataprep.tokenize import tokenize_corpus
 from llmflow.tasks.decontam.posttrain import add_posttrain_check
 from llmflow.tasks.decontam.step import add_decontamination
-from llmflow.tasks.evaluation.card import card_config, model_card
+from llmflow.tasks.evaluation.card import card_config
 from llmflow.tasks.evaluation.export import ExportConfig, export
 from llmflow.tasks.evaluation.external import STEP_NAME as EXTERNAL_STEP
-from llmflow.tasks.evaluation.harness import evaluate
-from llmflow.tasks.evaluation.leaderboard import LeaderboardConfig, leaderboard
 from llmflow.tasks.extend.config import extension_mixture, extension_train_config
 from llmflow.tasks.extend.longctx import LongContextEval, longctx
 from llmflow.tasks.framework.errors import BadInputError
@@ -42,24 +47,10 @@ from llmflow.tasks.posttrain.merge import merge
 from llmflow.tasks.posttrain.sft import sft
 from llmflow.tasks.pretrain.curriculum import stage_train_config
 from llmflow.tasks.pretrain.step import StageRun, pretrain
-from llmflow.tasks.safety.classifier import toxicity_classifier
-from llmflow.tasks.safety.config import ENABLE_HINT, SafetyEvalConfig
-from llmflow.tasks.safety.data import safety_files
-from llmflow.tasks.safety.step import safety
+from llmflow.tasks.safety.config import ENABLE_HINT
 from llmflow.tasks.tokenizer.train import train_tokenizer
 
 log = logging.getLogger("llmflow.recipe")
-_SAID = {"safety": False}
-
-
-@dataclass
-class Models:
-    """The recipe's model outputs so far, and their evaluations, by label."""
-
-    evaluated: list[tuple[str, Node, Node]] = field(default_factory=list)
-    safety: dict[str, Node] = field(default_factory=dict)
-    cards: list[Node] = field(default_factory=list)
-    safety_inputs: tuple[Node, Raw] | None = None
 
 
 def recipe(config: PipelineConfig) -> Graph:
@@ -94,16 +85,22 @@ def recipe(config: PipelineConfig) -> Graph:
             tokenizer=tokenizer,
             tokenized=tokenized,
         )
-    models = Models(safety_inputs=safety_inputs(graph, config, curated))
-    base_export = export_and_evaluate(graph, config, models, "base", base, tokenizer, tokenized)
+    checks = safety_inputs(graph, config, curated)
+    models = [export_and_evaluate(graph, config, "base", base, tokenizer, tokenized, checks)]
+    long_export = models[0].model  # post-training starts from the extended export, else this
     if averaged is not None:
-        export_and_evaluate(graph, config, models, "averaged", averaged, tokenizer, tokenized)
-    long_export = base_export
-    if config.extend.stages:
-        long_export = export_and_evaluate(
-            graph, config, models, "extended", extended, tokenizer, tokenized, **yarn_rope(config)
+        models.append(
+            export_and_evaluate(graph, config, "averaged", averaged, tokenizer, tokenized, checks)
         )
-    posttraining(graph, config, models, long_export, tokenized)
+    if config.extend.stages:
+        rope = yarn_rope(config)
+        models.append(
+            export_and_evaluate(
+                graph, config, "extended", extended, tokenizer, tokenized, checks, **rope
+            )
+        )
+        long_export = models[-1].model
+    models += posttraining(graph, config, checks, long_export, tokenized)
     add_leaderboard(graph, config.name, models)
     return graph
 
@@ -200,8 +197,15 @@ def stage_run(config: PipelineConfig, train) -> StageRun:
 
 
 def export_and_evaluate(
-    graph, config, models, label, checkpoint, tokenizer, tokenized, **rope
-) -> Node:
+    graph: Graph,
+    config: PipelineConfig,
+    label: str,
+    checkpoint: Node,
+    tokenizer: Node,
+    tokenized: Node,
+    checks: SafetyInputs | None = None,
+    **rope,
+) -> Evaluated:
     """Export a checkpoint to Hugging Face format, then evaluate the export (an ``init`` model
     no stage trains is a model output already: evaluated as it is)."""
     exported = checkpoint
@@ -214,74 +218,41 @@ def export_and_evaluate(
             checkpoint=checkpoint,
             tokenizer=tokenizer,
         )
-    evaluate_model(graph, config, models, label, exported, tokenized, phase="evaluate")
-    return exported
+    return evaluate_model(graph, config, checks, label, exported, tokenized, phase="evaluate")
 
 
-def safety_config(config: PipelineConfig) -> SafetyEvalConfig:
-    """The safety step's settings, with the model loaded as ``evaluate`` loads it."""
-    run_as = {"dtype": config.evaluate.dtype, "device": config.evaluate.device}
-    return config.safety.eval.model_copy(update=run_as)
+def evaluate_model(
+    graph: Graph,
+    config: PipelineConfig,
+    checks: SafetyInputs | None,
+    label: str,
+    model: Node,
+    tokenized: Node,
+    phase: str,
+) -> Evaluated:
+    """The recipe's model ``label``: evaluated (perplexity on the run's held-out documents),
+    safety-checked when on, and carded with the resolved config."""
+    return add_model_evaluation(
+        graph, model, label, name=f"{config.name}-{label}", suite=config.evaluate,
+        card=card_config(config, label), safety_inputs=checks, heldout=tokenized, phase=phase,
+    )  # fmt: skip
 
 
-def evaluate_model(graph, config, models, label, model, tokenized, phase) -> None:
-    scores = graph.add(
-        evaluate,
-        config.evaluate,
-        f"{config.name}-{label}",
-        phase=phase,
-        model=model,
-        heldout=tokenized,
-    )
-    models.evaluated.append((label, model, scores))
-    if models.safety_inputs is not None:
-        classifier, files = models.safety_inputs
-        models.safety[label] = graph.add(
-            safety,
-            safety_config(config),
-            f"{config.name}-{label}",
-            phase=phase,
-            model=model,
-            classifier=classifier,
-            data=files,
-        )
-    card = graph.add(
-        model_card,
-        card_config(config, label),
-        f"{config.name}-{label}",
-        phase=phase,
-        model=model,
-        evaluation=scores,
-        safety=models.safety.get(label),
-    )
-    models.cards.append(card)
-
-
-def safety_inputs(graph: Graph, config: PipelineConfig, corpus: Node) -> tuple[Node, Raw] | None:
+def safety_inputs(graph: Graph, config: PipelineConfig, corpus: Node) -> SafetyInputs | None:
     """The toxicity classifier (taught that the corpus's ordinary text is not hateful) and the
-    safety files; None (said once) when they are not set."""
-    if config.safety.data_root is None:
-        if not _SAID["safety"]:
-            log.info("bias and toxicity evaluation is off: %s", ENABLE_HINT)
-            _SAID["safety"] = True
-        return None
-    files = Raw(tuple(safety_files(config.safety.data_root)))
-    classifier = graph.add(
-        toxicity_classifier,
-        config.safety.classifier,
-        config.name,
-        phase="evaluate",
-        data=files,
-        background=corpus,
-    )
-    return classifier, files
+    safety files; None (said in the log) when they are not set."""
+    checks = add_safety_inputs(graph, config, config.name, background=corpus)
+    if checks is None:
+        log.info("bias and toxicity evaluation is off: %s", ENABLE_HINT)
+    return checks
 
 
 def posttraining(
-    graph: Graph, config: PipelineConfig, models: Models, base: Node, tokenized: Node
-) -> None:
+    graph: Graph, config: PipelineConfig, checks: SafetyInputs | None, base: Node, tokenized: Node
+) -> list[Evaluated]:
     """SFT of the (extended) base export, DPO of the SFT model, GRPO (after SFT or DPO), then
-    the last of them merged with the base (SmolLM3's recipe); each evaluated."""
+    the last of them merged with the base (SmolLM3's recipe); each evaluated, in that order."""
+
     def check(kind: str):  # the data, against the eval sets (a record holding an item drops)
         return add_posttrain_check(
             graph, kind, getattr(config, kind), config.decontaminate, config.evaluate,
@@ -292,12 +263,12 @@ def posttraining(
         sft, config.sft, config.name, model=base, data=user_file(config.sft.data),
         data_check=check("sft"),
     )  # fmt: skip
-    evaluate_model(graph, config, models, "sft", tuned, tokenized, phase="sft")
+    models = [evaluate_model(graph, config, checks, "sft", tuned, tokenized, phase="sft")]
     aligned = graph.add(
         dpo, config.dpo, config.name, model=tuned, data=user_file(config.dpo.data),
         data_check=check("dpo"),
     )  # fmt: skip
-    evaluate_model(graph, config, models, "dpo", aligned, tokenized, phase="dpo")
+    models.append(evaluate_model(graph, config, checks, "dpo", aligned, tokenized, phase="dpo"))
     trained = {"sft": tuned, "dpo": aligned}
     if config.grpo.enabled:
         start = trained[config.grpo.after]
@@ -305,7 +276,9 @@ def posttraining(
         trained["grpo"] = graph.add(
             grpo, config.grpo, config.name, model=start, data=data, data_check=check("grpo")
         )
-        evaluate_model(graph, config, models, "grpo", trained["grpo"], tokenized, phase="grpo")
+        models.append(
+            evaluate_model(graph, config, checks, "grpo", trained["grpo"], tokenized, "grpo")
+        )
     if config.merge.enabled:
         source = config.merge.source
         if source == "last":
@@ -319,7 +292,8 @@ def posttraining(
         merged = graph.add(
             merge, config.merge, config.name, phase="merge", models=[trained[source], base]
         )
-        evaluate_model(graph, config, models, "merged", merged, tokenized, phase="merge")
+        models.append(evaluate_model(graph, config, checks, "merged", merged, tokenized, "merge"))
+    return models
 
 
 def user_file(data: str) -> Raw | None:
@@ -329,15 +303,3 @@ def user_file(data: str) -> Raw | None:
     if not Path(data).exists() and "://" not in data:
         raise BadInputError(f"post-training data file does not exist: {data}")
     return Raw((data,))
-
-
-def add_leaderboard(graph: Graph, name: str, models: Models) -> None:
-    """Every evaluated model x task in one table."""
-    graph.add(
-        leaderboard,
-        LeaderboardConfig(labels=[label for label, _, _ in models.evaluated]),
-        name,
-        evaluations=[scores for _, _, scores in models.evaluated],
-        models=[model for _, model, _ in models.evaluated],
-        cards=models.cards,
-    )

@@ -65,7 +65,7 @@ def test_arms_anneal_from_the_chosen_stage_on_their_own_mixtures():
         assert arm.inputs["data"].config.weights == pytest.approx(weights)
         assert arm.inputs["data"].config.num_tokens == 2048
         assert arm.config.train.num_tokens == 2048 and arm.config.train.schedule.name == "linear"
-    assert [label for label, _, _ in models.evaluated] == [
+    assert [m.label for m in models] == [
         "ablation-baseline",
         "ablation-plus-math",
     ]

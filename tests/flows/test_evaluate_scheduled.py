@@ -78,8 +78,8 @@ def test_scheduled_flow_scores_once_and_isolates_a_corrupt_checkpoint(prefect_ha
 
     again = scheduled_evaluation(cfg, return_state=True)
     assert [r["cached"] for r in again.result()] == [True, True]
-    states = _task_states(again.state_details.flow_run_id, expected=3)
-    assert states == ["Cached", "Cached", "Cached"]  # two evaluations and the leaderboard
+    states = _task_states(again.state_details.flow_run_id, expected=5)
+    assert states == ["Cached"] * 5  # two evaluations, their two cards and the leaderboard
 
     corrupt, new = _export(store, tokenizer, "c", 2), _export(store, tokenizer, "d", 3)
     weights = Path(corrupt) / "hf" / "model.safetensors"
