@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import random
+import shutil
 import warnings
 from collections import Counter
 from collections.abc import Callable
@@ -38,7 +39,12 @@ from llmflow.tasks.posttrain.formats import (
 )
 
 # Execution-only fields the trainers read (common_training_args): they leave the hash out.
-TRAIN_EXECUTION = ("gradient_checkpointing", "logging_steps", "dataloader_num_workers")
+TRAIN_EXECUTION = (
+    "gradient_checkpointing",
+    "logging_steps",
+    "dataloader_num_workers",
+    "checkpoint_interval",
+)
 REJECTS_FILE = "rejects.jsonl"
 METRICS_FILE = "metrics.json"
 END_OF_TURN = "<|im_end|>"
@@ -270,11 +276,10 @@ def export_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out
     return out
 
 
-def remove_if_empty(path: Path) -> None:
-    """Remove a folder the Trainer created but left empty (no checkpoints are saved)."""
-    path = Path(path)
-    if path.is_dir() and not any(path.iterdir()):
-        path.rmdir()
+def drop_checkpoints(path: Path) -> None:
+    """Remove the Trainer's folder, its checkpoints included, once the model is exported: they
+    serve a retry of this output only, and would make the committed output many times larger."""
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def write_metrics(out_dir: Path, metrics: dict[str, Any]) -> None:
@@ -285,12 +290,13 @@ def write_metrics(out_dir: Path, metrics: dict[str, Any]) -> None:
 
 def finish_step(trainer: Trainer, out_dir: Path, metrics: dict[str, Any]) -> None:
     """From the main process: the model into ``hf/``, metrics.json, progress.json (no
-    pretraining progress of its own); drop the empty trainer dir."""
+    pretraining progress of its own); then drop the checkpoints, last, so a crash before this
+    point still resumes."""
     if trainer.is_world_process_zero():
         export_model(trainer.model, trainer.processing_class, hf_dir(out_dir))
-        remove_if_empty(Path(trainer.args.output_dir))
         write_metrics(out_dir, metrics)
         write_progress(out_dir, tokens_seen=None, step=None)
+        drop_checkpoints(Path(trainer.args.output_dir))
 
 
 def offline_environment() -> None:
@@ -325,7 +331,8 @@ def _has_cuda() -> bool:
 
 
 def common_training_args(cfg: Any, out_dir: Path) -> dict[str, Any]:
-    """The TrainingArguments SFT and DPO share: no checkpoints, no trackers, and the precision
+    """The TrainingArguments the methods share: a checkpoint every ``cfg.checkpoint_interval``
+    steps (None: none; the driver resumes from them), no trackers, and the precision
     ``cfg.precision`` names (bf16: mixed precision over float32 weights, on CPU through
     ``use_cpu``, which transformers requires before it runs bf16 autocast without a GPU)."""
     cuda = _has_cuda()
@@ -349,7 +356,11 @@ def common_training_args(cfg: Any, out_dir: Path) -> dict[str, Any]:
         dataloader_pin_memory=_has_cuda(),
         logging_steps=cfg.logging_steps,
         dataloader_num_workers=cfg.dataloader_num_workers,
-        save_strategy="no",
+        save_strategy="steps" if cfg.checkpoint_interval else "no",
+        save_steps=cfg.checkpoint_interval or 500,
+        # NOTE: the driver marks a checkpoint complete after transformers rotated the old ones
+        # out; keeping two leaves the previous complete one until the new one is marked.
+        save_total_limit=2,
         eval_strategy="no",
         report_to=[],
         disable_tqdm=True,

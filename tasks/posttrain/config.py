@@ -73,6 +73,16 @@ class _TrainStepConfig(BaseModel):
     dataloader_num_workers: int = Field(
         0, ge=0, description="Data loader worker processes.", json_schema_extra=UNVERSIONED
     )
+    checkpoint_interval: int | None = Field(
+        100,
+        gt=0,
+        description="Save a resumable checkpoint (weights, optimizer, RNG, data position) every "
+        "this many optimizer steps into the output's partial folder; a retried or preempted step "
+        "resumes from the newest one, to the same weights. None: no checkpoints.",
+        # NOTE: resume is exact (tests/tasks/posttrain/test_posttrain_resume.py), so the cadence
+        # changes no result and stays out of the hash, as the log interval does.
+        json_schema_extra=UNVERSIONED,
+    )
 
     @model_validator(mode="after")
     def _one_precision(self) -> _TrainStepConfig:

@@ -19,23 +19,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from llmflow.tasks.decontam.posttrain import excluded_records
-from llmflow.tasks.evaluation.models import hf_dir
 from llmflow.tasks.framework.step import Metrics, RawFiles, report_table, step
 from llmflow.tasks.posttrain.common import (
     TRAIN_EXECUTION,
     chat_tokenizer,
     common_training_args,
-    finish_step,
     load_normalized,
-    local_data,
-    offline_environment,
-    require_examples,
     split_heldout,
     train_model,
-    write_rejects,
 )
 from llmflow.tasks.posttrain.config import DPOStepConfig
+from llmflow.tasks.posttrain.driver import PosttrainData, PosttrainMethod, run_posttrain
 from llmflow.tasks.posttrain.formats import Record, normalize_preference
 from llmflow.tasks.posttrain.quickstart import make_quickstart_preferences
 
@@ -159,7 +153,7 @@ def resolve_dpo_data(cfg: DPOStepConfig, out_dir: Path, data_path: Path | None) 
 
 
 def dpo_training_args(cfg: DPOStepConfig, out_dir: Path) -> DPOConfig:
-    """TRL's DPOConfig from the step config: no checkpoints, no trackers, CPU-safe precision."""
+    """TRL's DPOConfig from the step config: checkpoints, no trackers, CPU-safe precision."""
     from trl import DPOConfig
 
     return DPOConfig(
@@ -192,8 +186,8 @@ def build_dpo_trainer(
     )
 
 
-def evaluate_heldout(trainer: DPOTrainer, heldout: list[Record], cfg: DPOStepConfig, when: str):
-    """TRL's eval metrics and the policy's preference accuracy, keys suffixed with ``when``.
+def heldout_scores(trainer: DPOTrainer, heldout: list[Record], cfg: DPOStepConfig) -> dict:
+    """TRL's eval metrics and the policy's preference accuracy on the held-out pairs.
 
     NOTE: in bf16 the trainer autocasts the reference from the start but the policy only once
     ``train()`` has prepared it, so before training the policy computed in float32 against a
@@ -211,12 +205,14 @@ def evaluate_heldout(trainer: DPOTrainer, heldout: list[Record], cfg: DPOStepCon
             cfg.max_length,
             cfg.per_device_batch_size,
         )
-    metrics = {
-        f"heldout_{k.removeprefix('eval_').replace('/', '_')}_{when}": trl_metrics[k]
-        for k in TRL_EVAL_KEYS
-    }
-    metrics.update({f"heldout_{k}_{when}": v for k, v in preference_metrics(logps).items()})
-    return metrics
+    metrics = {k.removeprefix("eval_").replace("/", "_"): trl_metrics[k] for k in TRL_EVAL_KEYS}
+    return {**metrics, **preference_metrics(logps)}
+
+
+def evaluate_heldout(trainer: DPOTrainer, heldout: list[Record], cfg: DPOStepConfig, when: str):
+    """`heldout_scores`, keys as in metrics.json: ``heldout_<metric>_<when>``."""
+    scores = heldout_scores(trainer, heldout, cfg)
+    return {f"heldout_{k}_{when}": v for k, v in scores.items()}
 
 
 def heldout_rows(metrics: dict[str, Any]) -> list[dict[str, Any]]:
@@ -243,6 +239,40 @@ def prepare_pairs(
     return load_normalized(
         data_file, normalize_preference, tokenizer, cfg.max_length, "prompt", exclude
     )
+
+
+class DPOMethod(PosttrainMethod):
+    """DPO (and APO, its ``loss_type``): preference pairs, TRL's DPOTrainer with the start model
+    as the frozen reference, held-out rewards and preference accuracy."""
+
+    name = "dpo"
+
+    def data(self, cfg, model_dir, out, data_path, exclude) -> PosttrainData:
+        data_file = resolve_dpo_data(cfg, out, data_path)
+        pairs, rejects = prepare_pairs(cfg, model_dir, data_file, exclude)
+        train, heldout = split_heldout(pairs, cfg.num_heldout, cfg.seed)
+        counts = {
+            "num_pairs": len(pairs),
+            "num_train_pairs": len(train),
+            "num_heldout_pairs": len(heldout),
+        }
+        return PosttrainData(train, heldout, rejects, counts, "preference pairs", str(data_file))
+
+    def trainer(self, cfg, model_dir, out, data) -> DPOTrainer:
+        return build_dpo_trainer(cfg, model_dir, out, data.train, data.heldout)
+
+    def heldout(self, trainer, cfg, model_dir, data, when) -> dict[str, Any]:
+        return heldout_scores(trainer, data.heldout, cfg)
+
+    def finish(self, cfg, out, data, before, after) -> dict[str, Any]:
+        return {"beta": cfg.beta}
+
+    def report(self, metrics, before, after) -> None:
+        rows = heldout_rows(metrics)
+        report_table("dpo-heldout", rows, "Held-out preference metrics before and after DPO")
+
+
+DPO = DPOMethod()
 
 
 # version 2: generation_config stops at the chat template's end of turn (<|eot_id|>, ...)
@@ -272,29 +302,4 @@ def dpo(
     Raises:
         BadInputError: no usable pair survives loading and length checks.
     """
-    offline_environment()
-    sft_model_dir = hf_dir(model)
-    data_file = resolve_dpo_data(cfg, out, local_data(data, out))
-    exclude = excluded_records(data_check)
-    pairs, rejects = prepare_pairs(cfg, sft_model_dir, data_file, exclude)
-    metrics: dict[str, Any] = write_rejects(out, rejects)
-    require_examples(pairs, "preference pairs", str(data_file), rejects)
-    train, heldout = split_heldout(pairs, cfg.num_heldout, cfg.seed)
-    trainer = build_dpo_trainer(cfg, sft_model_dir, out, train, heldout)
-    metrics.update(evaluate_heldout(trainer, heldout, cfg, "before"))
-    result = trainer.train()
-    metrics.update(evaluate_heldout(trainer, heldout, cfg, "after"))
-    metrics.update(
-        num_pairs=len(pairs),
-        num_train_pairs=len(train),
-        num_heldout_pairs=len(heldout),
-        num_steps=result.global_step,
-        train_loss=result.training_loss,
-        beta=cfg.beta,
-    )
-    finish_step(trainer, out, metrics)
-    report_table(
-        "dpo-heldout", heldout_rows(metrics), "Held-out preference metrics before and after DPO"
-    )
-    logger.info("dpo done: %s", metrics)
-    return metrics
+    return run_posttrain(DPO, cfg, model, out, data, data_check)

@@ -25,8 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from llmflow.tasks.decontam.posttrain import drop_excluded, excluded_records
-from llmflow.tasks.evaluation.models import hf_dir
+from llmflow.tasks.decontam.posttrain import drop_excluded
 from llmflow.tasks.framework.errors import BadInputError
 from llmflow.tasks.framework.step import Metrics, RawFiles, report_table, step
 from llmflow.tasks.posttrain.common import (
@@ -34,16 +33,13 @@ from llmflow.tasks.posttrain.common import (
     chat_tokenizer,
     common_training_args,
     drop_long_prompts,
-    finish_step,
-    local_data,
-    offline_environment,
     require_examples,
     split_heldout,
     stop_token_ids,
     train_model,
-    write_rejects,
 )
 from llmflow.tasks.posttrain.config import GRPOStepConfig
+from llmflow.tasks.posttrain.driver import PosttrainData, PosttrainMethod, run_posttrain
 from llmflow.tasks.posttrain.formats import Record, read_records, write_jsonl
 from llmflow.tasks.posttrain.quickstart import quickstart_grpo_prompts
 
@@ -381,6 +377,45 @@ def evaluate_heldout(trainer, heldout, rewards, cfg, reference=None) -> dict[str
     return metrics
 
 
+class GRPOMethod(PosttrainMethod):
+    """GRPO: prompts with answers, TRL's GRPOTrainer with guarded rewards, greedy held-out
+    answers (and the KL to the start model after training), a leaderboard entry."""
+
+    name = "grpo"
+
+    def data(self, cfg, model_dir, out, data_path, exclude) -> PosttrainData:
+        data_file = resolve_grpo_data(cfg, data_path)
+        train, heldout, rejects = prepare_prompts(
+            cfg, chat_tokenizer(model_dir), data_file, exclude
+        )
+        counts = {"num_train_prompts": len(train), "num_heldout_prompts": len(heldout)}
+        rewards = guarded_rewards(cfg.rewards, cfg.max_failure_rate)
+        return PosttrainData(train, heldout, rejects, counts, extra=rewards)
+
+    def trainer(self, cfg, model_dir, out, data) -> GRPOTrainer:
+        return build_grpo_trainer(cfg, model_dir, out, data.train, data.extra)
+
+    def heldout(self, trainer, cfg, model_dir, data, when) -> dict[str, Any]:
+        reference = None
+        if when == "after" and data.heldout:
+            reference = train_model(model_dir, cfg.attn_implementation)
+        return evaluate_heldout(trainer, data.heldout, data.extra, cfg, reference)
+
+    def finish(self, cfg, out, data, before, after) -> dict[str, Any]:
+        if data.heldout:
+            write_leaderboard_metrics(out, before, after)
+        return write_failures(out, data.extra)
+
+    def report(self, metrics, before, after) -> None:
+        rows = before_after_rows(before, after) if before else []
+        report_table(
+            "grpo-heldout", rows, "Held-out verifiable-reward metrics before and after GRPO"
+        )
+
+
+GRPO = GRPOMethod()
+
+
 # version 2: generation_config stops at the chat template's end of turn (<|eot_id|>, ...)
 @step("grpo", version=2, gpu=True, execution=TRAIN_EXECUTION)
 def grpo(
@@ -409,35 +444,4 @@ def grpo(
         BadInputError: the data has no answers or no usable prompt; a reward failed on more
             than ``max_failure_rate`` of its completions.
     """
-    offline_environment()
-    model_dir = hf_dir(model)
-    tokenizer = chat_tokenizer(model_dir)
-    data_file = resolve_grpo_data(cfg, local_data(data, out))
-    exclude = excluded_records(data_check)
-    train, heldout, rejects = prepare_prompts(cfg, tokenizer, data_file, exclude)
-    metrics: dict[str, Any] = write_rejects(out, rejects)
-    rewards = guarded_rewards(cfg.rewards, cfg.max_failure_rate)
-    trainer = build_grpo_trainer(cfg, model_dir, out, train, rewards)
-    before = evaluate_heldout(trainer, heldout, rewards, cfg)
-    result = trainer.train()
-    reference = train_model(model_dir, cfg.attn_implementation)
-    after = evaluate_heldout(trainer, heldout, rewards, cfg, reference)
-    metrics.update({f"heldout_{k}_before": v for k, v in before.items()})
-    metrics.update({f"heldout_{k}_after": v for k, v in after.items()})
-    metrics.update(write_failures(out, rewards))
-    metrics.update(
-        num_train_prompts=len(train),
-        num_heldout_prompts=len(heldout),
-        num_steps=result.global_step,
-        train_loss=result.training_loss,
-    )
-    if heldout:
-        write_leaderboard_metrics(out, before, after)
-    finish_step(trainer, out, metrics)
-    report_table(
-        "grpo-heldout",
-        before_after_rows(before, after) if heldout else [],
-        "Held-out verifiable-reward metrics before and after GRPO",
-    )
-    logger.info("grpo done: %s", metrics)
-    return metrics
+    return run_posttrain(GRPO, cfg, model, out, data, data_check)

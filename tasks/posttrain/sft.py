@@ -24,24 +24,18 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from llmflow.tasks.decontam.posttrain import excluded_records
-from llmflow.tasks.evaluation.models import hf_dir
 from llmflow.tasks.framework.step import Metrics, RawFiles, step
 from llmflow.tasks.posttrain.common import (
     TRAIN_EXECUTION,
     chat_tokenizer,
     check_assistant_masks,
     common_training_args,
-    finish_step,
     load_normalized,
-    local_data,
-    offline_environment,
-    require_examples,
     split_heldout,
     train_model,
-    write_rejects,
 )
 from llmflow.tasks.posttrain.config import SFTStepConfig
+from llmflow.tasks.posttrain.driver import PosttrainData, PosttrainMethod, run_posttrain
 from llmflow.tasks.posttrain.formats import Record, normalize_sft
 from llmflow.tasks.posttrain.quickstart import make_quickstart_sft
 
@@ -62,7 +56,7 @@ def resolve_sft_data(cfg: SFTStepConfig, out_dir: Path, data_path: Path | None) 
 
 
 def sft_training_args(cfg: SFTStepConfig, out_dir: Path) -> SFTConfig:
-    """TRL's SFTConfig from the step config: no checkpoints, no trackers, CPU-safe precision."""
+    """TRL's SFTConfig from the step config: checkpoints, no trackers, CPU-safe precision."""
     from trl import SFTConfig
 
     return SFTConfig(
@@ -102,6 +96,32 @@ def prepare_sft_examples(
     return load_normalized(data_file, normalize_sft, tokenizer, cfg.max_length, "messages", exclude)
 
 
+class SFTMethod(PosttrainMethod):
+    """SFT: chat examples, TRL's SFTTrainer, the held-out loss."""
+
+    name = "sft"
+
+    def data(self, cfg, model_dir, out, data_path, exclude) -> PosttrainData:
+        data_file = resolve_sft_data(cfg, out, data_path)
+        examples, rejects = prepare_sft_examples(cfg, model_dir, data_file, exclude)
+        train, heldout = split_heldout(examples, cfg.num_heldout, cfg.seed)
+        counts = {
+            "num_examples": len(examples),
+            "num_train_examples": len(train),
+            "num_heldout_examples": len(heldout),
+        }
+        return PosttrainData(train, heldout, rejects, counts, "SFT examples", str(data_file))
+
+    def trainer(self, cfg, model_dir, out, data) -> SFTTrainer:
+        return build_sft_trainer(cfg, model_dir, out, data.train, data.heldout)
+
+    def heldout(self, trainer, cfg, model_dir, data, when) -> dict[str, Any]:
+        return {"loss": trainer.evaluate()["eval_loss"]} if data.heldout else {}
+
+
+SFT = SFTMethod()
+
+
 # version 2: generation_config stops at the chat template's end of turn (<|eot_id|>, ...)
 @step("sft", version=2, gpu=True, execution=TRAIN_EXECUTION)
 def sft(
@@ -129,27 +149,4 @@ def sft(
     Raises:
         BadInputError: no usable example survives loading and length checks.
     """
-    offline_environment()
-    model_dir = hf_dir(model)
-    data_file = resolve_sft_data(cfg, out, local_data(data, out))
-    exclude = excluded_records(data_check)
-    examples, rejects = prepare_sft_examples(cfg, model_dir, data_file, exclude)
-    metrics: dict[str, Any] = write_rejects(out, rejects)
-    require_examples(examples, "SFT examples", str(data_file), rejects)
-    train, heldout = split_heldout(examples, cfg.num_heldout, cfg.seed)
-    trainer = build_sft_trainer(cfg, model_dir, out, train, heldout)
-    if heldout:
-        metrics["heldout_loss_before"] = trainer.evaluate()["eval_loss"]
-    result = trainer.train()
-    if heldout:
-        metrics["heldout_loss_after"] = trainer.evaluate()["eval_loss"]
-    metrics.update(
-        num_examples=len(examples),
-        num_train_examples=len(train),
-        num_heldout_examples=len(heldout),
-        num_steps=result.global_step,
-        train_loss=result.training_loss,
-    )
-    finish_step(trainer, out, metrics)
-    logger.info("sft done: %s", metrics)
-    return metrics
+    return run_posttrain(SFT, cfg, model, out, data, data_check)
