@@ -126,7 +126,10 @@ def evaluation_graph(
     heldout = Existing(config.heldout) if config.heldout else None
     corpus = committed_corpus(config)
     config = safety_with_background(config, corpus, "corpus")
-    checks = add_safety_inputs(graph, config, LEADERBOARD_NAME, background=corpus)
+    # no model, no classifier: an empty store stays an empty graph
+    checks = None
+    if models or external:
+        checks = add_safety_inputs(graph, config, LEADERBOARD_NAME, background=corpus)
     found: list[tuple[str, str, Node | Existing]] = [
         (uri, label_of(uri), Existing(uri)) for uri in models
     ]
@@ -201,7 +204,9 @@ def statuses(graph: Graph, outcome: Outcome) -> list[dict[str, Any]]:
     rows = []
     for scores in graph.find(step=evaluate.name):
         (card,) = [n for n in graph.find(step="card") if n.inputs["evaluation"] is scores]
-        nodes = [n for n in (scores, card.inputs.get("safety"), card) if n is not None]
+        checked = card.inputs.get("safety")
+        classifier = checked.inputs["classifier"] if checked is not None else None
+        nodes = [n for n in (scores, classifier, checked, card) if n is not None]
         failed = [outcome.failed[n] for n in nodes if n in outcome.failed]
         row: dict[str, Any] = {"checkpoint": _model_uri(scores, outcome)}
         if failed:

@@ -69,6 +69,7 @@ def test_scheduled_evaluation_has_a_safety_and_a_card_node_per_model(mirror):
     plain = evaluation_graph(ScheduledEvaluationConfig(root="/r"), [STORE_OUTPUT], external)
     assert not plain.find(step="safety") and not plain.find(step="toxicity-classifier")
     assert [checked for _, checked, _ in _per_model(plain).values()] == [None, None]
+    assert evaluation_graph(config, [], []).nodes == []  # no model: no classifier either
 
 
 def test_a_scheduled_run_commits_a_card_per_model_and_the_leaderboard_carries_them(
