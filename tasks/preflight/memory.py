@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from llmflow.tasks.framework.errors import BadInputError
-from llmflow.tasks.pretrain.launch import TRAIN_MODULE
+from llmflow.tasks.pretrain.notices import TRAIN_MODULE
 
 MEASURE_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_ARENA_MAX": "2"}
 """glibc malloc settings of the test steps: every tensor over 64 KiB is its own mapping, returned

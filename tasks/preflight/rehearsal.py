@@ -71,9 +71,10 @@ def peak_memory_gb(run_dir: Path) -> float:
 
 @dataclass
 class RehearsalLauncher:
-    """Starts the trainer (the pipeline's launcher) on this machine's ranks; ``peak_gb`` is the
-    largest peak RSS of one rank in the last launch (sampled, so a rank that is killed still
-    leaves the peak it had reached)."""
+    """Starts the trainer through the pipeline's launcher (``launch_training`` with this
+    machine's ``local_launcher``) on ``processes`` ranks; ``peak_gb`` is the largest peak RSS of
+    one rank in the last launch (sampled, so a rank that is killed still leaves the peak it had
+    reached)."""
 
     processes: int
     timeout_s: float
@@ -85,12 +86,14 @@ class RehearsalLauncher:
     def __call__(self, train, data: Path, out: Path, val: Path | None = None):
         from llmflow.tasks.pretrain.faults import ENV
         from llmflow.tasks.pretrain.launch import launch_training
+        from llmflow.tasks.pretrain.launchers import local_launcher
 
         self.out_of_memory = None
         env = {ENV: None, **MEASURE_ENV}  # no fault injection leaks in from the caller
+        launcher = local_launcher(self.processes)  # torchrun for several ranks, as a stage's
         with environment(env), RankMemory() as memory:
             try:
-                return launch_training(train, data, out, val_dir=val, num_processes=self.processes,
+                return launch_training(train, data, out, val_dir=val, launcher=launcher,
                                        on_line=self._line, timeout_s=self.timeout_s)  # fmt: skip
             finally:
                 self.peak_gb = memory.peak_gb()

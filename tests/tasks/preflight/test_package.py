@@ -39,7 +39,7 @@ def test_rank_memory_samples_the_peak_rss_of_the_trainer_processes_only():
     it and touches 400 MB. The sampler keeps the high-water mark of the first two only, and
     their difference is the 200 MB (within 10%: the interpreter's own pages differ a little)."""
     from llmflow.tasks.preflight.memory import RankMemory
-    from llmflow.tasks.pretrain.launch import TRAIN_MODULE
+    from llmflow.tasks.pretrain.notices import TRAIN_MODULE
 
     allocate = "import sys, time; b = b'x' * int(sys.argv[1]); del b; time.sleep(2)"
     with RankMemory(interval_s=0.05) as memory:
