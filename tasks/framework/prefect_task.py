@@ -8,6 +8,7 @@ never bad input. Each materialized output emits a Prefect asset event with its u
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 from prefect import task
@@ -89,7 +90,12 @@ def step_task(step: Step):
             uri, digest, _ = step.address(store, parameters["config"], parameters["name"], inputs)
         except FileNotFoundError:
             return None
-        return f"llmflow-{step.name}-{digest}" if store.is_complete(uri) else None
+        if not store.is_complete(uri):
+            return None
+        # NOTE: the output's full address, root included: keyed by the content hash alone, a
+        # root was served another root's persisted result (whose files may be gone).
+        where = hashlib.sha256(str(uri).encode()).hexdigest()[:16]
+        return f"llmflow-{step.name}-{digest}-{where}"
 
     def run(
         config: Any, inputs: dict[str, Any] | None = None, root: str = "./runs", name: str = "run"
