@@ -105,7 +105,7 @@ def test_the_readme_fits_a_screen_and_keeps_its_two_commands():
     assert len(lines) <= 130, f"README.md has {len(lines)} lines; the rest belongs in docs/"
     for command in COMMANDS:
         assert f"\n{command}\n" in readme, command
-    assert "about 10 minutes on 2 idle cores" in readme
+    assert "10 minutes" not in readme  # the quickstart's time is measured, not guessed
     for doc in ("PIPELINE", "RECIPES", "EXPERIMENTS", "CLUSTER", "ARCHITECTURE"):
         assert f"docs/{doc}.md" in readme, doc
     assert "benchmarks/README.md" in readme
