@@ -18,19 +18,33 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from llmflow.tasks.decontam.lineage import read_json, upstream_records
 from llmflow.tasks.decontam.scan import link_or_copy
-from llmflow.tasks.evaluation.external import STEP_NAME as EXTERNAL_STEP
+from llmflow.tasks.evaluation.card_facts import (  # noqa: F401  (re-exported: the card's facts)
+    IMPORT_STEP,
+    NOT_RECORDED,
+    _json,
+    _metrics_of,
+    _schedule,
+    base_model,
+    curation_stages,
+    data_sources,
+    eval_results,
+    external_source,
+    hub_id,
+    posttrain_contamination,
+    safety_classifier,
+    safety_metrics,
+    training_facts,
+    training_stages,
+)
 from llmflow.tasks.evaluation.harness import RESULTS_FILE
 from llmflow.tasks.evaluation.leaderboard import markdown_table
 from llmflow.tasks.evaluation.models import hf_dir
 from llmflow.tasks.framework.hashing import digest, versioned_fields
 from llmflow.tasks.framework.step import Metrics, report_markdown, step
 
-IMPORT_STEP = "import-model"  # tasks/ingest/import_model.py (the recipe's init)
 CARD_FILE = "README.md"
 CONFIG_FILE = "llmflow_config.yaml"
-NOT_RECORDED = "not recorded"
 BASE_DATA_UNKNOWN = "the base's own pretraining data: unknown"
 
 
@@ -109,195 +123,6 @@ def write_new(path: Path, text: str) -> None:
     tmp.unlink(missing_ok=True)  # a leftover of a failed try: never written into either
     tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
-
-
-def _json(path: Path) -> dict[str, Any] | None:
-    return read_json(str(path)) if Path(path).is_file() else None
-
-
-def safety_metrics(safety: Path | None) -> dict[str, Any] | None:
-    """The safety output's headline metrics (its metrics.json, else its lineage's metrics)."""
-    if safety is None:
-        return None
-    found = _json(safety / "metrics.json")
-    if found is None:
-        found = (_json(safety / "lineage.json") or {}).get("metrics")
-    return found or None
-
-
-def safety_classifier(safety: Path | None) -> dict[str, Any] | None:
-    """Which classifier scored the continuations, and how it does on held-out sentences."""
-    if safety is None:
-        return None
-    return (_json(safety / "results.json") or {}).get("classifier")
-
-
-# -- facts from the lineage -----------------------------------------------------------------
-def training_facts(model: Path) -> dict[str, Any]:
-    """What the lineage says about how the model was made, by step name."""
-    by_step: dict[str, list[tuple[str, dict]]] = {}
-    for uri, record in upstream_records(model):
-        by_step.setdefault(record.get("step", "?"), []).append((uri, record))
-    for records in by_step.values():
-        records.sort(key=lambda ur: ur[1].get("started_at") or "")
-    return {
-        "sources": data_sources(by_step),
-        "curation": curation_stages(by_step),
-        "decontamination": _metrics_of(by_step, "decontaminate"),
-        "posttrain_contamination": posttrain_contamination(by_step),
-        "stages": training_stages(by_step),
-        "posttraining": [
-            {"step": s, "name": r.get("name"), **(r.get("metrics") or {})}
-            for s in ("sft", "dpo", "grpo")
-            for _, r in by_step.get(s, [])
-        ],
-        "parameters": _metrics_of(by_step, "export").get("num_parameters")
-        or _metrics_of(by_step, EXTERNAL_STEP).get("num_parameters"),
-        "base_model": external_source(model) or base_model(model),
-        "external": external_source(model),
-    }
-
-
-def posttrain_contamination(by_step: dict[str, list[tuple[str, dict]]]) -> list[dict[str, Any]]:
-    """The post-training data checks in the lineage (SFT, DPO, GRPO): their reports."""
-    found = []
-    for uri, _ in by_step.get("decontaminate-posttrain", []):
-        report = read_json(f"{uri}/contamination.json")
-        if report is not None:
-            found.append(report)
-    return found
-
-
-def external_source(model: Path) -> str | None:
-    """The pinned source of the model made elsewhere that ``model`` is, or starts from
-    (``hf://models/OWNER/NAME@COMMIT``, or ``FOLDER@local-<fingerprint>``); None for a model
-    llmflow trained from scratch. The nearest one upstream wins."""
-    for uri, record in upstream_records(model):
-        if record.get("step") == EXTERNAL_STEP:  # evaluated or post-trained as it is
-            return (record.get("config") or {}).get("pinned")
-        if record.get("step") == IMPORT_STEP:  # the recipe's init: continued pretraining
-            found = read_json(f"{uri}/final/source.json") or {}
-            pinned = found.get("model") or (record.get("config") or {}).get("model")
-            if pinned and not pinned.startswith("hf://") and found.get("revision"):
-                pinned = f"{pinned}@{found['revision']}"  # a folder: with its fingerprint
-            return pinned
-    return None
-
-
-def hub_id(base: str | None) -> str | None:
-    """The Hub's ``base_model`` metadata for a base: ``OWNER/NAME`` of an ``hf://models/`` source
-    (the Hub links the model tree by repo id), else the name as it is."""
-    if base is None or not base.startswith("hf://models/"):
-        return base
-    return base.removeprefix("hf://models/").split("@")[0]
-
-
-def base_model(model: Path) -> str | None:
-    """The model a fine-tuned model started from: its ``model`` input, named as the recipe
-    names models (an export by its label, a fine-tuned output by its label and step); None for
-    an export of a pretrained checkpoint."""
-    record = read_json(f"{model}/lineage.json") or {}
-    parent = next((i for i in record.get("inputs", []) if i.get("name") == "model"), None)
-    if record.get("step") == "export" or parent is None:
-        return None
-    upstream = read_json(f"{parent['uri']}/lineage.json") or {}
-    name, step_name = upstream.get("name"), upstream.get("step")
-    if name is None:
-        return None
-    return name if step_name == "export" else f"{name}-{step_name}"
-
-
-def _metrics_of(by_step: dict, name: str) -> dict[str, Any]:
-    records = by_step.get(name, [])
-    return (records[-1][1].get("metrics") or {}) if records else {}
-
-
-def data_sources(by_step: dict) -> list[dict[str, Any]]:
-    """Raw files read (with their sha256) and generated samples (with their output hash)."""
-    sources = []
-    for step_name, records in by_step.items():
-        if step_name == EXTERNAL_STEP:  # the base model's files, not training data
-            continue
-        for _, record in records:
-            for raw in record.get("sources", []):
-                sources.append({"source": raw.get("uri"), "sha256": raw.get("sha256")})
-    for _, record in by_step.get("sample", []):
-        sources.append({"source": "generated sample (step 'sample')", "sha256": record["hash"]})
-    return sources
-
-
-def curation_stages(by_step: dict) -> list[dict[str, Any]]:
-    """Documents in and out of each curation stage, and what each removed most."""
-    records = by_step.get("curate", [])
-    if not records:
-        return []
-    report = read_json(f"{records[-1][0]}/curation_report.json") or {}
-    rows = []
-    for stage in report.get("stages", []):
-        removed = ", ".join(
-            f"{reason} {counts.get('docs')}"
-            for reason, counts in list(stage.get("removed", {}).items())[:3]
-        )
-        rows.append(
-            {
-                "stage": stage.get("stage"),
-                "documents in": stage.get("documents_in"),
-                "documents out": stage.get("documents_out"),
-                "removed (top reasons)": removed or "none",
-            }
-        )
-    return rows
-
-
-def training_stages(by_step: dict) -> list[dict[str, Any]]:
-    """Each trainer run in order: tokens, steps, schedule, losses and device time."""
-    rows = []
-    for _, record in by_step.get("pretrain", []):
-        metrics, train = record.get("metrics") or {}, (record.get("config") or {}).get("train", {})
-        tokens, rate = metrics.get("tokens_seen"), metrics.get("tokens_per_s")
-        world = metrics.get("world_size") or 1
-        hours = tokens / rate * world / 3600 if tokens and rate else None
-        rows.append(
-            {
-                "stage": record.get("name"),
-                "tokens": tokens,
-                "steps": metrics.get("stage_steps", metrics.get("steps")),
-                "lr": (train.get("optimizer") or {}).get("lr"),
-                "schedule": _schedule(train.get("schedule") or {}),
-                "final loss": metrics.get("final_loss"),
-                "val loss": metrics.get("val_loss"),
-                "device-hours": hours,
-            }
-        )
-    return rows
-
-
-def _schedule(schedule: dict[str, Any]) -> str:
-    if not schedule:
-        return NOT_RECORDED
-    return ", ".join(f"{k}={v}" for k, v in schedule.items() if not isinstance(v, dict))
-
-
-# -- rendering ------------------------------------------------------------------------------
-def eval_results(results: dict[str, Any]):
-    """The scores as the Hub's ``EvalResult`` entries (numeric values only)."""
-    from huggingface_hub import EvalResult
-
-    entries = []
-    for task, values in sorted(results.get("metrics", {}).items()):
-        for metric, value in sorted(values.items()):
-            if "_stderr" in metric or not isinstance(value, (int, float)):
-                continue
-            entries.append(
-                EvalResult(
-                    task_type="text-generation",
-                    dataset_type=task,
-                    dataset_name=task,
-                    metric_type=metric,
-                    metric_value=value,
-                )
-            )
-    return entries
 
 
 def card_data(cfg: CardConfig, facts: dict[str, Any], results: dict[str, Any]):
