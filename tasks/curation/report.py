@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from llmflow.tasks.curation.shards import read_json, read_jsonl
+from llmflow.tasks.summaries import CurationStage
 
 
 def _totals(by_domain: dict[str, dict], key: str) -> dict[str, int]:
@@ -45,23 +46,25 @@ def stage_entry(name: str, by_domain: dict[str, dict]) -> dict:
             entry["docs"] += counts["docs"]
             entry["tokens"] += counts["tokens"]
     totals_in, totals_out = _totals(by_domain, "in"), _totals(by_domain, "out")
-    return {
-        "stage": name,
-        "documents_in": totals_in["docs"],
-        "documents_out": totals_out["docs"],
-        "tokens_in": totals_in["tokens"],
-        "tokens_out": totals_out["tokens"],
-        "removed": dict(sorted(removed.items(), key=lambda kv: -kv[1]["docs"])),
-        "by_domain": {
-            domain: {
-                "documents_in": t.get("in", {}).get("docs", 0),
-                "documents_out": t.get("out", {}).get("docs", 0),
-                "tokens_in": t.get("in", {}).get("tokens", 0),
-                "tokens_out": t.get("out", {}).get("tokens", 0),
-            }
-            for domain, t in sorted(by_domain.items())
-        },
-    }
+    return CurationStage.written(
+        {
+            "stage": name,
+            "documents_in": totals_in["docs"],
+            "documents_out": totals_out["docs"],
+            "tokens_in": totals_in["tokens"],
+            "tokens_out": totals_out["tokens"],
+            "removed": dict(sorted(removed.items(), key=lambda kv: -kv[1]["docs"])),
+            "by_domain": {
+                domain: {
+                    "documents_in": t.get("in", {}).get("docs", 0),
+                    "documents_out": t.get("out", {}).get("docs", 0),
+                    "tokens_in": t.get("in", {}).get("tokens", 0),
+                    "tokens_out": t.get("out", {}).get("tokens", 0),
+                }
+                for domain, t in sorted(by_domain.items())
+            },
+        }
+    )
 
 
 def samples(stats_dirs: list[Path], suffix: str, limit: int = 50) -> list[dict]:

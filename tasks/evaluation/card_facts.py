@@ -9,6 +9,7 @@ from typing import Any
 
 from llmflow.tasks.decontam.lineage import read_json, upstream_records
 from llmflow.tasks.evaluation.external import STEP_NAME as EXTERNAL_STEP
+from llmflow.tasks.summaries import CurationReport, ModelSize, PretrainSummary
 
 IMPORT_STEP = "import-model"  # tasks/ingest/import_model.py (the recipe's init)
 NOT_RECORDED = "not recorded"
@@ -54,8 +55,8 @@ def training_facts(model: Path) -> dict[str, Any]:
             for s in ("sft", "dpo", "grpo")
             for _, r in by_step.get(s, [])
         ],
-        "parameters": _metrics_of(by_step, "export").get("num_parameters")
-        or _metrics_of(by_step, EXTERNAL_STEP).get("num_parameters"),
+        "parameters": ModelSize.read(_metrics_of(by_step, "export")).num_parameters
+        or ModelSize.read(_metrics_of(by_step, EXTERNAL_STEP)).num_parameters,
         "base_model": external_source(model) or base_model(model),
         "external": external_source(model),
     }
@@ -134,18 +135,18 @@ def curation_stages(by_step: dict) -> list[dict[str, Any]]:
     records = by_step.get("curate", [])
     if not records:
         return []
-    report = read_json(f"{records[-1][0]}/curation_report.json") or {}
+    report = CurationReport.read(read_json(f"{records[-1][0]}/curation_report.json"))
     rows = []
-    for stage in report.get("stages", []):
+    for stage in report.stages or []:
         removed = ", ".join(
             f"{reason} {counts.get('docs')}"
-            for reason, counts in list(stage.get("removed", {}).items())[:3]
+            for reason, counts in list((stage.removed or {}).items())[:3]
         )
         rows.append(
             {
-                "stage": stage.get("stage"),
-                "documents in": stage.get("documents_in"),
-                "documents out": stage.get("documents_out"),
+                "stage": stage.stage,
+                "documents in": stage.documents_in,
+                "documents out": stage.documents_out,
                 "removed (top reasons)": removed or "none",
             }
         )
@@ -156,19 +157,20 @@ def training_stages(by_step: dict) -> list[dict[str, Any]]:
     """Each trainer run in order: tokens, steps, schedule, losses and device time."""
     rows = []
     for _, record in by_step.get("pretrain", []):
-        metrics, train = record.get("metrics") or {}, (record.get("config") or {}).get("train", {})
-        tokens, rate = metrics.get("tokens_seen"), metrics.get("tokens_per_s")
-        world = metrics.get("world_size") or 1
+        summary = PretrainSummary.read(record.get("metrics"))
+        train = (record.get("config") or {}).get("train", {})
+        tokens, rate = summary.tokens_seen, summary.tokens_per_s
+        world = summary.world_size or 1
         hours = tokens / rate * world / 3600 if tokens and rate else None
         rows.append(
             {
                 "stage": record.get("name"),
                 "tokens": tokens,
-                "steps": metrics.get("stage_steps", metrics.get("steps")),
+                "steps": summary.steps if summary.stage_steps is None else summary.stage_steps,
                 "lr": (train.get("optimizer") or {}).get("lr"),
                 "schedule": _schedule(train.get("schedule") or {}),
-                "final loss": metrics.get("final_loss"),
-                "val loss": metrics.get("val_loss"),
+                "final loss": summary.final_loss,
+                "val loss": summary.val_loss,
                 "device-hours": hours,
             }
         )

@@ -28,6 +28,7 @@ from llmflow.tasks.evaluation.models import hf_dir, write_progress
 from llmflow.tasks.framework.errors import BadInputError
 from llmflow.tasks.framework.step import Metrics, RawFiles, step
 from llmflow.tasks.ingest import models
+from llmflow.tasks.summaries import ModelSize
 
 SOURCE_FILE = "source.json"
 STEP_NAME = "external-model"
@@ -150,12 +151,14 @@ def external_model(cfg: ExternalModelConfig, out: Path, files: RawFiles | None =
     record = cfg.model_dump(mode="json", exclude={"source"})
     (out / SOURCE_FILE).write_text(json.dumps(record, indent=1) + "\n")
     write_progress(out, tokens_seen=None, step=None)
-    return {
-        "source": cfg.pinned,
-        "architecture": (config.get("architectures") or [config.get("model_type")])[0],
-        "num_parameters": num_parameters(folder),
-        "num_files": sum(1 for p in folder.rglob("*") if p.is_file()),
-    }
+    return ModelSize.written(
+        {
+            "source": cfg.pinned,
+            "architecture": (config.get("architectures") or [config.get("model_type")])[0],
+            "num_parameters": num_parameters(folder),
+            "num_files": sum(1 for p in folder.rglob("*") if p.is_file()),
+        }
+    )
 
 
 def num_parameters(folder: Path) -> int | None:

@@ -57,6 +57,7 @@ from llmflow.tasks.pretrain.preemption import Preemption
 from llmflow.tasks.pretrain.schedule import lr_multiplier, micro_batch_size, steps_for_tokens
 from llmflow.tasks.pretrain.state import StepOutput, TrainState
 from llmflow.tasks.pretrain.validate import check_data, check_world_size
+from llmflow.tasks.summaries import PretrainSummary
 
 # Dense bf16 peak FLOP/s per GPU, for MFU.
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
@@ -287,21 +288,23 @@ class Trainer:
     def summary(self) -> dict[str, Any]:
         """Headline metrics (JSON scalars) for summary.json."""
         state, recent = self.state, self.state.recent_losses
-        return {
-            "final_loss": sum(recent) / len(recent) if recent else None,
-            "last_loss": recent[-1] if recent else None,
-            "val_loss": state.val_loss,
-            "steps": state.step,
-            "stage_steps": state.step - state.start_step,
-            "tokens_seen": state.tokens_seen,
-            "total_tokens_seen": state.total_tokens_seen,
-            "tokens_per_s": state.tokens_seen / max(state.train_time_s, 1e-9),
-            "skipped_batches": self.guard.num_skipped,
-            "guard_events": self.guard.num_events,
-            "rewinds": self.guard.num_rewinds,
-            "world_size": self.runtime.world_size,
-            "precision": "bf16" if self.compute_dtype == torch.bfloat16 else "fp32",
-        }
+        return PretrainSummary.written(
+            {
+                "final_loss": sum(recent) / len(recent) if recent else None,
+                "last_loss": recent[-1] if recent else None,
+                "val_loss": state.val_loss,
+                "steps": state.step,
+                "stage_steps": state.step - state.start_step,
+                "tokens_seen": state.tokens_seen,
+                "total_tokens_seen": state.total_tokens_seen,
+                "tokens_per_s": state.tokens_seen / max(state.train_time_s, 1e-9),
+                "skipped_batches": self.guard.num_skipped,
+                "guard_events": self.guard.num_events,
+                "rewinds": self.guard.num_rewinds,
+                "world_size": self.runtime.world_size,
+                "precision": "bf16" if self.compute_dtype == torch.bfloat16 else "fp32",
+            }
+        )
 
     def mfu(self, tokens_per_s: float) -> float | None:
         """Model FLOPs utilisation on GPU (6N + attention per token); None on CPU."""
