@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -62,6 +63,8 @@ def run_cli(root: Path) -> str:
 def test_quickstart_end_to_end(tmp_path):
     root = tmp_path / "runs"
     summary = run_cli(root)
+    # issue 30 item 4: the card wrote through its link into the merge output's README.md
+    assert_verifies_with_no_shared_written_file(root)
     for step in (
         "sample",
         "ingest",
@@ -114,3 +117,39 @@ def test_quickstart_end_to_end(tmp_path):
     assert longctx["num_long_docs"] > 0
     again = run_cli(root)
     assert "0 ran" in again, again[-2000:]
+
+
+CARD_FILES = ("hf/README.md", "hf/llmflow_config.yaml")  # what the card step writes
+
+
+def assert_verifies_with_no_shared_written_file(root: Path) -> None:
+    """``llmflow verify`` finds every output ok; files two outputs share (hard links) are files
+    no step wrote after linking: the cards' own files share no inode, and a shared file's bytes
+    are what both outputs recorded."""
+    from llmflow.tasks.framework.store import Store
+    from llmflow.tasks.framework.verify import committed_outputs
+
+    merged = [p for p in (root / "merge").iterdir() if not p.name.startswith(".")]
+    assert merged and all((p / "hf" / "README.md").is_file() for p in merged)  # mergekit's
+
+    verified = subprocess.run(
+        [sys.executable, "-m", "llmflow.flows.cli", "verify", str(root)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert verified.returncode == 0, verified.stdout[-4000:]
+    assert "CORRUPT" not in verified.stdout and ", 0 corrupt, 0 unchecked" in verified.stdout
+
+    holders: dict[int, list[tuple[str, str, str]]] = defaultdict(list)
+    outputs = list(committed_outputs(Store(str(root))))
+    cards = [uri for uri in outputs if "/card/" in uri]
+    assert len(cards) >= 2
+    for uri in outputs:
+        manifest = json.loads((Path(uri) / "lineage.json").read_text())["files"]
+        for rel, entry in manifest.items():
+            holders[os.stat(Path(uri) / rel).st_ino].append((uri, rel, entry["sha256"]))
+    shared = {ino: found for ino, found in holders.items() if len({u for u, _, _ in found}) > 1}
+    assert shared  # the cards' links to the models' weights
+    for found in shared.values():
+        assert len({sha for _, _, sha in found}) == 1, found
+        written = [(u, rel) for u, rel, _ in found if u in cards and rel in CARD_FILES]
+        assert not written, found
