@@ -154,7 +154,7 @@ def _local(settings: LaunchSettings) -> Launcher:
     launched = accelerate_processes(settings.accelerate_config)
     if settings.num_processes == 1 and launched is not None and launched > 1:
         # NOTE: left at 1 beside a YAML of several, the user meant the YAML's count; the run
-        # would budget its steps and take its address for 1 rank (8x the tokens, issue 30).
+        # would budget its steps and take its address for 1 rank (8x the tokens).
         raise ValueError(
             f"num_processes is 1 but accelerate_config {settings.accelerate_config} launches "
             f"{launched} processes (num_processes: {launched}); set "

@@ -1,4 +1,4 @@
-"""``configs/continue-pretrain.yaml`` on a user's own documents (issue 30, item 1).
+"""``configs/continue-pretrain.yaml`` on a user's own documents.
 
 A mixture that names no domain trains on the data's own domains, in proportion to their tokens
 (said in one log line); a mixture that names a domain the ``--data`` files lack fails when the

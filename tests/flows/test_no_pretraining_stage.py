@@ -1,5 +1,5 @@
 """``pretrain.stages: []`` (post-train an imported model directly): ``llmflow plan`` and
-``preflight`` say there is no pretraining stage and report what still applies (issue 30, item 13).
+``preflight`` say there is no pretraining stage and report what still applies.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """``pretrain.train.precision`` reaches every training path built from the recipe: the pretrain
 and context-extension stages, the sweeps' trials, preflight's rehearsal and its memory estimate,
-and ``llmflow plan`` (issue 31)."""
+and ``llmflow plan``."""
 
 from __future__ import annotations
 

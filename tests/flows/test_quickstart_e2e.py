@@ -63,7 +63,7 @@ def run_cli(root: Path) -> str:
 def test_quickstart_end_to_end(tmp_path):
     root = tmp_path / "runs"
     summary = run_cli(root)
-    # issue 30 item 4: the card wrote through its link into the merge output's README.md
+    # the card once wrote through its link into the merge output's README.md
     assert_verifies_with_no_shared_written_file(root)
     for step in (
         "sample",

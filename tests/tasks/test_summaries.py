@@ -1,5 +1,5 @@
 """Typed step summaries: the card reads what the steps record through one model per record, so a
-field renamed by the writer or the reader fails here (issue 32, item 4)."""
+field renamed by the writer or the reader fails here."""
 
 from __future__ import annotations
 

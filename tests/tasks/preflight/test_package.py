@@ -1,4 +1,4 @@
-"""Preflight as a package (issue 32, item 5): ``tasks/preflight/`` holds the checks, the
+"""Preflight as a package: ``tasks/preflight/`` holds the checks, the
 rehearsal and the memory sampling; ``flows/preflight.py`` is a short flow over it."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Validation and the NaN/spike guard in bf16 (issue 31): the held-out loss the Validator
+"""Validation and the NaN/spike guard in bf16: the held-out loss the Validator
 computes under the trainer's autocast, and the guard's skip of a non-finite loss.
 
 Tolerance. The Validator runs the forward under autocast (bf16 matmuls) and the loss in float32

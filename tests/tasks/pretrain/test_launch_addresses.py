@@ -1,4 +1,4 @@
-"""The launcher refactor (issue 32, item 1) moved no output: every pretrain stage of the quickstart
+"""The Launcher protocol moved no output: every pretrain stage of the quickstart
 under each launch setting, and the multi-GPU recipes' stage runs, keep the address (and world
 size) that the commit before it gave, computed by the same code in a checkout of that commit."""
 
