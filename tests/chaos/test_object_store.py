@@ -10,7 +10,6 @@ import contextlib
 import hashlib
 import json
 import os
-import secrets
 import signal
 import subprocess
 import sys
@@ -24,7 +23,8 @@ from pydantic import BaseModel
 from llmflow.tasks.framework.step import Metrics, step
 from llmflow.tasks.framework.store import COMMIT_MARKER, Store
 from tests.chaos.s3_proxy import Request, S3FaultProxy
-from tests.integration.servers import REPO, S3, free_port
+from tests.integration import servers
+from tests.integration.servers import REPO, S3
 
 pytestmark = pytest.mark.slow
 BUCKET = "llmflow-chaos"
@@ -88,24 +88,8 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 @contextlib.contextmanager
 def moto_server() -> Iterator[S3]:
     """moto's S3 server on 127.0.0.1 with one bucket (also used by test_orchestrator.py)."""
-    from moto.server import ThreadedMotoServer
-
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    endpoint = f"http://127.0.0.1:{port}"
-    env = {
-        "AWS_ACCESS_KEY_ID": "AKIA" + secrets.token_hex(8).upper(),
-        "AWS_SECRET_ACCESS_KEY": "chaos-" + secrets.token_hex(12),
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_ENDPOINT_URL": endpoint,
-    }
-    s3 = S3(endpoint, BUCKET, env)
-    s3.client().create_bucket(Bucket=BUCKET)
-    try:
+    with servers.moto_server(BUCKET, secret_prefix="chaos-") as s3:
         yield s3
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import secrets
 import shutil
 from collections.abc import Iterator
 
@@ -16,6 +15,7 @@ from .servers import (
     PrefectServer,
     free_port,
     http_ok,
+    moto_server,
     start,
     stop,
     wait_until,
@@ -25,26 +25,8 @@ from .servers import (
 @pytest.fixture(scope="session")
 def s3_server() -> Iterator[S3]:
     """moto's S3 server on 127.0.0.1, credentials that must never show up in outputs or logs."""
-    from moto.server import ThreadedMotoServer
-
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    endpoint = f"http://127.0.0.1:{port}"
-    env = {
-        "AWS_ACCESS_KEY_ID": "AKIA" + secrets.token_hex(8).upper(),
-        "AWS_SECRET_ACCESS_KEY": "llmflow-secret-" + secrets.token_hex(12),
-        "AWS_DEFAULT_REGION": "us-east-1",
-        # botocore (under s3fs) reads the endpoint from AWS_ENDPOINT_URL; fsspec's own
-        # FSSPEC_S3_ENDPOINT_URL works too (see docs/CLUSTER.md).
-        "AWS_ENDPOINT_URL": endpoint,
-    }
-    s3 = S3(endpoint, "llmflow-test", env)
-    s3.client().create_bucket(Bucket=s3.bucket)
-    try:
+    with moto_server("llmflow-test") as s3:
         yield s3
-    finally:
-        server.stop()
 
 
 @pytest.fixture()

@@ -6,13 +6,16 @@ on a loaded 2-core machine the Prefect server takes 30-60 s to answer its health
 
 from __future__ import annotations
 
+import contextlib
 import os
+import secrets
 import signal
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -148,3 +151,29 @@ class PrefectServer:
 
     def log(self, name: str) -> str:
         return (self.home / name).read_text(errors="replace")
+
+
+@contextlib.contextmanager
+def moto_server(bucket: str, secret_prefix: str = "llmflow-secret-") -> Iterator[S3]:
+    """moto's S3 server on 127.0.0.1 with ``bucket``, and made-up credentials (the secret starts
+    with ``secret_prefix``, so a test can look for it in outputs and logs). Stopped on exit."""
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    env = {
+        "AWS_ACCESS_KEY_ID": "AKIA" + secrets.token_hex(8).upper(),
+        "AWS_SECRET_ACCESS_KEY": secret_prefix + secrets.token_hex(12),
+        "AWS_DEFAULT_REGION": "us-east-1",
+        # botocore (under s3fs) reads the endpoint from AWS_ENDPOINT_URL; fsspec's own
+        # FSSPEC_S3_ENDPOINT_URL works too (see docs/CLUSTER.md).
+        "AWS_ENDPOINT_URL": endpoint,
+    }
+    s3 = S3(endpoint, bucket, env)
+    s3.client().create_bucket(Bucket=bucket)
+    try:
+        yield s3
+    finally:
+        server.stop()

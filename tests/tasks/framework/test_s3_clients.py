@@ -11,13 +11,12 @@ from __future__ import annotations
 import ast
 import hashlib
 import json
-import secrets
 from collections.abc import Callable, Iterator
 
 import pytest
 
 from llmflow.tasks.framework import s3config
-from tests.integration.servers import REPO, S3, free_port
+from tests.integration.servers import REPO, S3, moto_server
 
 BUCKET = "llmflow-clients"
 CONFIGURED = {"mode": s3config.RETRY_MODE, "total_max_attempts": s3config.MAX_ATTEMPTS}
@@ -27,24 +26,8 @@ DOCS = [{"text": f"document number {i} about s3 clients", "domain": "prose"} for
 @pytest.fixture(scope="module")
 def moto() -> Iterator[S3]:
     """moto's S3 server on 127.0.0.1 with one bucket."""
-    from moto.server import ThreadedMotoServer
-
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    endpoint = f"http://127.0.0.1:{port}"
-    env = {
-        "AWS_ACCESS_KEY_ID": "AKIA" + secrets.token_hex(8).upper(),
-        "AWS_SECRET_ACCESS_KEY": "clients-" + secrets.token_hex(12),
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_ENDPOINT_URL": endpoint,
-    }
-    s3 = S3(endpoint, BUCKET, env)
-    s3.client().create_bucket(Bucket=BUCKET)
-    try:
+    with moto_server(BUCKET, secret_prefix="clients-") as s3:
         yield s3
-    finally:
-        server.stop()
 
 
 @pytest.fixture()
