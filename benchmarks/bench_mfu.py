@@ -38,7 +38,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 
 import torch  # noqa: E402
 
-from benchmarks.common import alternate, emit, paired_order, per_round_ratios  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    alternate,
+    emit,
+    hf_adamw,
+    paired_order,
+    per_round_ratios,
+)
 from llmflow.model.config import ModelConfig, preset  # noqa: E402
 from llmflow.model.hf import to_hf_state_dict  # noqa: E402
 from llmflow.model.hf_arch import hf_config  # noqa: E402
@@ -96,13 +102,7 @@ def smollm3(cfg: ModelConfig, device: torch.device, compile_layers: bool, optim,
     if compile_layers:
         for layer in model.model.layers:
             layer.compile()
-    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2 or "embed" in n]
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
-    groups = [{"params": decay, "weight_decay": optim.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]  # fmt: skip
-    optimizer = torch.optim.AdamW(
-        groups, lr=optim.lr, betas=optim.betas, eps=optim.eps, fused=optim.fused or None
-    )
+    optimizer = hf_adamw(model, optim, optim.fused)
 
     def loss_of(ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return model(input_ids=ids, labels=ids).loss  # shifted inside, as HF users call it

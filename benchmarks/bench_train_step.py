@@ -36,7 +36,7 @@ import argparse
 import statistics
 
 import torch
-from common import alternate, emit, paired_order, per_round_ratios
+from common import alternate, emit, hf_adamw, paired_order, per_round_ratios
 
 from llmflow.model.config import ModelConfig
 from llmflow.model.hf import to_hf_state_dict
@@ -83,13 +83,7 @@ def smollm3(compile_layers: bool, fused: bool, weights: dict[str, torch.Tensor])
     if compile_layers:
         for layer in model.model.layers:
             layer.compile()
-    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2 or "embed" in n]
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
-    groups = [{"params": decay, "weight_decay": OPTIM.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]  # fmt: skip
-    optimizer = torch.optim.AdamW(
-        groups, lr=OPTIM.lr, betas=OPTIM.betas, eps=OPTIM.eps, fused=fused or None
-    )
+    optimizer = hf_adamw(model, OPTIM, fused)
 
     def loss_of(ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return model(input_ids=ids, labels=ids).loss  # shifted inside, as HF users call it

@@ -130,3 +130,18 @@ def _rounded(value):
     if isinstance(value, list):
         return [_rounded(v) for v in value]
     return value
+
+
+def hf_adamw(model, optim, fused: bool = False):
+    """``torch.optim.AdamW`` over a transformers model with our trainer's groups: no weight
+    decay on embeddings and norms (``optim``: an ``OptimizerConfig``), as the peer's side of a
+    train-step comparison."""
+    import torch
+
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2 or "embed" in n]
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
+    groups = [{"params": decay, "weight_decay": optim.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]  # fmt: skip
+    return torch.optim.AdamW(
+        groups, lr=optim.lr, betas=optim.betas, eps=optim.eps, fused=fused or None
+    )

@@ -47,22 +47,9 @@ from llmflow.model.hf import export_hf, import_hf, load_model, save_model
 from llmflow.model.hf_arch import config_from_hf, hf_config
 from llmflow.model.transformer import Transformer
 from llmflow.tasks.framework.errors import BadInputError
+from tests.model.test_hf_import import SHAPES  # the import tests' tiny shapes
 
 U = 2.0**-8  # bf16 unit roundoff
-SHAPES = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-5,
-    initializer_range=0.1,  # logits spread well past the tolerance
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
-)
 CASES = {
     "llama": (LlamaConfig, LlamaForCausalLM, dict(tie_word_embeddings=False)),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(head_dim=32, tie_word_embeddings=False)),
