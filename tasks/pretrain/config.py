@@ -28,6 +28,7 @@ from pydantic import (
 from llmflow.model.config import ModelConfig, preset
 from llmflow.tasks.framework.errors import ConfigError
 from llmflow.tasks.framework.hashing import OMIT_DEFAULT, versioned_fields  # noqa: F401  (versioned_fields re-exported: the store's hash view)
+from llmflow.tasks.pretrain.parallel.config import ParallelConfig
 
 if TYPE_CHECKING:
     import torch
@@ -272,6 +273,13 @@ class TrainConfig(_Section):
         description="Compute precision: bf16 keeps float32 master weights and optimizer state "
         "and computes in bf16 (autocast in one process, FSDP2's bf16 parameters with float32 "
         "gradient reduction when sharded); auto is bf16 on CUDA and fp32 on CPU.",
+        json_schema_extra=OMIT_DEFAULT,
+    )
+    parallel: ParallelConfig = Field(
+        ParallelConfig(),
+        description="Parallel layout: dp_replicate x dp_shard x tp x cp x pp = world size "
+        "(dp_shard -1 takes the rest). The whole mesh enters the hash (left out at the default, "
+        "plain FSDP2, so those addresses are unchanged).",
         json_schema_extra=OMIT_DEFAULT,
     )
     eval_batches: int = Field(4, gt=0, description="Validation batches per evaluation.")

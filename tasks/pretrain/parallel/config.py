@@ -1,0 +1,145 @@
+"""The parallel layout of a trainer run: ``pretrain.train.parallel``.
+
+``dp_replicate x dp_shard x tp x cp x pp`` must equal the world size; ``dp_shard: -1`` takes what
+the others leave. Every check that can fail names the field and the values, and runs before any
+compute (``ParallelConfig.resolve``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from llmflow.tasks.framework.errors import ConfigError
+
+if TYPE_CHECKING:
+    from llmflow.model.config import ModelConfig
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+"""Mesh dimension names, outermost first: PP spans nodes, TP ranks are neighbours in a node."""
+
+
+class ParallelConfig(BaseModel):
+    """Degrees of each parallelism. Their product is the world size."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    dp_replicate: int = Field(1, ge=1, description="Data-parallel replicas (HSDP's outer dim).")
+    dp_shard: int = Field(
+        -1, description="FSDP2 shards per replica; -1 takes the world size the others leave."
+    )
+    tp: int = Field(1, ge=1, description="Tensor-parallel degree (with sequence parallelism).")
+    cp: int = Field(1, ge=1, description="Context-parallel degree (sequence sharded over ranks).")
+    pp: int = Field(1, ge=1, description="Pipeline-parallel stages.")
+    pp_schedule: Literal["gpipe", "1f1b"] = Field(
+        "1f1b", description="Pipeline schedule: GPipe (all forwards, then all backwards) or 1F1B."
+    )
+
+    def resolve(
+        self,
+        world_size: int,
+        model: ModelConfig | None = None,
+        seq_len: int | None = None,
+        micro_batches: int | None = None,
+    ) -> Layout:
+        """The degrees at ``world_size``, checked against the model and the batch.
+
+        Raises:
+            ConfigError: the degrees do not multiply to the world size, or the model, sequence
+                length or micro-batches do not divide by them; the message names the field.
+        """
+        if self.dp_shard == 0 or self.dp_shard < -1:
+            raise ConfigError(
+                f"pretrain.train.parallel.dp_shard={self.dp_shard}: must be >= 1, or -1 (the rest)"
+            )
+        fixed = self.dp_replicate * self.tp * self.cp * self.pp
+        dp_shard = self.dp_shard
+        if dp_shard == -1:
+            if world_size % fixed:
+                raise ConfigError(
+                    f"pretrain.train.parallel: dp_replicate x tp x cp x pp = {fixed} does not "
+                    f"divide the world size {world_size}"
+                )
+            dp_shard = world_size // fixed
+        if fixed * dp_shard != world_size:
+            raise ConfigError(
+                f"pretrain.train.parallel: dp_replicate={self.dp_replicate} x dp_shard={dp_shard}"
+                f" x tp={self.tp} x cp={self.cp} x pp={self.pp} = {fixed * dp_shard} differs from"
+                f" the world size {world_size}"
+            )
+        layout = Layout(self.dp_replicate, dp_shard, self.tp, self.cp, self.pp, self.pp_schedule)
+        if model is not None:
+            layout.check_model(model)
+        if seq_len is not None:
+            layout.check_seq_len(seq_len)
+        if micro_batches is not None:
+            layout.check_micro_batches(micro_batches)
+        return layout
+
+    def hash_view(self) -> dict[str, object]:
+        """The fields that enter the step's hash (all of them: the layout changes float sums)."""
+        return self.model_dump()
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Resolved degrees (``dp_shard`` filled in)."""
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+    pp_schedule: str = "1f1b"
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp * self.cp * self.pp
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel size: the ranks that read different sequences (sets the global batch)."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
+
+    @property
+    def is_plain(self) -> bool:
+        """Only data parallelism (the FSDP2 path the trainer always had)."""
+        return self.tp == self.cp == self.pp == 1 and self.dp_replicate == 1
+
+    def check_model(self, model: ModelConfig) -> None:
+        field = "pretrain.train.parallel"
+        if model.num_heads % self.tp:
+            raise ConfigError(
+                f"{field}.tp={self.tp} does not divide the model's num_heads={model.num_heads}"
+            )
+        if model.num_kv_heads % self.tp:
+            raise ConfigError(
+                f"{field}.tp={self.tp} does not divide the model's "
+                f"num_kv_heads={model.num_kv_heads}"
+            )
+        if model.num_layers < self.pp:
+            raise ConfigError(
+                f"{field}.pp={self.pp} exceeds the model's num_layers={model.num_layers} "
+                "(each pipeline stage needs at least one layer)"
+            )
+
+    def check_seq_len(self, seq_len: int) -> None:
+        if seq_len % (2 * self.cp) and self.cp > 1:
+            raise ConfigError(
+                f"pretrain.train.parallel.cp={self.cp}: the sequence length {seq_len} must be "
+                f"divisible by 2 x cp = {2 * self.cp} (each rank holds one chunk from the start "
+                "and one from the end)"
+            )
+
+    def check_micro_batches(self, micro_batches: int) -> None:
+        if self.pp > 1 and micro_batches < self.pp:
+            raise ConfigError(
+                f"pretrain.train.parallel.pp={self.pp} needs at least {self.pp} micro-batches per "
+                f"step; batch.grad_accum_steps={micro_batches}"
+            )

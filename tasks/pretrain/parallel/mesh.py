@@ -1,0 +1,50 @@
+"""One named device mesh for every parallelism: ``(pp, dp_replicate, dp_shard, cp, tp)``.
+
+TP is innermost (contiguous ranks: neighbours inside a node), PP outermost. Flattened views, as
+torchtitan names them:
+
+- ``dp``: ``dp_replicate x dp_shard``, the ranks that read different sequences;
+- ``dp_shard_cp``: ``dp_shard x cp``, the dimension FSDP2 shards parameters over (CP ranks hold
+  the same parameters and their gradients are reduced together);
+- ``dp_cp``: ``dp_replicate x dp_shard x cp``, over which the loss's token counts are summed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from llmflow.tasks.pretrain.parallel.config import MESH_DIMS, Layout
+
+
+@dataclass
+class Mesh:
+    """The world mesh and this rank's coordinates in it."""
+
+    layout: Layout
+    world: DeviceMesh
+
+    def __getitem__(self, name: str) -> DeviceMesh:
+        return self.world[name]
+
+    def rank(self, name: str) -> int:
+        """This rank's index along a dimension (or a flattened one)."""
+        return self.world[name].get_local_rank()
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank("dp")
+
+    def group(self, name: str) -> dist.ProcessGroup:
+        return self.world[name].get_group()
+
+
+def build_mesh(device_type: str, layout: Layout) -> Mesh:
+    """Make the world mesh for ``layout`` (the process group must be initialised)."""
+    world = init_device_mesh(device_type, layout.shape, mesh_dim_names=MESH_DIMS)
+    world[("dp_replicate", "dp_shard")]._flatten("dp")
+    world[("dp_shard", "cp")]._flatten("dp_shard_cp")
+    world[("dp_replicate", "dp_shard", "cp")]._flatten("dp_cp")
+    return Mesh(layout, world)
