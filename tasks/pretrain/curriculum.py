@@ -37,6 +37,20 @@ class PretrainConfig(LaunchSettings):
     )
     anneal_schedule: str = Field("wsd", description="Schedule of the last stage (wsd decays).")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _parallel_shorthand(cls, data: object) -> object:
+        """``pretrain.parallel`` is ``pretrain.train.parallel`` (the trainer reads it there)."""
+        if isinstance(data, dict) and "parallel" in data:
+            data = dict(data)
+            parallel = data.pop("parallel")
+            train = data.get("train") or {}
+            train = dict(train) if isinstance(train, dict) else train.model_dump()
+            if "parallel" in train:
+                raise ValueError("set pretrain.parallel or pretrain.train.parallel, not both")
+            data["train"] = {**train, "parallel": parallel}
+        return data
+
     @field_validator("stages")
     @classmethod
     def _unique_names(cls, value: list[CurriculumStage]) -> list[CurriculumStage]:
