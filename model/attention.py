@@ -1,8 +1,16 @@
-"""Grouped-query attention with optional RoPE, QK-norm and intra-document masking."""
+"""Grouped-query attention with optional RoPE, QK-norm and intra-document masking.
+
+Under context parallelism a rank holds only some tokens of each row (a `SequenceShard`); its
+queries attend to the keys and values of the whole rows, all-gathered over the context-parallel
+group (`SequenceShard.gather`), under a mask that is causal in the rows' own token order.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -80,14 +88,21 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(
-        self, x: Tensor, rope: tuple[Tensor, Tensor] | None, doc_mask: Tensor | None
+        self,
+        x: Tensor,
+        rope: tuple[Tensor, Tensor] | None,
+        doc_mask: Tensor | None,
+        context: SequenceShard | None = None,
     ) -> Tensor:
         """Attend over `x` (B, T, C).
 
         Args:
             x: normalized residual stream (B, T, C).
             rope: (cos, sin), each (B or 1, T, head_dim); ignored by a NoPE layer.
-            doc_mask: (B, 1, T, T) boolean block-diagonal causal mask, or None for plain causal.
+            doc_mask: (B, 1, T, T) boolean block-diagonal causal mask, or None for plain causal;
+                under `context`, `context.mask()`, (B or 1, 1, T, T_full).
+            context: this rank's shard of the rows under context parallelism: the keys and
+                values of the whole rows are gathered over its group.
         """
         batch, seq_len, _ = x.shape
         qkv = self.qkv_proj(x).view(batch, seq_len, -1, self.head_dim)  # (B, T, H + 2KV, D)
@@ -101,6 +116,8 @@ class Attention(nn.Module):
             if rotate:
                 q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|KV, T, D)
+        if context is not None:  # the KV heads of the whole rows, in their order
+            k, v = context.gather(k), context.gather(v)  # (B, KV, T_full, D)
         # NOTE: on CUDA, SDPA's fused kernels take grouped k/v only without a mask; with one it
         # would fall back to the math kernel (a T x T matrix per head), so k/v are expanded.
         native_gqa = doc_mask is None or x.device.type == "cpu"
@@ -124,3 +141,61 @@ def attend(
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=doc_mask, is_causal=doc_mask is None, enable_gqa=groups > 1
     )
+
+
+@dataclass(frozen=True)
+class SequenceShard:
+    """The tokens of each row one rank holds under context parallelism, and the whole rows' layout.
+
+    Every rank of `group` holds the same rows (B, T_full) cut along T into different tokens; the
+    queries stay local and the keys/values are all-gathered (GQA: only the KV heads travel).
+
+    Attributes:
+        group: the context-parallel process group.
+        index: (T,) ascending positions in the full row (0..T_full-1) of this rank's tokens.
+        order: (T_full,) for each full-row position, where it lies in the rank-major all-gather
+            (rank 0's T tokens, then rank 1's, ...).
+        doc_ids: (B, T_full) document of every token of the full rows, or None (one per row).
+    """
+
+    group: dist.ProcessGroup
+    index: Tensor
+    order: Tensor
+    doc_ids: Tensor | None = None
+
+    def mask(self) -> Tensor:
+        """(B or 1, 1, T, T_full) boolean: causal in full-row positions, within one document."""
+        keys = torch.arange(self.order.numel(), device=self.index.device)
+        allowed = self.index[:, None] >= keys[None, :]  # (T, T_full)
+        if self.doc_ids is not None:
+            same_doc = self.doc_ids[:, self.index, None] == self.doc_ids[:, None, :]
+            allowed = same_doc & allowed  # (B, T, T_full)
+        else:
+            allowed = allowed[None]
+        return allowed.unsqueeze(1)
+
+    def gather(self, x: Tensor) -> Tensor:
+        """(B, N, T, D) local heads -> (B, N, T_full, D) of the whole rows (autograd: the backward
+        reduce-scatters the gradient back to the rank that holds each token)."""
+        return _GatherSequence.apply(x, self.group, self.order)
+
+
+class _GatherSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup, order: Tensor) -> Tensor:
+        world = dist.get_world_size(group)
+        local = x.movedim(2, 0).contiguous()  # (T, B, N, D): the collective cuts dim 0
+        gathered = local.new_empty((world * local.shape[0], *local.shape[1:]))
+        dist.all_gather_into_tensor(gathered, local, group=group)
+        ctx.group, ctx.order, ctx.world = group, order, world
+        return gathered.index_select(0, order).movedim(0, 2)  # (B, N, T_full, D)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: Tensor):
+        full = grad.movedim(2, 0)  # (T_full, B, N, D) in row order
+        rank_major = torch.empty_like(full, memory_format=torch.contiguous_format)
+        rank_major.index_copy_(0, ctx.order, full)  # back to the all-gather's layout
+        local = rank_major.new_empty((rank_major.shape[0] // ctx.world, *rank_major.shape[1:]))
+        dist.reduce_scatter_tensor(local, rank_major, group=ctx.group)  # summed over ranks
+        return local.movedim(0, 2), None, None

@@ -13,6 +13,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from llmflow.model.attention import (
     Attention,
+    SequenceShard,
     document_ids,
     document_mask,
     positions_from_cu_seqlens,
@@ -144,9 +145,13 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(
-        self, x: Tensor, rope: tuple[Tensor, Tensor] | None, doc_mask: Tensor | None
+        self,
+        x: Tensor,
+        rope: tuple[Tensor, Tensor] | None,
+        doc_mask: Tensor | None,
+        context: SequenceShard | None = None,
     ) -> Tensor:
-        h = x + self.attn(self.attn_norm(x), rope, doc_mask)
+        h = x + self.attn(self.attn_norm(x), rope, doc_mask, context)
         return h + self.mlp(self.mlp_norm(h))
 
 
@@ -202,6 +207,7 @@ class Transformer(nn.Module):
         cu_seqlens: Tensor | None = None,
         labels: Tensor | None = None,
         z_loss_weight: float = 0.0,
+        context: SequenceShard | None = None,
     ) -> Tensor | tuple[Tensor, dict[str, Tensor]]:
         """Logits (B, T, V) for `input_ids` (B, T); with `labels`, the loss instead.
 
@@ -216,6 +222,9 @@ class Transformer(nn.Module):
                 `linear_cross_entropy`'s (loss, metrics), the output projection fused into the
                 loss so the full logits are never kept twice.
             z_loss_weight: z-loss weight of that loss.
+            context: under context parallelism, which tokens of the whole rows `input_ids`
+                holds (`tasks/pretrain/parallel/cp.py:shard_batch`); `position_ids` are then
+                required (the whole rows' positions of these tokens) and `cu_seqlens` unused.
         """
         batch, seq_len = input_ids.shape
         tied = None
@@ -226,15 +235,20 @@ class Transformer(nn.Module):
             x = tied_embedding(input_ids, self.embed.weight, tied)  # (B, T, C)
         else:
             x = self.embed(input_ids)  # (B, T, C)
-        doc_ids = document_ids(batch, seq_len, position_ids, cu_seqlens)
-        if position_ids is None and doc_ids is not None:  # packed: restart RoPE at each doc
-            position_ids = positions_from_cu_seqlens(batch, seq_len, cu_seqlens)
-        elif position_ids is None:
-            position_ids = torch.arange(seq_len, device=input_ids.device)[None]  # (1, T)
-        doc_mask = None if doc_ids is None else document_mask(doc_ids)
+        if context is not None:  # positions and documents come from the whole rows
+            if position_ids is None:
+                raise ValueError("position_ids are required with a context-parallel shard")
+            doc_mask = context.mask()  # (B or 1, 1, T, T_full)
+        else:
+            doc_ids = document_ids(batch, seq_len, position_ids, cu_seqlens)
+            if position_ids is None and doc_ids is not None:  # packed: restart RoPE at each doc
+                position_ids = positions_from_cu_seqlens(batch, seq_len, cu_seqlens)
+            elif position_ids is None:
+                position_ids = torch.arange(seq_len, device=input_ids.device)[None]  # (1, T)
+            doc_mask = None if doc_ids is None else document_mask(doc_ids)
         rope = self.rope(position_ids, x.dtype)
         for layer in self.layers:
-            x = layer(x, rope, doc_mask)
+            x = layer(x, rope, doc_mask, context)
         x = self.norm(x)
         if labels is not None:
             return linear_cross_entropy(x, self.output_weight(), labels, z_loss_weight, tied=tied)

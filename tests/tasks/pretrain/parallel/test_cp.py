@@ -1,0 +1,172 @@
+"""Context parallelism (``parallel/cp.py``): 2 gloo ranks against the same model in one process.
+
+Each rank holds the zig-zag half of every row; the token-weighted sum of the ranks' losses and
+the sum of their parameter gradients must equal one process's loss and gradients on the whole
+rows, with documents that start inside rows and cross the ranks' chunk boundaries.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from llmflow.model.attention import SequenceShard, document_ids, document_mask
+from llmflow.model.config import preset
+from llmflow.model.loss import IGNORE_INDEX
+from llmflow.model.transformer import Transformer
+from llmflow.tasks.framework.errors import BadInputError
+from llmflow.tasks.pretrain.parallel.cp import gather_order, whole_row_positions, zigzag_index
+
+SEQ_LEN, VOCAB = 32, 256
+# Row 0: documents [5, 14, 13] (tokens 5..18 lie in chunks 0, 1, 2: on both ranks; 19..31 in
+# chunks 2 and 3: rank 1 then rank 0); row 1: [10, 22]. The last is one document per row.
+DOCS = {"packed": [0, 5, 19, 32, 42, 64], "rows": [0, 32, 64]}
+CASES = {
+    "default": dict(),
+    # ABF base, YaRN scaling and NoPE in layers 1 and 3.
+    "yarn_nope": dict(
+        rope_theta=500000.0,
+        max_seq_len=256,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+        nope_interval=2,
+    ),
+}
+
+
+def _model(case: str) -> Transformer:
+    model = Transformer(preset("debug", vocab_size=VOCAB, **CASES[case]))
+    model.init_weights(seed=0)
+    return model
+
+
+def _batch(docs: str) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (2, SEQ_LEN), generator=generator)
+    labels = torch.randint(0, VOCAB, (2, SEQ_LEN), generator=generator)
+    labels[torch.rand(2, SEQ_LEN, generator=generator) < 0.2] = IGNORE_INDEX
+    return {
+        "input_ids": ids,
+        "labels": labels,
+        "cu_seqlens": torch.tensor(DOCS[docs], dtype=torch.int32),
+    }
+
+
+def _reference(case: str, docs: str) -> tuple[float, dict[str, torch.Tensor]]:
+    torch.set_num_threads(1)  # as the spawned ranks
+    model, batch = _model(case), _batch(docs)
+    loss, _ = model(batch["input_ids"], cu_seqlens=batch["cu_seqlens"], labels=batch["labels"])
+    loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _cp_step(case: str, docs: str) -> dict:
+    """One rank: the loss of its shard, weighted by its share of the tokens; summed over ranks."""
+    import torch.distributed as dist
+
+    from llmflow.tasks.pretrain.parallel.cp import shard_batch
+
+    model, group = _model(case), dist.group.WORLD
+    shard = shard_batch(_batch(docs), group)
+    count = int((shard["labels"] != IGNORE_INDEX).sum())
+    total = torch.tensor(float(count))
+    dist.all_reduce(total, group=group)
+    loss, _ = model(
+        shard["input_ids"],
+        shard["position_ids"],
+        shard["cu_seqlens"],
+        labels=shard["labels"],
+        context=shard["context"],
+    )
+    (loss * count / total).backward()
+    weighted = (loss.detach() * count / total).reshape(1)
+    dist.all_reduce(weighted, group=group)
+    grads = {}
+    for name, param in model.named_parameters():
+        dist.all_reduce(param.grad, group=group)
+        grads[name] = param.grad
+    return {"loss": weighted.item(), "grads": grads, "count": count}
+
+
+def _worker(rank: int, init_file: str, runs: list[tuple[str, str]], out: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    results = {run: _cp_step(*run) for run in runs}
+    torch.save(results, f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+def _run_cp(tmp_path: Path, runs: list[tuple[str, str]], timeout: float = 120) -> list[dict]:
+    ctx = mp.get_context("spawn")
+    out = tmp_path / "cp.pt"
+    args = (str(tmp_path / "pg"), runs, str(out))
+    procs = [ctx.Process(target=_worker, args=(r, *args)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(timeout=max(deadline - time.monotonic(), 1))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    return [torch.load(f"{out}.{r}") for r in (0, 1)]
+
+
+RUNS = [("default", "packed"), ("yarn_nope", "packed"), ("default", "rows")]
+
+
+def test_two_cp_ranks_match_one_process(tmp_path):
+    """Loss within 1e-5 relative and every summed gradient within 1e-5 of its largest entry."""
+    results = _run_cp(tmp_path, RUNS)
+    for run in RUNS:
+        expected_loss, expected = _reference(*run)
+        per_rank = [r[run] for r in results]
+        assert per_rank[0]["count"] > 0 and per_rank[1]["count"] > 0
+        assert per_rank[0]["loss"] == per_rank[1]["loss"]  # the same all-reduced value
+        got = per_rank[0]
+        assert abs(got["loss"] - expected_loss) <= 1e-5 * abs(expected_loss), run
+        for name, grad in expected.items():
+            scale = grad.abs().max().item()
+            assert scale > 0, (run, name)
+            worst = (got["grads"][name] - grad).abs().max().item()
+            assert worst <= 1e-5 * scale, (run, name, worst, scale)
+
+
+def test_zigzag_split_covers_each_position_once_and_balances_causal_work():
+    for seq_len, cp in [(8, 1), (32, 2), (48, 4)]:
+        parts = [zigzag_index(seq_len, cp, r) for r in range(cp)]
+        assert sorted(torch.cat(parts).tolist()) == list(range(seq_len))
+        work = [int((p + 1).sum()) for p in parts]  # keys each rank's queries see (causal)
+        assert len(set(work)) == 1, work
+        order = gather_order(seq_len, cp)
+        assert torch.equal(torch.cat(parts)[order], torch.arange(seq_len))
+    assert zigzag_index(32, 2, 0).tolist() == [*range(8), *range(24, 32)]
+    with pytest.raises(BadInputError, match="seq_len=30 must be divisible by 2 x cp = 4"):
+        zigzag_index(30, 2, 0)
+
+
+@pytest.mark.parametrize("docs", sorted(DOCS))
+def test_shard_mask_is_the_rows_of_the_whole_mask(docs):
+    """Each rank's (T/cp, T) mask equals its query rows of the one-process document mask."""
+    cu_seqlens = _batch(docs)["cu_seqlens"]
+    positions, doc_ids = whole_row_positions(2, SEQ_LEN, None, cu_seqlens)
+    whole = document_ids(2, SEQ_LEN, None, cu_seqlens)
+    full_mask = (
+        document_mask(whole)
+        if whole is not None
+        else torch.ones(SEQ_LEN, SEQ_LEN, dtype=torch.bool).tril()[None, None]
+    )
+    for rank in range(2):
+        index = zigzag_index(SEQ_LEN, 2, rank)
+        shard = SequenceShard(None, index, gather_order(SEQ_LEN, 2), doc_ids)
+        mask = shard.mask().expand(2, -1, -1, -1)
+        assert torch.equal(mask, full_mask.expand(2, -1, -1, -1)[:, :, index])
+    if docs == "packed":  # positions restart at each document, across the chunk boundaries
+        assert positions[0, 19].item() == 0 and positions[0, 31].item() == 12
+        assert positions[1, 10].item() == 0 and positions[1, 9].item() == 9
