@@ -88,6 +88,20 @@ class ExactDedupConfig(_Strict):
     min_paragraph_chars: int = Field(
         50, ge=0, description="Paragraph level: shorter paragraphs are never dropped."
     )
+    method: Literal["bloom", "partitioned"] = Field(
+        "bloom",
+        description="'bloom': one process streams every hash through a Bloom filter, then an "
+        "exact check. 'partitioned': hashes shuffled by prefix into `partitions` files, each "
+        "deduplicated on its own (on Ray when the step runs under a Ray data engine or "
+        "LLMFLOW_RAY_ADDRESS is set): memory per worker bounded by its partition. Same drops.",
+        json_schema_extra=OMIT_DEFAULT,
+    )
+    partitions: int = Field(
+        64,
+        ge=1,
+        description="Partitioned method: hash-prefix partitions.",
+        json_schema_extra=OMIT_DEFAULT,
+    )
 
     def hash_config(self) -> ExactHashConfig:
         """The fields the per-shard hashing reads: the Bloom filter's size never re-hashes."""
@@ -115,6 +129,21 @@ class MinhashConfig(_Strict):
         "first", description="Which member of a cluster survives (ties: first by shard, row)."
     )
     num_sample_clusters: int = Field(5, ge=0, description="Clusters sampled into the report.")
+    method: Literal["union_find", "partitioned"] = Field(
+        "union_find",
+        description="'union_find': one process loads every band key and joins all documents. "
+        "'partitioned': band keys shuffled by (band, key) into `partitions` files, each emitting "
+        "its duplicate pairs; the union-find runs on the pairs only (on Ray when the step runs "
+        "under a Ray data engine or LLMFLOW_RAY_ADDRESS is set): memory grows with duplicates, "
+        "not documents. Same clusters and keepers.",
+        json_schema_extra=OMIT_DEFAULT,
+    )
+    partitions: int = Field(
+        64,
+        ge=1,
+        description="Partitioned method: (band, key) partitions.",
+        json_schema_extra=OMIT_DEFAULT,
+    )
 
     def signature_config(self) -> SignatureConfig:
         """The fields signatures read: which cluster member is kept never re-signs a shard."""

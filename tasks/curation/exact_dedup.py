@@ -171,6 +171,11 @@ def _paragraph_drops(cfg: ExactDedupConfig, hashes: list[Path], keep, out: Path)
     para, para_stats = _dedup_keys(
         _hash_files(hashes, "paragraphs"), ("id", "paragraph"), keep, cfg
     )
+    _write_paragraph_drops(para, out)
+    return {"paragraphs_dropped": len(para), "paragraph_bloom": para_stats}
+
+
+def _write_paragraph_drops(para: list[dict], out: Path) -> None:
     empty = {
         "id": pa.array([], pa.string()),
         "paragraph": pa.array([], pa.int64()),
@@ -178,7 +183,6 @@ def _paragraph_drops(cfg: ExactDedupConfig, hashes: list[Path], keep, out: Path)
     }
     table = pa.Table.from_pylist(para) if para else pa.table(empty)
     pq.write_table(table, out / "paragraph_drops.parquet")
-    return {"paragraphs_dropped": len(para), "paragraph_bloom": para_stats}
 
 
 @step("curate-exact-dedup", version=1)
@@ -195,6 +199,8 @@ def exact_dedup(
         filtered: shard dirs of the documents still alive (the filtered shards); documents not
             in them are ignored, so a removed document is never chosen as the one to keep.
     """
+    if cfg.method == "partitioned":
+        return _partitioned_exact_dedup(cfg, hashes, out, filtered)
     keep = surviving_ids(filtered) if cfg.enabled else set()
     try:
         return _exact_dedup(cfg, hashes, out, keep)
@@ -215,5 +221,42 @@ def _exact_dedup(cfg: ExactDedupConfig, hashes: list[Path], out: Path, keep) -> 
     return {
         "documents_dropped": len(dropped),
         "bloom_candidates": stats["bloom_candidates"],
+        "paragraphs_dropped": report.get("paragraphs_dropped", 0),
+    }
+
+
+def _partitioned_exact_dedup(
+    cfg: ExactDedupConfig, hashes: list[Path], out: Path, filtered: list[Path] | None
+) -> Metrics:
+    """`exact_dedup` with ``method: partitioned``: the same drops, decided per hash-prefix
+    partition (tasks/curation/distributed_dedup.py); no Bloom filter, so no candidates."""
+    from llmflow.tasks.curation.distributed_dedup import (
+        alive_shards_of,
+        run_partitioned,
+        scratch_folder,
+    )
+
+    alive = alive_shards_of(filtered, cfg.enabled)
+    with scratch_folder(out) as scratch:
+        files = _hash_files(hashes, "exact")
+        dropped, stats = run_partitioned("exact", files, ("id",), alive, cfg.partitions, scratch)
+        report = {"stage": "exact_dedup", "documents_dropped": len(dropped), **stats}
+        if cfg.level == "paragraph":
+            para, para_stats = run_partitioned(
+                "exact",
+                _hash_files(hashes, "paragraphs"),
+                ("id", "paragraph"),
+                alive,
+                cfg.partitions,
+                scratch / "paragraphs",
+            )
+            _write_paragraph_drops(para, out)
+            report.update({"paragraphs_dropped": len(para), "paragraph_partitions": para_stats})
+    duplicate_of = pa.array([d["duplicate_of"] for d in dropped], pa.string())
+    write_drops(out, [d["id"] for d in dropped], "exact_duplicate", duplicate_of=duplicate_of)
+    report["examples"] = dropped[:10]
+    write_json(out / "report.json", report)
+    return {
+        "documents_dropped": len(dropped),
         "paragraphs_dropped": report.get("paragraphs_dropped", 0),
     }

@@ -273,22 +273,56 @@ def near_dedup(
         filtered: shard dirs of the documents still alive; others are left out of clustering.
         exact: the exact dedup output, whose dropped documents are left out.
     """
-    alive = surviving_ids(filtered) if cfg.enabled else set()
-    table = _load_index(signatures, alive, _excluded_ids([exact] if exact else []))
-    ids, lengths = table.column("id").to_pylist(), table.column("length").to_pylist()
-    drops, histogram, found = _clusters(cfg, ids, lengths, _components(table, cfg.num_buckets))
+    excluded = _excluded_ids([exact] if exact else [])
+    if cfg.method == "partitioned":
+        drops, histogram, found, indexed, sizes = _partitioned(
+            cfg, signatures, out, filtered, excluded
+        )
+    else:
+        alive = surviving_ids(filtered) if cfg.enabled else set()
+        table = _load_index(signatures, alive, excluded)
+        ids, lengths = table.column("id").to_pylist(), table.column("length").to_pylist()
+        drops, histogram, found = _clusters(cfg, ids, lengths, _components(table, cfg.num_buckets))
+        indexed, sizes = len(ids), {"index_bytes": int(table.nbytes)}
     clusters = sum(histogram.values())
     _write_drops(drops, out)
     write_json(
         out / "report.json",
         {
             "stage": "near_dedup",
-            "documents_indexed": len(ids),
+            "documents_indexed": indexed,
             "clusters": clusters,
             "documents_dropped": len(drops),
             "cluster_size_histogram": {str(k): v for k, v in sorted(histogram.items())},
             "sample_clusters": _sample_clusters(cfg, found, filtered),
-            "index_bytes": int(table.nbytes),
+            **sizes,
         },
     )
-    return {"clusters": clusters, "documents_dropped": len(drops), "documents_indexed": len(ids)}
+    return {"clusters": clusters, "documents_dropped": len(drops), "documents_indexed": indexed}
+
+
+def _partitioned(
+    cfg: MinhashConfig, signatures: list[Path], out: Path, filtered, excluded: set[str]
+) -> tuple:
+    """`near_dedup` with ``method: partitioned`` (tasks/curation/distributed_dedup.py): the same
+    clusters and keepers from pairs shuffled by (band, key); no table of every document."""
+    from llmflow.tasks.curation.distributed_dedup import (
+        alive_shards_of,
+        run_partitioned,
+        scratch_folder,
+        source_files,
+    )
+
+    with scratch_folder(out) as scratch:
+        result = run_partitioned(
+            "near",
+            source_files(signatures, "minhash"),
+            alive_shards_of(filtered, cfg.enabled),
+            excluded,
+            cfg.num_buckets,
+            cfg.keep,
+            cfg.partitions,
+            scratch,
+        )
+    histogram = result.histogram
+    return result.drops, histogram, result.clusters, result.documents_indexed, result.stats

@@ -1,0 +1,246 @@
+"""Partitioned exact and near dedup (tasks/curation/distributed_dedup.py) against the
+single-process steps and against brute-force references, in-process and on a local Ray."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from llmflow.tasks.curation.config import ExactDedupConfig, MinhashConfig
+from llmflow.tasks.curation.exact_dedup import exact_dedup, exact_hashes, text_hash
+from llmflow.tasks.curation.minhash import minhash_signatures, near_dedup
+from llmflow.tasks.curation.shards import write_drops
+from llmflow.tasks.framework.hashing import versioned_fields
+from tests.tasks.curation.helpers import near_copy, prose, real_documents, write_shards
+
+
+def _mkdir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _exact_corpus(seed: int, num_docs: int = 120) -> list[dict]:
+    """Unique documents and exact copies (case and punctuation changed), some copied 3 times,
+    some copies earlier than their original in (shard, row) order."""
+    rng = random.Random(seed)
+    records = [
+        {"id": f"doc-{i:03d}", "text": prose(rng, 3), "domain": "web"} for i in range(num_docs)
+    ]
+    for n, i in enumerate(rng.sample(range(num_docs), num_docs // 3)):
+        for k in range(1 + n % 3):
+            text = records[i]["text"].upper() if k % 2 else records[i]["text"].replace(".", "!")
+            records.insert(rng.randrange(len(records)), {"id": f"copy-{i:03d}-{k}", "text": text})
+    return records
+
+
+def _exact_reference(shards: list[Path], alive: set[str] | None) -> list[tuple[str, str]]:
+    """First occurrence of each normal-form hash wins, in (shard name, row) order."""
+    first: dict[bytes, str] = {}
+    drops = []
+    for shard in sorted(shards, key=lambda p: p.name):
+        for row in pq.read_table(shard).to_pylist():
+            if alive is not None and row["id"] not in alive:
+                continue
+            h = text_hash(row["text"])
+            if h in first:
+                drops.append((row["id"], first[h]))
+            else:
+                first[h] = row["id"]
+    return drops
+
+
+def _drops(out: Path, name: str = "drops.parquet") -> list[tuple]:
+    rows = pq.read_table(out / name).to_pylist()
+    return [tuple(r[c] for c in ("id", "paragraph", "duplicate_of") if c in r) for r in rows]
+
+
+@pytest.mark.parametrize("partitions", [1, 3, 64])
+@pytest.mark.parametrize("with_alive", [False, True])
+def test_partitioned_exact_dedup_equals_reference_and_bloom(tmp_path, partitions, with_alive):
+    records = _exact_corpus(seed=partitions)
+    shards = write_shards(tmp_path / "in", records, num_shards=5)
+    hashes = _mkdir(tmp_path / "hashes")
+    exact_hashes(ExactDedupConfig().hash_config(), tmp_path / "in", hashes)
+    filtered = None
+    alive = None
+    if with_alive:  # a filter removed every fifth document, originals among them
+        kept = [r for i, r in enumerate(records) if i % 5]
+        write_shards(tmp_path / "filtered", kept, num_shards=3)
+        filtered, alive = [tmp_path / "filtered"], {r["id"] for r in kept}
+    reference = _exact_reference(shards, alive)
+    assert len(reference) > 20
+    # a Bloom filter far too small: most unique documents become candidates
+    bloom_cfg = ExactDedupConfig(expected_documents=10, false_positive_rate=0.5)
+    part_cfg = ExactDedupConfig(method="partitioned", partitions=partitions)
+    bloom_out, part_out = _mkdir(tmp_path / "bloom"), _mkdir(tmp_path / "part")
+    bloom_metrics = exact_dedup(bloom_cfg, [hashes], bloom_out, filtered)
+    part_metrics = exact_dedup(part_cfg, [hashes], part_out, filtered)
+    assert _drops(part_out) == reference
+    assert _drops(bloom_out) == reference  # the Bloom step's exact pass: no false drop either
+    assert bloom_metrics["bloom_candidates"] > len(reference)
+    assert part_metrics["documents_dropped"] == len(reference)
+    assert pq.read_table(part_out / "drops.parquet").equals(
+        pq.read_table(bloom_out / "drops.parquet")
+    )
+    assert sorted(p.name for p in part_out.iterdir()) == ["drops.parquet", "report.json"]
+
+
+def test_partitioned_exact_dedup_paragraphs_and_disabled(tmp_path):
+    rng = random.Random(3)
+    shared = [prose(rng, 3) for _ in range(4)]
+    docs = [
+        {"id": f"d{i}", "text": prose(rng, 3) + "\n\n" + shared[i % 4] + "\n\n" + prose(rng, 2)}
+        for i in range(20)
+    ]
+    write_shards(tmp_path / "in", docs, num_shards=3)
+    cfg = ExactDedupConfig(level="paragraph")
+    hashes = _mkdir(tmp_path / "hashes")
+    exact_hashes(cfg.hash_config(), tmp_path / "in", hashes)
+    outs = {}
+    for method in ("bloom", "partitioned"):
+        outs[method] = _mkdir(tmp_path / method)
+        exact_dedup(
+            cfg.model_copy(update={"method": method, "partitions": 4}), [hashes], outs[method]
+        )
+    para = _drops(outs["partitioned"], "paragraph_drops.parquet")
+    assert len(para) == 16 and para == _drops(outs["bloom"], "paragraph_drops.parquet")
+    off = _mkdir(tmp_path / "off")
+    exact_dedup(ExactDedupConfig(enabled=False, method="partitioned"), [hashes], off)
+    assert _drops(off) == []
+
+
+def test_new_fields_keep_addresses_at_their_defaults():
+    assert "method" not in versioned_fields(ExactDedupConfig())
+    assert "partitions" not in versioned_fields(MinhashConfig())
+    assert versioned_fields(ExactDedupConfig(method="partitioned"))["method"] == "partitioned"
+    assert versioned_fields(MinhashConfig(partitions=8))["partitions"] == 8
+
+
+# --- near dedup --------------------------------------------------------------------------------
+
+
+def _near_inputs(tmp_path: Path, records: list[dict], num_shards: int, alive_every: int = 0):
+    write_shards(tmp_path / "in", records, num_shards=num_shards)
+    sigs = _mkdir(tmp_path / "sigs")
+    minhash_signatures(MinhashConfig().signature_config(), tmp_path / "in", sigs)
+    filtered = tmp_path / "in"
+    if alive_every:
+        kept = [r for i, r in enumerate(records) if i % alive_every]
+        write_shards(tmp_path / "filtered", kept, num_shards=2)
+        filtered = tmp_path / "filtered"
+    return sigs, filtered
+
+
+def _run_near(tmp_path, sigs, filtered, cfg, exact=None, tag=""):
+    out = _mkdir(tmp_path / f"near-{cfg.method}-{cfg.keep}-{cfg.partitions}{tag}")
+    metrics = near_dedup(cfg, [sigs], out, filtered=[filtered], exact=exact)
+    report = json.loads((out / "report.json").read_text())
+    return metrics, _drops(out), report, out
+
+
+def _brute_force_clusters(sigs: Path, alive: set[str], excluded: set[str], num_buckets: int):
+    """Connected components of 'shares a key in some band', over all pairs: (members) lists."""
+    rows = [
+        r
+        for p in sorted(sigs.glob("*.minhash.parquet"), key=lambda p: p.name)
+        for r in pq.read_table(p).to_pylist()
+        if r["id"] in alive and r["id"] not in excluded
+    ]
+    parent = list(range(len(rows)))
+
+    def find(x):
+        while parent[x] != x:
+            x = parent[x]
+        return x
+
+    for i in range(len(rows)):
+        for j in range(i + 1, len(rows)):
+            if any(
+                rows[i][f"band_{b:02d}"] == rows[j][f"band_{b:02d}"] for b in range(num_buckets)
+            ):
+                a, b = find(i), find(j)
+                parent[max(a, b)] = min(a, b)
+    groups: dict[int, list[str]] = {}
+    for i, row in enumerate(rows):
+        groups.setdefault(find(i), []).append(row["id"])
+    return sorted(sorted(m) for m in groups.values() if len(m) > 1)
+
+
+def _planted_near_corpus(seed: int, num_docs: int) -> list[dict]:
+    """Prose documents; near copies of some, copies of copies (chains), some copies first."""
+    rng = random.Random(seed)
+    records = [
+        {"id": f"doc-{i:03d}", "text": prose(rng, 20), "domain": "web"} for i in range(num_docs)
+    ]
+    for i in range(0, num_docs, 3):
+        text = records[i]["text"]
+        for k in range(1 + i % 4):
+            text = near_copy(rng, text, rng.randint(1, 3))  # a chain: each a copy of the last
+            position = rng.randrange(len(records))
+            records.insert(position, {"id": f"near-{i:03d}-{k}", "text": text, "domain": "web"})
+    return records
+
+
+def _write_exact_drops(tmp_path: Path, excluded: set[str]) -> Path:
+    exact = _mkdir(tmp_path / "exact")
+    write_drops(exact, sorted(excluded), "exact_duplicate")
+    return exact
+
+
+def _clusters_of(drops: list[tuple]) -> list[list[str]]:
+    """Each cluster's sorted members, from (dropped, kept) pairs."""
+    groups: dict[str, list[str]] = {}
+    for dropped, kept in drops:
+        groups.setdefault(kept, [kept]).append(dropped)
+    return sorted(sorted(m) for m in groups.values())
+
+
+def _assert_same_as_union_find(
+    tmp_path, sigs, filtered, keep, exact, partition_counts, map_fn=None
+):
+    """The partitioned step gives the union-find step's metrics, drops (same keepers, same
+    order) and report (index_bytes aside: the partitioned step has no such table)."""
+    metrics, drops, report, _ = _run_near(tmp_path, sigs, filtered, MinhashConfig(keep=keep), exact)
+    for partitions in partition_counts:
+        cfg = MinhashConfig(keep=keep, method="partitioned", partitions=partitions)
+        got_metrics, got_drops, got_report, out = _run_near(tmp_path, sigs, filtered, cfg, exact)
+        assert got_drops == drops
+        assert got_metrics == metrics
+        assert {k: got_report[k] for k in report if k != "index_bytes"} == {
+            k: v for k, v in report.items() if k != "index_bytes"
+        }
+        assert sorted(p.name for p in out.iterdir()) == ["drops.parquet", "report.json"]
+    return drops
+
+
+@pytest.mark.parametrize("keep", ["first", "longest"])
+def test_partitioned_near_dedup_equals_union_find_planted(tmp_path, keep):
+    records = _planted_near_corpus(seed=11, num_docs=90)
+    sigs, filtered = _near_inputs(tmp_path, records, num_shards=4, alive_every=7)
+    excluded = {records[i]["id"] for i in range(3, len(records), 11)}
+    exact = _write_exact_drops(tmp_path, excluded)
+    drops = _assert_same_as_union_find(tmp_path, sigs, filtered, keep, exact, (1, 5, 64))
+    # both are the connected components of the pair graph, brute force over all pairs
+    alive = {r["id"] for i, r in enumerate(records) if i % 7}
+    expected = _brute_force_clusters(sigs, alive, excluded, MinhashConfig().num_buckets)
+    assert len(expected) >= 20 and max(len(c) for c in expected) >= 3
+    assert _clusters_of(drops) == expected
+
+
+def test_partitioned_near_dedup_on_held_in_corpus(tmp_path, shared_data):
+    """The held-in corpus of test_dedup's real-text test (WikiText-2 validation articles,
+    tinyshakespeare), with planted near copies."""
+    rng = random.Random(6)
+    docs = [d for d in real_documents() if len(d.split()) > 200]
+    records = [{"id": f"doc-{i:04d}", "text": t, "domain": "web"} for i, t in enumerate(docs)]
+    for i in rng.sample(range(len(records)), 60):
+        text = near_copy(rng, records[i]["text"], rng.randint(1, 3))
+        records.append({"id": f"near-{i:04d}", "text": text, "domain": "web"})
+    sigs, filtered = _near_inputs(tmp_path, records, num_shards=4)
+    for keep in ("first", "longest"):
+        drops = _assert_same_as_union_find(tmp_path, sigs, filtered, keep, None, (1, 16))
+        assert len(drops) >= 57
