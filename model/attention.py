@@ -180,13 +180,18 @@ class SequenceShard:
         return _GatherSequence.apply(x, self.group, self.order)
 
 
+# NOTE: torch 2.13 renamed the dim-0 collectives (`*_into_tensor` / `*_tensor` are deprecated).
+_ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+
 class _GatherSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, group: dist.ProcessGroup, order: Tensor) -> Tensor:
         world = dist.get_world_size(group)
         local = x.movedim(2, 0).contiguous()  # (T, B, N, D): the collective cuts dim 0
         gathered = local.new_empty((world * local.shape[0], *local.shape[1:]))
-        dist.all_gather_into_tensor(gathered, local, group=group)
+        _ALL_GATHER(gathered, local, group=group)
         ctx.group, ctx.order, ctx.world = group, order, world
         return gathered.index_select(0, order).movedim(0, 2)  # (B, N, T_full, D)
 
@@ -197,5 +202,5 @@ class _GatherSequence(torch.autograd.Function):
         rank_major = torch.empty_like(full, memory_format=torch.contiguous_format)
         rank_major.index_copy_(0, ctx.order, full)  # back to the all-gather's layout
         local = rank_major.new_empty((rank_major.shape[0] // ctx.world, *rank_major.shape[1:]))
-        dist.reduce_scatter_tensor(local, rank_major, group=ctx.group)  # summed over ranks
+        _REDUCE_SCATTER(local, rank_major, group=ctx.group)  # summed over ranks
         return local.movedim(0, 2), None, None

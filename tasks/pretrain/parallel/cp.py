@@ -24,11 +24,24 @@ and KV key/value heads of width D, L layers, b bytes per element:
   inputs for the backward pass, so without activation checkpointing these are held for all L
   layers (``2 * L * B * KV * T * D * b`` in all; with checkpointing, one layer's while it is
   recomputed); the local k/v are T/cp;
-- plus, while one layer computes, the mask ``B * (T/cp) * T`` bytes (bool) and, on the math
-  SDPA kernel (CPU; CUDA with a mask and expanded GQA), the scores ``B * H * (T/cp) * T * 4``;
-  on CUDA with the mask, k/v are also expanded to H heads (``2 * B * H * T * D * b``).
+- plus the mask ``B * (T/cp) * T`` bytes (bool, one for all layers, held through the step);
+- plus, while one layer computes: on CPU the scores, ``B * H * (T/cp) * T * 4`` bytes, up to
+  twice that with the probabilities (1 GiB of the 1.6 GiB below at T=8192); on CUDA the memory-efficient kernel takes the mask
+  without a T x T matrix, but k/v are expanded to H heads first (``2 * B * H * T * D * b``).
 
-Measured (CPU, float32, fp RSS, see the CP report): peak RSS per rank of one forward/backward.
+So at small widths the T x T/cp terms dominate and activation memory per rank falls as 1/cp;
+at long T and few heads the all-gathered K/V (linear in T, not divided) are the floor.
+
+Measured (``benchmarks/bench_cp_memory.py``: CPU, fp32, debug preset, B=1, a document every
+1000 tokens): peak RSS per rank of one forward/backward, minus the RSS before it (~280 MiB of
+torch, model and batch):
+
+========  ===================  ============================
+T         one process          cp=2, each rank
+========  ===================  ============================
+4096      534 MiB (peak 812)   349 / 331 MiB (peak 630 / 612)
+8192      1594 MiB (peak 1872) 841 / 839 MiB (peak 1123 / 1120)
+========  ===================  ============================
 """
 
 from __future__ import annotations
