@@ -4,13 +4,17 @@ single-process steps and against brute-force references, in-process and on a loc
 from __future__ import annotations
 
 import json
+import os
 import random
+import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 
+from llmflow.tasks.curation import distributed_dedup
 from llmflow.tasks.curation.config import ExactDedupConfig, MinhashConfig
+from llmflow.tasks.curation.distributed_dedup import RAY_ADDRESS_ENV, data_map, local_map, ray_map
 from llmflow.tasks.curation.exact_dedup import exact_dedup, exact_hashes, text_hash
 from llmflow.tasks.curation.minhash import minhash_signatures, near_dedup
 from llmflow.tasks.curation.shards import write_drops
@@ -244,3 +248,76 @@ def test_partitioned_near_dedup_on_held_in_corpus(tmp_path, shared_data):
     for keep in ("first", "longest"):
         drops = _assert_same_as_union_find(tmp_path, sigs, filtered, keep, None, (1, 16))
         assert len(drops) >= 57
+
+
+# --- on Ray ------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_data_map_starts_and_stops_ray_from_the_env(tmp_path, monkeypatch):
+    """Runs before the module's cluster starts: data_map starts one from the env and stops it."""
+    ray = _ray_pickling_this_module()
+    assert not ray.is_initialized()
+    monkeypatch.setenv(RAY_ADDRESS_ENV, "local")
+    monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
+    with data_map() as run:
+        assert ray.is_initialized()
+        assert run(_tagged, [1, 2])[1][0] == 2
+    assert not ray.is_initialized()
+    monkeypatch.delenv(RAY_ADDRESS_ENV)
+    with data_map() as run:
+        assert run is local_map
+
+
+def _ray_pickling_this_module():
+    """Ray, with this test module's functions sent by value (its workers cannot import it)."""
+    ray = pytest.importorskip("ray")
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    return ray
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """A 2-CPU Ray cluster on 127.0.0.1 for this module, shut down after it."""
+    ray = _ray_pickling_this_module()
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+def _tagged(value: int) -> tuple[int, int]:
+    return value, os.getpid()
+
+
+@pytest.mark.slow
+def test_ray_map_keeps_order_with_one_in_flight(local_ray):
+    items = list(range(7))
+    results = ray_map(max_in_flight=1)(_tagged, items)
+    assert [v for v, _ in results] == items
+    assert {pid for _, pid in results} != {os.getpid()}  # they ran in Ray's workers
+
+
+@pytest.mark.slow
+def test_steps_on_ray_equal_union_find_and_reference(tmp_path, local_ray, shared_data, monkeypatch):
+    """Under a connected Ray (as the data engine leaves it), the partitioned steps run their
+    partitions as Ray tasks and give the single-process steps' drops."""
+    monkeypatch.setattr(distributed_dedup, "local_map", None)  # nothing runs in-process
+    records = _exact_corpus(seed=5)
+    shards = write_shards(tmp_path / "in", records, num_shards=4)
+    hashes = _mkdir(tmp_path / "hashes")
+    exact_hashes(ExactDedupConfig().hash_config(), tmp_path / "in", hashes)
+    out = _mkdir(tmp_path / "exact-ray")
+    exact_dedup(ExactDedupConfig(method="partitioned", partitions=8), [hashes], out)
+    assert _drops(out) == _exact_reference(shards, None)
+
+    rng = random.Random(6)
+    docs = [d for d in real_documents() if len(d.split()) > 200]
+    near = [{"id": f"doc-{i:04d}", "text": t, "domain": "web"} for i, t in enumerate(docs)]
+    for i in rng.sample(range(len(near)), 60):
+        near.append({"id": f"near-{i:04d}", "text": near_copy(rng, near[i]["text"], 2)})
+    sigs, filtered = _near_inputs(tmp_path / "near", near, num_shards=4, alive_every=9)
+    drops = _assert_same_as_union_find(tmp_path, sigs, filtered, "first", None, (8,))
+    assert len(drops) >= 45
