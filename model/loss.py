@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 IGNORE_INDEX = -100
 
@@ -116,6 +119,8 @@ def linear_cross_entropy(
     Returns:
         (loss, {"ce": cross-entropy, "z_loss": unweighted z-loss}), as `causal_lm_loss`.
     """
+    if isinstance(weight, DTensor):  # tensor parallel: vocabulary rows split over ranks
+        return vocab_parallel_cross_entropy(hidden, weight, labels, z_loss_weight)
     hidden = hidden.reshape(-1, hidden.shape[-1])
     labels = labels.reshape(-1)
     rows = chunk_rows or max(1, CHUNK_ELEMENTS // weight.shape[0])
@@ -251,3 +256,138 @@ class _LinearCrossEntropy(torch.autograd.Function):
             else:
                 grad_weight = grad_weight.to(ctx.weight_dtype)
         return grad_hidden, grad_weight, None, None, None, None
+
+
+# ------------------------------------------------------------------------- tensor parallel
+def _local_rows(hidden: Tensor, weight: DTensor) -> tuple[Tensor, Tensor, int, dist.ProcessGroup]:
+    """Under tensor parallelism: the whole sequence's hidden states (a plain tensor whose
+    gradient is this rank's partial sum), this rank's vocabulary rows, their first row, the group.
+    """
+    mesh = weight.device_mesh
+    if isinstance(hidden, DTensor):  # sequence-parallel (B, T / tp, C) -> every rank all T
+        hidden = hidden.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()])
+    _, offsets = compute_local_shape_and_global_offset(weight.shape, mesh, weight.placements)
+    return hidden, weight.to_local(), offsets[0], mesh.get_group()
+
+
+def vocab_parallel_logits(hidden: Tensor, weight: Tensor) -> Tensor:
+    """Full (B, T, V) logits from a vocabulary-row-sharded (V, C) DTensor (evaluation only)."""
+    hidden, local, _, _ = _local_rows(hidden, weight)
+    logits = F.linear(hidden, local)  # (B, T, V / tp)
+    return DTensor.from_local(logits, weight.device_mesh, [Shard(-1)]).full_tensor()
+
+
+def vocab_parallel_cross_entropy(
+    hidden: Tensor, weight: Tensor, labels: Tensor, z_loss_weight: float = 0.0
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """`linear_cross_entropy` for a (V, C) DTensor split by vocabulary rows (tensor parallel).
+
+    Each rank projects the whole sequence onto its vocabulary rows; the row maximum, the sum of
+    exponentials and the target logit are all-reduced over the group (Megatron-LM's
+    vocab-parallel cross-entropy), so no rank holds the full logits. Every rank returns the
+    same loss; gradients are each rank's share (its rows of the weight, its partial sum of the
+    hidden states' gradient).
+    """
+    hidden, local, offset, group = _local_rows(hidden, weight)
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    labels = labels.reshape(-1)
+    rows = max(1, CHUNK_ELEMENTS // local.shape[0])
+    if torch.is_grad_enabled() and (hidden.requires_grad or local.requires_grad):
+        loss, ce, z_loss = _VocabParallelCrossEntropy.apply(
+            hidden, local, labels, z_loss_weight, rows, offset, group
+        )
+    else:
+        ce, z_loss, _ = _vocab_parallel_chunked(
+            hidden, local, labels, z_loss_weight, rows, offset, group, None, None
+        )
+        loss = ce + z_loss_weight * z_loss
+    return loss, {"ce": ce.detach(), "z_loss": z_loss.detach()}
+
+
+def _vocab_parallel_chunked(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    z_weight: float,
+    rows: int,
+    offset: int,
+    group: object,
+    grad_hidden: Tensor | None,
+    grad_weight: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """`_chunked` on this rank's vocabulary rows [offset, offset + V_local)."""
+    valid = labels != IGNORE_INDEX
+    num_valid = valid.sum().clamp(min=1)
+    ce_sum = hidden.new_zeros((), dtype=torch.float32)
+    z_sum = hidden.new_zeros((), dtype=torch.float32)
+    vocab = weight.shape[0]
+    for start in range(0, hidden.shape[0], rows):
+        h, y, m = (
+            hidden[start : start + rows],
+            labels[start : start + rows],
+            valid[start : start + rows],
+        )
+        logits = F.linear(h, weight)  # (R, V / tp)
+        compute_dtype = logits.dtype
+        logits = logits.float()
+        row_max = logits.amax(dim=-1)
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        logits.sub_(row_max[:, None])
+        mine = (y >= offset) & (y < offset + vocab) & m
+        local_y = torch.where(mine, y - offset, 0)
+        target = logits.gather(-1, local_y[:, None]).squeeze(-1) * mine
+        sums = torch.stack([logits.exp().sum(-1), target])  # (2, R)
+        dist.all_reduce(sums, group=group)
+        lse = sums[0].log()  # of the shifted logits
+        ce_sum += ((lse - sums[1]) * m).sum()
+        lse = lse + row_max
+        if z_weight:
+            z_sum += (lse.square() * m).sum()
+        if grad_hidden is None and grad_weight is None:
+            continue
+        # d/dlogits = softmax * (1 + 2 z lse) - onehot(label), on valid rows
+        probs = logits.sub_((lse - row_max)[:, None]).exp_()
+        scale = m * (1 + 2 * z_weight * lse) if z_weight else m.float()
+        probs.mul_(scale[:, None])
+        chosen = mine.nonzero().squeeze(-1)
+        probs[chosen, local_y[chosen]] -= 1
+        grad = probs.to(compute_dtype)
+        if grad_hidden is not None:
+            grad_hidden[start : start + rows] = grad @ weight.to(compute_dtype)
+        if grad_weight is not None:
+            _add_matmul(grad_weight, grad.t(), h.to(compute_dtype))
+    z_loss = z_sum / num_valid if z_weight else torch.zeros_like(ce_sum)
+    return ce_sum / num_valid, z_loss, num_valid
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """`_LinearCrossEntropy` on one rank's vocabulary rows; gradients computed in the forward."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, z_weight, rows, offset, group):
+        grad_hidden = torch.empty_like(hidden) if hidden.requires_grad else None
+        grad_weight = None
+        if weight.requires_grad:
+            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        ce, z_loss, num_valid = _vocab_parallel_chunked(
+            hidden, weight, labels, z_weight, rows, offset, group, grad_hidden, grad_weight
+        )
+        ctx.save_for_backward(num_valid)
+        ctx.grads, ctx.weight_dtype = (grad_hidden, grad_weight), weight.dtype
+        ctx.mark_non_differentiable(ce, z_loss)
+        return ce + z_weight * z_loss, ce, z_loss
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_loss: Tensor, *_):
+        if ctx.grads is None:
+            raise RuntimeError("vocab_parallel_cross_entropy supports one backward pass")
+        (num_valid,) = ctx.saved_tensors
+        grad_hidden, grad_weight = ctx.grads
+        ctx.grads = None
+        scale = grad_loss.float() / num_valid
+        if grad_hidden is not None:
+            grad_hidden = grad_hidden.mul_(scale.to(grad_hidden.dtype))
+        if grad_weight is not None:
+            grad_weight = grad_weight.mul_(scale).to(ctx.weight_dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None

@@ -19,7 +19,12 @@ from llmflow.model.attention import (
     positions_from_cu_seqlens,
 )
 from llmflow.model.config import ModelConfig
-from llmflow.model.loss import TiedGradient, linear_cross_entropy, tied_embedding
+from llmflow.model.loss import (
+    TiedGradient,
+    linear_cross_entropy,
+    tied_embedding,
+    vocab_parallel_logits,
+)
 from llmflow.model.norm import RMSNorm
 from llmflow.model.rope import RotaryEmbedding
 
@@ -62,21 +67,40 @@ def normal_rows(
     return out.view(stop - start, *shape[1:])
 
 
-def init_normal_(weight: Tensor, std: float, seed: int | None, key: str) -> None:
-    """Fill `weight` (a tensor or a dim-0-sharded DTensor) from the seeded row blocks."""
+def init_normal_(
+    weight: Tensor, std: float, seed: int | None, key: str, rows: Tensor | None = None
+) -> None:
+    """Fill `weight` (a tensor or a DTensor sharded on rows and/or columns) from the seeded row
+    blocks.
+
+    Args:
+        rows: the row of the seeded full tensor each row of `weight` takes (tensor parallelism
+            holds fused weights in another row order); by default row i is row i.
+    """
     if seed is None:
         nn.init.normal_(weight, mean=0.0, std=std)
         return
-    local, start = weight, 0
+    local, offsets = weight, (0,) * weight.dim()
     if isinstance(weight, DTensor):
         local = weight.to_local()
         _, offsets = compute_local_shape_and_global_offset(
             weight.shape, weight.device_mesh, weight.placements
         )
-        start = offsets[0]
-    if local.numel():
-        values = normal_rows(tuple(weight.shape), start, start + local.shape[0], std, seed, key)
-        local.copy_(values)
+    if not local.numel():
+        return
+    start, stop, shape = offsets[0], offsets[0] + local.shape[0], tuple(weight.shape)
+    if rows is None:
+        values = normal_rows(shape, start, stop, std, seed, key)
+    else:  # each run of consecutive source rows drawn at once
+        wanted = rows[start:stop].tolist()
+        breaks = [0] + [i for i in range(1, len(wanted)) if wanted[i] != wanted[i - 1] + 1]
+        runs = zip(breaks, breaks[1:] + [len(wanted)], strict=True)
+        values = torch.cat(
+            [normal_rows(shape, wanted[a], wanted[b - 1] + 1, std, seed, key) for a, b in runs]
+        )
+    for dim in range(1, local.dim()):  # a column shard (rowwise tensor parallelism)
+        values = values.narrow(dim, offsets[dim], local.shape[dim])
+    local.copy_(values)
 
 
 class MLP(nn.Module):
@@ -88,7 +112,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(swiglu(x, self.gate_up_proj.weight))
+        weight = self.gate_up_proj.weight
+        if isinstance(weight, DTensor):  # tensor parallel: this rank's rows of gate and of up
+            weight = weight.to_local()
+        return self.down_proj(swiglu(x, weight))
 
 
 def swiglu(x: Tensor, gate_up_weight: Tensor) -> Tensor:
@@ -192,7 +219,8 @@ class Transformer(nn.Module):
             elif isinstance(module, (nn.Linear, nn.Embedding)):
                 is_residual_out = name.endswith(("o_proj", "down_proj"))
                 module_std = residual_std if is_residual_out else std
-                init_normal_(module.weight, module_std, seed, _canonical(name))
+                rows = getattr(module, "row_order", None)  # tensor parallel (parallel/tp.py)
+                init_normal_(module.weight, module_std, seed, _canonical(name), rows)
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
 
@@ -229,7 +257,8 @@ class Transformer(nn.Module):
         batch, seq_len = input_ids.shape
         tied = None
         trains = torch.is_grad_enabled() and self.embed.weight.requires_grad
-        if labels is not None and self.lm_head is None and trains:
+        parallel = isinstance(self.embed.weight, DTensor)  # tensor parallel: the module's plan
+        if labels is not None and self.lm_head is None and trains and not parallel:
             # NOTE: one (V, C) gradient buffer for both uses of the tied weight (TiedGradient)
             tied = TiedGradient()
             x = tied_embedding(input_ids, self.embed.weight, tied)  # (B, T, C)
@@ -252,4 +281,6 @@ class Transformer(nn.Module):
         x = self.norm(x)
         if labels is not None:
             return linear_cross_entropy(x, self.output_weight(), labels, z_loss_weight, tied=tied)
+        if isinstance(self.output_weight(), DTensor):  # tensor parallel: vocabulary rows split
+            return vocab_parallel_logits(x, self.output_weight())  # (B, T, V)
         return F.linear(x, self.output_weight())  # (B, T, V)

@@ -170,8 +170,10 @@ class Validator(Callback):
     def evaluate(self, trainer: Trainer) -> float:
         """Token-mean loss on the first ``eval_batches`` batches of the held-out set."""
         rt, cfg, model = trainer.runtime, trainer.cfg, trainer.model
+        # NOTE: by data-parallel rank: tensor-parallel ranks must see the same sequences
         loader = PackedLoader(
-            self.val_dir, cfg.batch.micro_batch_size, rt.rank, rt.world_size, seed=cfg.seed
+            self.val_dir, cfg.batch.micro_batch_size, trainer.dp_rank, trainer.layout.dp,
+            seed=cfg.seed,
         )
         model.eval()
         totals = torch.zeros(2, dtype=torch.float64, device=rt.device)

@@ -51,6 +51,7 @@ from llmflow.tasks.framework.errors import BadInputError
 from llmflow.tasks.framework.lineage import file_digest
 from llmflow.tasks.framework.store import NoSpaceError, disk_error, no_space_message
 from llmflow.tasks.framework.verify import local_file_problem
+from llmflow.tasks.pretrain.parallel import tp
 
 STEP_DIR = re.compile(r"^step-(\d{6,})$")
 MARKER = "COMPLETE"
@@ -242,6 +243,7 @@ def save_checkpoint(
     """
     tmp = _prepare(path)
     model_sd, optim_sd = get_state_dict(model, optimizers)
+    tp.canonical_state(model, model_sd, optim_sd)  # the same files whatever the layout
     state = {"model": model_sd, "optim": optim_sd}
     with _no_space_named(tmp, path, state):
         with _quiet_single_process():
@@ -390,6 +392,7 @@ def start_async_save(
     started = time.perf_counter()
     tmp = _prepare(path)
     model_sd, optim_sd = get_state_dict(model, optimizers)
+    tp.canonical_state(model, model_sd, optim_sd)  # the same files whatever the layout
     group = _async_group()
     cuda = torch.cuda.is_available()
     stager = DefaultStager(StagingOptions(cuda, False, True, cuda))
@@ -464,8 +467,10 @@ def load_checkpoint(
         state = {"model": model_sd, "optim": optim_sd}
     else:  # NOTE: get_state_dict would give a fresh optimizer state (a fake step with lr=0).
         state = {"model": get_model_state_dict(model)}
+    replaced = tp.canonical_state(model, state["model"], state.get("optim"))
     with _quiet_single_process():
         dcp.load(state, checkpoint_id=str(path / "dcp"))
+    tp.restore_order(model, state["model"], state.get("optim"), replaced)
     if load_optimizer:
         set_state_dict(
             model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"]

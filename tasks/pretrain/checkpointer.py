@@ -30,6 +30,7 @@ from llmflow.tasks.pretrain.callbacks import Callback, append_jsonl
 from llmflow.tasks.pretrain.config import CheckpointConfig
 from llmflow.tasks.pretrain.distributed import all_reduce_sum
 from llmflow.tasks.pretrain.notices import NOTICES
+from llmflow.tasks.pretrain.parallel import tp
 from llmflow.tasks.pretrain.state import StepOutput
 from llmflow.tasks.pretrain.validate import check_source
 
@@ -145,8 +146,13 @@ class Checkpointer(Callback):
         trainer_state = self.trainer_state(trainer)
         full = None
         if final:  # NOTE: collective: every rank takes part, rank 0 receives the tensors.
-            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-            full = get_model_state_dict(trainer.model, options=options)
+            pipeline = getattr(trainer, "pipeline", None)  # PP: each rank holds one stage
+            options = StateDictOptions(full_state_dict=True, cpu_offload=pipeline is None)
+            full = tp.canonical_full(
+                trainer.model, get_model_state_dict(trainer.model, options=options)
+            )
+            if pipeline is not None:  # PP: rank 0 gathers every stage's tensors (parallel/pp.py)
+                full = pipeline.gather_stages(full)
         ckpt.save_checkpoint(
             path,
             trainer.model,

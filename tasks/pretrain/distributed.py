@@ -12,7 +12,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointImpl,
     checkpoint_wrapper,
 )
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
@@ -37,9 +37,14 @@ class Runtime:
         return self.world_size > 1
 
 
+def launched_world_size() -> int:
+    """The world size the launcher set (``WORLD_SIZE``), known before joining any group."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def setup_runtime() -> Runtime:
     """Join the process group started by torchrun / accelerate launch (env://), if any."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    world_size = launched_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
@@ -57,15 +62,24 @@ def teardown_runtime() -> None:
 
 
 def shard_model(
-    model: nn.Module, runtime: Runtime, compute_dtype: torch.dtype = torch.float32
+    model: nn.Module,
+    runtime: Runtime,
+    compute_dtype: torch.dtype = torch.float32,
+    mesh: DeviceMesh | None = None,
 ) -> nn.Module:
     """Apply FSDP2 per transformer block and at the root, as torchtitan does.
 
     With a bf16 ``compute_dtype``: float32 sharded parameters (the master weights the optimizer
     steps), gathered in bf16 for the forward and backward, gradients reduced in float32. On a
     CPU over gloo too, so CI runs the path GPU users run.
+
+    Args:
+        mesh: the data-parallel mesh to shard over (``dp_shard_cp``, or 2-D
+            ``(dp_replicate, dp_shard_cp)`` for HSDP), after tensor parallelism; by default all
+            ranks (plain FSDP2).
     """
-    mesh = init_device_mesh(runtime.device.type, (runtime.world_size,))
+    if mesh is None:
+        mesh = init_device_mesh(runtime.device.type, (runtime.world_size,))
     if compute_dtype != torch.float32:
         policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     else:

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from llmflow.tasks.pretrain.checkpoint import check_same_architecture, resolve_init_from
+from llmflow.tasks.pretrain.parallel import tp
 
 if TYPE_CHECKING:
     from llmflow.tasks.pretrain.train import Trainer
@@ -31,6 +32,8 @@ def load_weights(trainer: Trainer, init_from: Path) -> None:
     source = resolve_init_from(init_from)
     check_same_architecture(source, trainer.model_config)
     state_dict = load_file(source / "model.safetensors")
+    for name, order in tp.permuted(trainer.model):  # tensor parallel: its own row order
+        state_dict[name] = state_dict[name][order]
     set_model_state_dict(
         trainer.model, state_dict, options=StateDictOptions(full_state_dict=True, strict=True)
     )

@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from llmflow.model.loss import IGNORE_INDEX
@@ -42,6 +43,7 @@ from llmflow.tasks.pretrain.config import TrainConfig
 from llmflow.tasks.pretrain.distributed import (
     all_reduce_sum,
     apply_activation_checkpointing,
+    launched_world_size,
     materialize_sharded,
     param_checksum,
     setup_runtime,
@@ -53,6 +55,8 @@ from llmflow.tasks.pretrain.guard import StabilityGuard
 from llmflow.tasks.pretrain.init_weights import is_weights_only, load_weights
 from llmflow.tasks.pretrain.launch import die_with_launcher
 from llmflow.tasks.pretrain.optim import build_optimizers, set_lr
+from llmflow.tasks.pretrain.parallel import tp
+from llmflow.tasks.pretrain.parallel.mesh import build_mesh
 from llmflow.tasks.pretrain.preemption import Preemption
 from llmflow.tasks.pretrain.schedule import lr_multiplier, micro_batch_size, steps_for_tokens
 from llmflow.tasks.pretrain.state import StepOutput, TrainState
@@ -75,28 +79,40 @@ class Trainer:
         init_from: Path | None = None,
     ) -> None:
         self.cfg, self.out_dir, self.data_dir = cfg, Path(out_dir), Path(data_dir)
+        self.model_config = cfg.model_config_obj()
+        # NOTE: before joining the process group: a layout that does not fit fails at once.
+        self.layout = cfg.parallel.resolve(
+            launched_world_size(), self.model_config, None, cfg.batch.grad_accum_steps
+        )
+        if self.layout.tp > 1:
+            tp.check_model(self.model_config, self.layout.tp)
         self.runtime = rt = setup_runtime()
         if cfg.deterministic and rt.device.type == "cpu":
             torch.use_deterministic_algorithms(True)
         check_world_size(cfg, rt.world_size)
-        check_data(cfg, data_dir)
+        self.layout.check_seq_len(check_data(cfg, data_dir)["seq_len"])
         if val_dir is not None:
             check_data(cfg, val_dir, role="val_dir")
-        self.model_config = cfg.model_config_obj()
+        self.mesh = build_mesh(rt.device.type, self.layout) if rt.distributed else None
+        self.dp_rank = self.mesh.dp_rank if self.mesh is not None else 0
+        # FSDP2 averages gradients over the ranks it shards on (data and context parallel)
+        self.fsdp_ranks = self.layout.dp * self.layout.cp if rt.distributed else 1
         self.compute_dtype = cfg.compute_dtype(rt.device.type)
         self.model = self._build_model()
         self.optimizers = build_optimizers(self.model, cfg.optimizer)
         self.base_lrs = [[g["base_lr"] for g in o.param_groups] for o in self.optimizers]
         self.loss_fn = functools.partial(model_loss, z_loss_weight=cfg.z_loss)
+        # NOTE: the tensor/context/pipeline-parallel ranks of one data-parallel rank read the
+        # same sequences; the global batch is micro_batch_size x grad_accum x layout.dp.
         self.loader = PackedLoader(
-            data_dir, cfg.batch.micro_batch_size, rt.rank, rt.world_size, seed=cfg.seed
+            data_dir, cfg.batch.micro_batch_size, self.dp_rank, self.layout.dp, seed=cfg.seed
         )
         self.state = TrainState()
         # NOTE: one process computes in bf16 under autocast; sharded, FSDP2 gathers bf16
         # parameters (shard_model), so no autocast is needed there.
         self.autocast = (
             torch.autocast(rt.device.type, dtype=self.compute_dtype)
-            if self.compute_dtype != torch.float32 and not rt.distributed
+            if self.compute_dtype != torch.float32 and self.fsdp_ranks == 1
             else contextlib.nullcontext()
         )
         self.guard = StabilityGuard(cfg.guard)
@@ -114,6 +130,8 @@ class Trainer:
         rt, cfg = self.runtime, self.cfg
         with torch.device("meta"):
             model = Transformer(self.model_config)
+        if self.layout.tp > 1:  # torchtitan's order: TP, activation checkpointing, compile, FSDP
+            tp.apply_tp(model, self.mesh["tp"])
         apply_activation_checkpointing(
             model, cfg.activation_checkpointing, cfg.activation_checkpointing_every_k
         )
@@ -123,11 +141,28 @@ class Trainer:
         if cfg.compile:  # per block, before sharding, as torchtitan does
             for block in model.layers:
                 block.compile()
-        if rt.distributed:
-            shard_model(model, rt, self.compute_dtype)
+        if self.fsdp_ranks > 1:
+            shard_model(model, rt, self.compute_dtype, self._fsdp_mesh())
         materialize_sharded(model, rt, cfg.seed)
         self.init_checksum = param_checksum(model)
         return model
+
+    def _fsdp_mesh(self) -> DeviceMesh | None:
+        """FSDP2's mesh: ``dp_shard_cp``, with ``dp_replicate`` outside it (HSDP); None for
+        plain data parallelism (all ranks, as the trainer always sharded)."""
+        if self.layout.is_plain:
+            return None
+        if self.layout.dp_replicate > 1:
+            return self.mesh.world[("dp_replicate", "dp_shard_cp")]
+        return self.mesh["dp_shard_cp"]
+
+    def _dp_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """Sum over the data-parallel ranks (in place; returns it): the ranks of one
+        data-parallel rank hold the same tokens, counted once."""
+        if self.mesh is None or self.layout.is_plain:
+            return all_reduce_sum(value, self.runtime)
+        torch.distributed.all_reduce(value, group=self.mesh.group("dp"))
+        return value
 
     def _watch_matmul_dtype(self, model: torch.nn.Module) -> None:
         """Record the dtype the first block's first projection computes in (bf16 or float32)."""
@@ -183,7 +218,7 @@ class Trainer:
             self.cfg.num_tokens,
             self.cfg.batch,
             self.loader.seq_len,
-            self.runtime.world_size,
+            self.layout.dp,
             self.state.start_step,
         )
 
@@ -225,17 +260,18 @@ class Trainer:
             dtype=torch.float64,
             device=rt.device,
         )
-        num_valid, num_tokens = all_reduce_sum(totals, rt).tolist()
+        num_valid, num_tokens = self._dp_sum(totals).tolist()
         loss_sum = torch.zeros((), dtype=torch.float64, device=rt.device)
         for batch, count in zip(batches, counts, strict=True):
             batch = {k: v.to(rt.device, non_blocking=True) for k, v in batch.items()}
             with self.autocast:
                 loss, _ = self.loss_fn(self.model, batch)
-            # NOTE: FSDP averages gradients over ranks; weighting by this micro-batch's share
-            # of the global tokens times world_size makes the result the global token mean.
-            (loss * (count * rt.world_size / max(num_valid, 1))).backward()
+            # NOTE: FSDP averages gradients over the ranks it shards on; weighting by this
+            # micro-batch's share of the global tokens times their number makes the result the
+            # global token mean. Tensor-parallel ranks share one loss and split its gradients.
+            (loss * (count * self.fsdp_ranks / max(num_valid, 1))).backward()
             loss_sum += loss.detach().double() * count
-        return all_reduce_sum(loss_sum, rt).item() / max(num_valid, 1), int(num_tokens)
+        return self._dp_sum(loss_sum).item() / max(num_valid, 1), int(num_tokens)
 
     def clip_gradients(self) -> float:
         """Clip the (possibly sharded) gradients; return the global norm before clipping."""

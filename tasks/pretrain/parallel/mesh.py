@@ -11,7 +11,7 @@ torchtitan names them:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -25,26 +25,33 @@ class Mesh:
 
     layout: Layout
     world: DeviceMesh
+    flattened: dict[str, DeviceMesh] = field(default_factory=dict)
 
     def __getitem__(self, name: str) -> DeviceMesh:
+        # NOTE: torch >= 2.11 deprecates slicing a flattened dim from the root mesh: the meshes
+        # `_flatten` returned are kept here instead.
+        if name in self.flattened:
+            return self.flattened[name]
         return self.world[name]
 
     def rank(self, name: str) -> int:
         """This rank's index along a dimension (or a flattened one)."""
-        return self.world[name].get_local_rank()
+        return self[name].get_local_rank()
 
     @property
     def dp_rank(self) -> int:
         return self.rank("dp")
 
     def group(self, name: str) -> dist.ProcessGroup:
-        return self.world[name].get_group()
+        return self[name].get_group()
 
 
 def build_mesh(device_type: str, layout: Layout) -> Mesh:
     """Make the world mesh for ``layout`` (the process group must be initialised)."""
     world = init_device_mesh(device_type, layout.shape, mesh_dim_names=MESH_DIMS)
-    world[("dp_replicate", "dp_shard")]._flatten("dp")
-    world[("dp_shard", "cp")]._flatten("dp_shard_cp")
-    world[("dp_replicate", "dp_shard", "cp")]._flatten("dp_cp")
-    return Mesh(layout, world)
+    flattened = {
+        "dp": world[("dp_replicate", "dp_shard")]._flatten("dp"),
+        "dp_shard_cp": world[("dp_shard", "cp")]._flatten("dp_shard_cp"),
+        "dp_cp": world[("dp_replicate", "dp_shard", "cp")]._flatten("dp_cp"),
+    }
+    return Mesh(layout, world, flattened)
