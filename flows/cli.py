@@ -172,9 +172,11 @@ def _plan_without_stages(config, args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from llmflow.tasks.pretrain.layout_planner import parse_parallel
     from llmflow.tasks.pretrain.planner import extension_memory, format_plan, recipe_plan
 
     config = _load(args)
+    parallel = parse_parallel(args.parallel) if args.parallel else None
     if not config.pretrain.stages:
         return _plan_without_stages(config, args)
     config = _init_architecture(config)
@@ -195,11 +197,24 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(format_plan(result))
     for line in extension_memory(config.pretrain, config.extend, config.hardware, args.gpus):
         print(line)
+    _print_layouts(config, args, parallel)
     if not result.fits:
         print(
             "llmflow: error: the recipe does not fit its GPUs; see the fixes above", file=sys.stderr
         )
     return 0 if result.fits else 1
+
+
+def _print_layouts(config, args: argparse.Namespace, parallel: dict | None) -> None:
+    """Each stage's parallel layout (chosen, or around the degrees ``--parallel`` or the
+    recipe sets), with its memory per GPU, bubble and traffic."""
+    from llmflow.tasks.pretrain.layout_planner import format_layout_plan, stage_layout_plans
+
+    print("parallel layout per stage (TP+SP, CP, PP, FSDP2 over dp_shard x cp; global batch kept):")
+    plans = stage_layout_plans(config.pretrain, config.extend, config.hardware, parallel=parallel,
+                               num_gpus=args.gpus, gpu_mem_gb=args.gpu_mem)  # fmt: skip
+    for name, seq_len, layout_plan in plans:
+        print("\n".join(format_layout_plan(name, seq_len, layout_plan)))
 
 
 def cmd_preflight(args: argparse.Namespace) -> int:
@@ -354,6 +369,12 @@ def build_parser() -> argparse.ArgumentParser:
     planner.add_argument("--gpus", type=int, help="Data-parallel GPUs (default: hardware.*).")
     planner.add_argument("--gpu-mem", type=float, help="GB per GPU (default: hardware.gpu_mem_gb).")
     planner.add_argument("--mfu", type=float, help="Expected MFU (default: hardware.mfu).")
+    planner.add_argument(
+        "--parallel",
+        metavar="tp=2,cp=4,pp=1",
+        help="Fix parallel degrees (pretrain.train.parallel fields) of every stage; the planner "
+        "chooses the others, the micro-batch, accumulation and checkpointing.",
+    )
     planner.set_defaults(func=cmd_plan)
     pre = sub.add_parser("preflight", help="The go/no-go checklist to pass before a long run.")
     _add_config_args(pre)

@@ -9,7 +9,8 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from llmflow.tasks.dataprep.config import StageMixture
-from llmflow.tasks.pretrain.config import TrainConfig
+from llmflow.tasks.pretrain.config import UNVERSIONED, TrainConfig
+from llmflow.tasks.pretrain.parallel.config import ParallelConfig
 
 
 class ExtensionStage(BaseModel):
@@ -24,6 +25,21 @@ class ExtensionStage(BaseModel):
     warmup_steps: int = Field(5, ge=0, description="Warmup steps of this stage.")
     micro_batch_size: int = Field(
         4, gt=0, description="Sequences per micro-batch (longer sequences, fewer of them)."
+    )
+    grad_accum_steps: int | None = Field(
+        None,
+        gt=0,
+        description="Micro-steps per optimizer step (None: pretrain.train's). With model "
+        "parallelism fewer ranks read data: raise it to keep the global batch. Hashed through "
+        "the stage's trainer config only.",
+        json_schema_extra=UNVERSIONED,
+    )
+    parallel: ParallelConfig | None = Field(
+        None,
+        description="This stage's parallel layout (None: pretrain.train.parallel's); long "
+        "sequences may need context or tensor parallelism the shorter stages do not "
+        "(`llmflow plan` proposes one). Hashed through the stage's trainer config only.",
+        json_schema_extra=UNVERSIONED,
     )
 
 
@@ -113,7 +129,9 @@ def extension_train_config(base: TrainConfig, stage: ExtensionStage) -> TrainCon
             "total_steps": None,
             "per_stage": True,
         },
-        batch={"micro_batch_size": stage.micro_batch_size, "warmup_start_micro_batch": None},
+        batch={"micro_batch_size": stage.micro_batch_size, "warmup_start_micro_batch": None}
+        | ({} if stage.grad_accum_steps is None else {"grad_accum_steps": stage.grad_accum_steps}),
         max_steps=None,
         num_tokens=stage.num_tokens,
+        **({} if stage.parallel is None else {"parallel": stage.parallel.model_dump()}),
     )

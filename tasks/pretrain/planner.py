@@ -110,46 +110,108 @@ def activation_bytes_per_token(
     activation_bytes: int,
     activation_checkpointing: bool | str,
     every_k: int = 2,
+    tp: int = 1,
 ) -> float:
     """Bytes kept for the backward pass per token of one micro-batch (loss buffers aside).
 
-    Per block, eager PyTorch keeps (measured with saved-tensor hooks, see the tests): the inputs
-    and outputs of both norms and the flattened matmul inputs (8C in all), the fused qkv buffer
-    that v keeps alive plus the rotated q and k (C + 3·KV·D with q), the gate/up output (2I),
-    silu(gate) (I) and the down-projection input (I). Checkpointing keeps only each block's input,
-    plus one block's worth during its recomputation (``selective``: every k-th block is
-    checkpointed, the others keep everything). The embedding's output adds C, and the fused
-    loss the hidden states' gradient (C), which it computes in the forward pass; its other
-    buffers do not grow with the tokens (`loss_buffer_bytes`).
+    Each block keeps `block_activation_bytes` (the derivation is there). Checkpointing keeps only
+    each recomputed block's input (the residual stream: C, sequence-sharded over ``tp``), plus
+    one block's worth during its recomputation (``selective``: every k-th block is
+    checkpointed, the others keep everything). The embedding's output adds C (sequence-sharded
+    over ``tp``), and the fused loss the hidden states' gradient (C, whole: the output
+    projection's input is gathered), which it computes in the forward pass; its other buffers
+    do not grow with the tokens (`loss_buffer_bytes`).
     """
     c = cfg.hidden_size
-    per_block = block_activation_bytes(cfg, activation_bytes)
+    per_block = block_activation_bytes(cfg, activation_bytes, tp)
     recomputed = checkpointed_blocks(cfg, activation_checkpointing, every_k)
     blocks = (cfg.num_layers - recomputed) * per_block
     if recomputed:
-        blocks += recomputed * c * activation_bytes + per_block
-    return blocks + 2 * c * activation_bytes
+        blocks += recomputed * c * activation_bytes / tp + per_block
+    return blocks + (c / tp + c) * activation_bytes
 
 
-def block_activation_bytes(cfg: ModelConfig, activation_bytes: int) -> float:
-    """What one block keeps for its backward pass, per token (see `activation_bytes_per_token`)."""
+FLOAT32 = 4
+"""Bytes of the float32 statistics a block keeps in any precision (RMSNorm's 1/rms, SDPA's
+logsumexp)."""
+
+
+def block_activation_bytes(cfg: ModelConfig, activation_bytes: int, tp: int = 1) -> float:
+    """What one block keeps for its backward pass, per token, at tensor-parallel degree ``tp``
+    with sequence parallelism.
+
+    Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models",
+    section 4.1) count, per layer and 2-byte activations, ``sbh(34 + 5as/h)`` bytes:
+    attention 11sbh + 5as^2b (LN input 2, QKV input 2, Q and K 4, V 2, output-projection input
+    2, dropout mask 1; softmax output 2as^2, its dropout mask as^2 and output 2as^2), MLP 19sbh
+    (LN input 2, fc1 input 2, GeLU input 8 and output 8 at 4h, dropout mask 1), LayerNorms 4sbh.
+    With TP the head- and column-sharded part divides: ``sbh(10 + 24/t + 5as/(ht))``; with
+    sequence parallelism too the LayerNorm/dropout part divides: ``sbh·34/t`` (selective
+    recomputation of the attention core drops the 5as/h term).
+
+    Our block differs, and the count is redone for it, per token in elements of
+    ``activation_bytes`` (h = hidden_size, kv = num_kv_heads·head_dim, I = intermediate_size,
+    a = num_heads), measured with saved-tensor hooks on the real block (tests):
+
+    - the two RMSNorms keep their input and their output (4h; the paper's LayerNorms keep the
+      input only), plus one float32 1/rms per row each;
+    - the two matmuls that read a norm's output (qkv and gate/up) keep their flattened input
+      (2h): eager PyTorch keeps that reshaped copy beside the norm's output;
+    - GQA: the rotated q (h) but k and v of num_kv_heads heads only (2kv, not the paper's 2h);
+    - SDPA (flash/memory-efficient): no a·s·s score, softmax or dropout-mask matrices, so the
+      paper's 5as/h terms vanish; it keeps its output (h, which is also the output
+      projection's input) and the float32 logsumexp of each head and row (a floats);
+    - SwiGLU instead of a 4h GeLU MLP: gate (I), up (I), silu(gate) (I) and their product
+      (I, the down projection's input): 4I, with the model's intermediate size;
+    - no dropout: the paper's dropout masks (2sbh with the attention's) vanish;
+    - the residual additions keep nothing.
+
+    In all: ``(8h + 2kv + 4I)`` elements and ``(a + 2)`` floats. At I = 4h and kv = h that is
+    26h elements, 52h bytes in bf16, against the paper's 34h bytes + 5as: no score matrix, but
+    the norms' outputs, the matmul inputs' copies and both SwiGLU halves. With TP + SP (PyTorch's ``ColwiseParallel``/``SequenceParallel``), what lies in
+    the sequence-sharded region divides by tp (the norms' inputs and outputs: 4h, their 1/rms),
+    what lies between a column- and a row-parallel matmul divides by tp over heads or columns
+    (q, k, v, the SDPA output, its logsumexp, the SwiGLU tensors: 2h + 2kv + 4I, a floats), but
+    the all-gathered inputs of the qkv and gate/up matmuls are saved whole (2h): unlike
+    Megatron, which saves the sharded input and gathers it again in the backward pass (its
+    34/t), autograd keeps the gathered tensor. Hence
+    ``2h + (6h + 2kv + 4I)/t`` elements and ``(a + 2)/t`` floats per token.
+    """
     c, kv = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim
-    return (8 * c + 3 * kv + 4 * cfg.intermediate_size) * activation_bytes
+    elements = 2 * c + (6 * c + 2 * kv + 4 * cfg.intermediate_size) / tp
+    return elements * activation_bytes + (cfg.num_heads + 2) * FLOAT32 / tp
 
 
-def loss_buffer_bytes(cfg: ModelConfig, tokens: int) -> float:
+def loss_buffer_bytes(cfg: ModelConfig, tokens: int, tp: int = 1) -> float:
     """The fused loss's largest buffers at once, for a micro-batch of ``tokens``.
 
     `linear_cross_entropy` makes the logits a chunk of rows at a time (``CHUNK_ELEMENTS / V``
     rows; all rows where the loss is not chunked): a chunk's float32 logits and
     log-probabilities (8 bytes per logit), beside the output projection's float32 gradient,
-    which it accumulates over the chunks in the forward pass (4·V·C).
+    which it accumulates over the chunks in the forward pass (4·V·C). With TP the loss is
+    vocab-parallel: each rank holds V/tp columns of both.
     """
     from llmflow.model import loss
 
     chunk_elements = getattr(loss, "CHUNK_ELEMENTS", None)
     rows = tokens if chunk_elements is None else max(1, chunk_elements // cfg.vocab_size)
-    return 8 * min(rows, tokens) * cfg.vocab_size + 4 * cfg.vocab_size * cfg.hidden_size
+    return (8 * min(rows, tokens) * cfg.vocab_size + 4 * cfg.vocab_size * cfg.hidden_size) / tp
+
+
+def cp_gathered_bytes(
+    cfg: ModelConfig, seq_len: int, micro_batch_size: int, activation_bytes: int, tp: int, cp: int
+) -> float:
+    """Context parallelism's all-gathered K and V of the layer being computed, (b, kv/tp, s, d)
+    each over the whole sequence, and in the backward pass their gradients beside them before
+    the reduce-scatter: one layer's at a time (0 without CP).
+
+    NOTE: this assumes the gathered K/V are not saved for the backward pass (gathered again
+    there, as Llama 3's all-gather CP does); saving them would add this per layer.
+    """
+    if cp == 1:
+        return 0.0
+    kv = cfg.num_kv_heads * cfg.head_dim / tp
+    return 2 * 2 * micro_batch_size * seq_len * kv * activation_bytes
 
 
 def memory_per_gpu(
@@ -163,14 +225,32 @@ def memory_per_gpu(
     fsdp: bool,
     activation_checkpointing: bool | str,
     every_k: int = 2,
+    tp: int = 1,
+    cp: int = 1,
+    pp: int = 1,
+    dp_shard: int | None = None,
+    dp_replicate: int = 1,
+    micro_batches: int = 1,
+    pp_schedule: str = "1f1b",
 ) -> MemoryEstimate:
-    """Weights, gradients, optimizer states and activations on one GPU, and their peak together.
+    """Weights, gradients, optimizer states and activations on one GPU, and their peak together,
+    for the layout ``dp_replicate x dp_shard x cp x tp x pp = num_gpus``.
 
     Optimizer states are float32; with 16-bit parameters a float32 master copy is added to them.
-    FSDP (ZeRO-3) divides weights, gradients and optimizer states by `num_gpus` and adds the two
-    unsharded blocks it holds while gathering (the current one and the prefetched next one), and
-    the root unit (embeddings, final norm) with its gradient, which FSDP2 keeps whole. With Muon
+    A GPU holds its pipeline stage's parameters (ceil(L/pp) blocks, the embedding or the output
+    projection: the first and last stage), tp-th of them (norm weights, replicated over TP,
+    are left out). FSDP2 (ZeRO-3) shards those over ``dp_shard x cp`` (CP ranks hold the same
+    parameters) and replicates them over ``dp_replicate`` (HSDP); it adds the two unsharded
+    blocks it holds while gathering (the current one and the prefetched next one), and the
+    root unit (embeddings, final norm) with its gradient, which FSDP2 keeps whole. With Muon
     the hidden matrices keep one momentum buffer and the rest AdamW's two moments.
+    ``dp_shard`` defaults to the GPUs the other degrees leave.
+
+    Activations (`activation_bytes_per_token`) are for ``micro_batch_size x seq_len / cp``
+    tokens per micro-batch, with CP's gathered K/V (`cp_gathered_bytes`) on top and the loss's
+    buffers vocab-parallel over tp (`loss_buffer_bytes`). With pipeline parallelism the first
+    stage holds the activations of the micro-batches in flight (1F1B: min(pp, micro_batches);
+    GPipe: all ``micro_batches``) and the last the loss; the fuller of the two is counted.
 
     Activations and gradients are never all live at once (measured on CPU with peak RSS
     sampled per phase of a step, 2 ranks; tests/flows/test_preflight_memory.py checks the total
@@ -184,33 +264,39 @@ def memory_per_gpu(
     """
     if optimizer not in OPTIMIZER_STATES:
         raise BadInputError(f"optimizer={optimizer!r} must be one of {sorted(OPTIMIZER_STATES)}")
-    params = cfg.num_parameters()
-    shards = num_gpus if fsdp else 1
+    if dp_shard is None:
+        dp_shard = max(1, num_gpus // (dp_replicate * tp * cp * pp))
+    shards = dp_shard * cp if fsdp else 1
+    per_block = (cfg.num_parameters(non_embedding=True) - cfg.hidden_size) / cfg.num_layers
+    root = cfg.num_parameters() - cfg.num_layers * per_block  # embedding, output, final norm
+    stage_blocks = math.ceil(cfg.num_layers / pp)
+    if pp > 1:  # NOTE: the first stage holds the embedding, the last the output projection
+        root = cfg.vocab_size * cfg.hidden_size + cfg.hidden_size
+    params = (stage_blocks * per_block + root) / tp
     master = 1 if param_dtype_bytes < 4 else 0
     if optimizer == "muon":
-        hidden = hidden_matrix_parameters(cfg)
+        hidden = hidden_matrix_parameters(cfg) / cfg.num_layers * stage_blocks / tp
         state_floats = hidden * (OPTIMIZER_STATES["muon"] + master)
         state_floats += (params - hidden) * (OPTIMIZER_STATES["adamw"] + master)
     else:
         state_floats = params * (OPTIMIZER_STATES[optimizer] + master)
     weights = params * param_dtype_bytes / shards
     gradients = params * param_dtype_bytes / shards
-    per_block = (cfg.num_parameters(non_embedding=True) - cfg.hidden_size) / cfg.num_layers
-    root = params - cfg.num_layers * per_block  # embedding, output projection, final norm
     reducing = 0.0
-    if fsdp and num_gpus > 1:
-        weights += 2 * per_block * param_dtype_bytes
+    if fsdp and shards > 1:
+        weights += 2 * per_block / tp * param_dtype_bytes
         # NOTE: FSDP2 keeps the root unit (embedding, output projection, final norm) gathered
         # from forward to backward, and its gradient is whole until reduce-scattered.
-        weights += root * param_dtype_bytes
-        gradients += root * param_dtype_bytes
-        reducing = (per_block + root / num_gpus) * param_dtype_bytes
-    tokens = micro_batch_size * seq_len
-    activations = tokens * activation_bytes_per_token(
-        cfg, param_dtype_bytes, activation_checkpointing, every_k
-    )
-    activations += loss_buffer_bytes(cfg, tokens)
-    first_block = tokens * block_activation_bytes(cfg, param_dtype_bytes)
+        weights += root / tp * param_dtype_bytes
+        gradients += root / tp * param_dtype_bytes
+        reducing = (per_block + root / shards) / tp * param_dtype_bytes
+    tokens = micro_batch_size * seq_len / cp
+    activations = _stage_activations(
+        cfg, tokens, param_dtype_bytes, activation_checkpointing, every_k, tp, pp,
+        micro_batches, pp_schedule,
+    )  # fmt: skip
+    activations += cp_gathered_bytes(cfg, seq_len, micro_batch_size, param_dtype_bytes, tp, cp)
+    first_block = tokens * block_activation_bytes(cfg, param_dtype_bytes, tp)
     backward_end = gradients + reducing + first_block
     return MemoryEstimate(
         weights_gb=weights / GB,
@@ -219,6 +305,35 @@ def memory_per_gpu(
         activations_gb=activations / GB,
         peak_live_gb=max(activations, backward_end) / GB,
     )
+
+
+def _stage_activations(
+    cfg: ModelConfig,
+    tokens: float,
+    activation_bytes: int,
+    activation_checkpointing: bool | str,
+    every_k: int,
+    tp: int,
+    pp: int,
+    micro_batches: int,
+    pp_schedule: str,
+) -> float:
+    """Activations of the fullest pipeline stage at the loss's forward pass (the whole model
+    without PP): blocks, embedding output, the loss's hidden-state gradient and buffers."""
+    whole = tokens * activation_bytes_per_token(
+        cfg, activation_bytes, activation_checkpointing, every_k, tp
+    )
+    loss = loss_buffer_bytes(cfg, int(tokens), tp)
+    if pp == 1:
+        return whole + loss
+    c = cfg.hidden_size
+    ends = tokens * (c / tp + c) * activation_bytes  # embedding output, hidden-state gradient
+    stage = (whole - ends) * math.ceil(cfg.num_layers / pp) / cfg.num_layers
+    in_flight = micro_batches if pp_schedule == "gpipe" else min(pp, micro_batches)
+    first = in_flight * (stage + tokens * c / tp * activation_bytes)
+    last_in_flight = micro_batches if pp_schedule == "gpipe" else 1
+    last = last_in_flight * (stage + tokens * c * activation_bytes) + loss
+    return max(first, last)
 
 
 def hidden_matrix_parameters(cfg: ModelConfig) -> int:
@@ -245,6 +360,7 @@ def plan(
     micro_batch_size: int = 1,
     activation_checkpointing: bool | str = False,
     every_k: int = 2,
+    layout=None,
 ) -> Plan:
     """Estimate a pretraining run and say whether it fits in GPU memory.
 
@@ -264,6 +380,7 @@ def plan(
         activation_checkpointing: recompute blocks in the backward pass: True or "full" (every
             block), "selective" (every ``every_k``-th block), False or "none".
         every_k: the selective interval.
+        layout: a resolved ``parallel.config.Layout`` of the `num_gpus` (None: FSDP over all).
     """
     _check_positive(seq_len=seq_len, global_batch_tokens=global_batch_tokens,
                     num_tokens=num_tokens, num_gpus=num_gpus, gpu_mem_gb=gpu_mem_gb, mfu=mfu,
@@ -273,6 +390,9 @@ def plan(
         param_dtype_bytes=param_dtype_bytes, optimizer=optimizer, fsdp=fsdp,
         activation_checkpointing=activation_checkpointing, every_k=every_k,
     )  # fmt: skip
+    if layout is not None and not layout.is_plain:
+        memory_kwargs.update(tp=layout.tp, cp=layout.cp, pp=layout.pp, dp_shard=layout.dp_shard,
+                             dp_replicate=layout.dp_replicate, pp_schedule=layout.pp_schedule)  # fmt: skip
     memory = memory_per_gpu(model_cfg, **memory_kwargs)
     fits = memory.total_gb <= HEADROOM * gpu_mem_gb
     per_token = flops_per_token(model_cfg, seq_len)
@@ -280,7 +400,8 @@ def plan(
     recomputed = checkpointed_blocks(model_cfg, activation_checkpointing, every_k)
     hardware_flops = per_token * num_tokens * (1 + recomputed / model_cfg.num_layers / 3)
     seconds = hardware_flops / (num_gpus * peak_tflops * 1e12 * mfu)
-    tokens_per_micro_step = micro_batch_size * seq_len * num_gpus
+    data_parallel = layout.dp if layout is not None else num_gpus
+    tokens_per_micro_step = micro_batch_size * seq_len * data_parallel
     params = model_cfg.num_parameters()
     result = Plan(
         num_parameters=params,
@@ -404,10 +525,11 @@ def recipe_plan(
     train = pretrain.train
     batch = train.batch
     seq_len = max(s.mixture.seq_len for s in pretrain.stages)
+    layout = train.parallel.resolve(num_gpus)  # the recipe's; plain FSDP2 at the default
     return plan(
         pretrain.train.model_config_obj(),
         seq_len=seq_len,
-        global_batch_tokens=batch.micro_batch_size * batch.grad_accum_steps * seq_len * num_gpus,
+        global_batch_tokens=batch.micro_batch_size * batch.grad_accum_steps * seq_len * layout.dp,
         num_tokens=sum(s.mixture.num_tokens for s in pretrain.stages),
         num_gpus=num_gpus,
         gpu_mem_gb=gpu_mem_gb or hardware.gpu_mem_gb,
@@ -418,32 +540,40 @@ def recipe_plan(
         optimizer=train.optimizer.name,
         activation_checkpointing=train.activation_checkpointing,
         every_k=train.activation_checkpointing_every_k,
+        layout=layout,
     )
 
 
 def extension_memory(pretrain, extend, hardware, num_gpus: int | None = None) -> list[str]:
-    """One line per context-extension stage: its memory per GPU at its length and micro-batch.
+    """One line per context-extension stage: its memory per GPU at its length, micro-batch and
+    layout (the stage's ``parallel``, else ``pretrain.train.parallel``).
 
     ``extend`` is an ``ExtendConfig``. A stage over the usable memory gets a warning: long
-    sequences need activation checkpointing or context parallelism the plan above does not use.
+    sequences need activation checkpointing or context parallelism its layout does not use
+    (``llmflow plan`` proposes a layout that fits).
     """
-    train = pretrain.train
-    model = train.model_config_obj()
+    from llmflow.tasks.extend.config import extension_train_config
+
     num_gpus = num_gpus or hardware.gpus
     lines = []
     for stage in extend.stages:
+        train = extension_train_config(pretrain.train, stage)
+        layout = train.parallel.resolve(num_gpus, train.model_config_obj(), stage.seq_len)
         memory = memory_per_gpu(
-            model, seq_len=stage.seq_len, micro_batch_size=stage.micro_batch_size,
-            num_gpus=num_gpus, param_dtype_bytes=precision_bytes(train),
-            optimizer=train.optimizer.name, fsdp=True,
+            train.model_config_obj(), seq_len=stage.seq_len,
+            micro_batch_size=stage.micro_batch_size, num_gpus=num_gpus,
+            param_dtype_bytes=precision_bytes(train), optimizer=train.optimizer.name, fsdp=True,
             activation_checkpointing=train.activation_checkpointing,
-            every_k=train.activation_checkpointing_every_k,
+            every_k=train.activation_checkpointing_every_k, tp=layout.tp, cp=layout.cp,
+            pp=layout.pp, dp_shard=layout.dp_shard, dp_replicate=layout.dp_replicate,
+            micro_batches=train.batch.grad_accum_steps, pp_schedule=layout.pp_schedule,
         )  # fmt: skip
         fits = memory.total_gb <= HEADROOM * hardware.gpu_mem_gb
+        where = "" if layout.is_plain else f" at tp={layout.tp} cp={layout.cp} pp={layout.pp}"
         lines.append(
-            f"extension ctx{stage.seq_len:<7} {memory.total_gb:,.1f} GB per GPU "
+            f"extension ctx{stage.seq_len:<7} {memory.total_gb:,.1f} GB per GPU{where} "
             f"(activations {memory.activations_gb:,.1f}): "
             + ("fits" if fits else "does NOT fit: needs activation checkpointing or context "
-               "parallelism, or a shorter seq_len")
+               "parallelism (`llmflow plan` proposes a layout), or a shorter seq_len")
         )  # fmt: skip
     return lines

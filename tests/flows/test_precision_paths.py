@@ -96,7 +96,8 @@ def test_plan_counts_bytes_by_precision_auto_is_bf16_on_the_recipes_gpus():
     # fp32: no master copy, 4-byte gradients; bf16: 2-byte copies and a float32 master.
     assert fp32.optimizer_gb == pytest.approx(params * 2 * 4 / shards / 1e9)
     assert bf16.optimizer_gb == pytest.approx(params * 3 * 4 / shards / 1e9)
-    loss = _loss_gb(model, config)  # the fused loss's float32 buffers, in any precision
+    # the fused loss's buffers and the blocks' 1/rms and logsumexp are float32 in any precision
+    loss = _loss_gb(model, config) + _float32_statistics_gb(model, config)
     assert fp32.activations_gb - loss == pytest.approx(2 * (bf16.activations_gb - loss))
     lines = {p: extension_memory(_recipe_135m(p).pretrain, _recipe_135m(p).extend,
                                  _recipe_135m(p).hardware) for p in ("auto", "fp32", "bf16")}  # fmt: skip
@@ -108,3 +109,14 @@ def _loss_gb(model, config) -> float:
 
     seq = max(s.mixture.seq_len for s in config.pretrain.stages)
     return loss_buffer_bytes(model, config.pretrain.train.batch.micro_batch_size * seq) / 1e9
+
+
+def _float32_statistics_gb(model, config) -> float:
+    from llmflow.tasks.pretrain.planner import activation_bytes_per_token
+
+    train = config.pretrain.train
+    seq = max(s.mixture.seq_len for s in config.pretrain.stages)
+    per_token = activation_bytes_per_token(  # 0 bytes per value: what stays float32
+        model, 0, train.activation_checkpointing, train.activation_checkpointing_every_k
+    )
+    return per_token * train.batch.micro_batch_size * seq / 1e9

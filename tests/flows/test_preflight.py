@@ -30,18 +30,20 @@ def test_1_7b_builds_on_meta_and_plans_to_a_go():
     assert plan["memory_gb"] < 72 and report.go and "GO (4/4" in report.table()
 
 
-def test_3b_builds_on_meta_and_its_long_context_stages_are_a_no_go():
-    """Pretraining at 4k fits; 32k and 64k need context parallelism the trainer lacks."""
+def test_3b_builds_on_meta_and_plans_to_a_go_with_its_long_context_layouts():
+    """Pretraining at 4k fits with FSDP2; 32k and 64k fit with the recipe's cp=4 and cp=8."""
     report = preflight(str(CONFIGS / "smollm3-3b.yaml"), [], PLAN_ONLY)
-    found = checks(report)
-    assert found["config"] and found["plan"] and found["meta build"] and not report.go
+    assert all(checks(report).values()) and report.go, report.table()
     assert report.numbers["meta_parameters"] == report.numbers["plan"]["num_parameters"]
     extension = next(c for c in report.checks if c.check == "plan: extension")
-    assert (
-        not extension.go
-        and "ctx65536" in extension.detail
-        and "context parallelism" in extension.detail
-    )
+    assert "ctx65536" in extension.detail and "cp=8" in extension.detail
+
+
+def test_3b_long_context_stages_over_small_gpus_are_a_no_go():
+    report = preflight(str(CONFIGS / "smollm3-3b.yaml"), ["hardware.gpu_mem_gb=24"], PLAN_ONLY)
+    extension = next(c for c in report.checks if c.check == "plan: extension")
+    assert not report.go and not extension.go
+    assert "ctx65536" in extension.detail and "context parallelism" in extension.detail
 
 
 def test_a_recipe_that_does_not_fit_is_a_no_go_with_a_fix():

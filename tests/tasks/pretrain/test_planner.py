@@ -67,7 +67,7 @@ def test_memory_breakdown_by_hand():
     assert m.weights_gb == pytest.approx(DEBUG_PARAMS * 2 / GB)
     assert m.gradients_gb == pytest.approx(DEBUG_PARAMS * 2 / GB)
     assert m.optimizer_gb == pytest.approx(DEBUG_PARAMS * 4 * 3 / GB)  # master, m, v
-    per_block = (8 * 128 + 3 * 64 + 4 * 384) * 2
+    per_block = (8 * 128 + 2 * 64 + 4 * 384) * 2 + (4 + 2) * 4  # + 1/rms, logsumexp floats
     per_token = 4 * per_block + 2 * 128 * 2  # blocks, embedding output, hidden-state gradient
     chunk_elements = getattr(loss_module, "CHUNK_ELEMENTS", None)  # None: not chunked
     chunk = 2 * 256 if chunk_elements is None else min(chunk_elements // 8192, 2 * 256)
@@ -197,7 +197,7 @@ def test_muon_states_by_hand_and_against_the_real_optimizer_split():
 
 def test_selective_checkpointing_lies_between_none_and_full():
     cfg = preset("debug")  # 4 layers: selective every 2nd recomputes blocks 2 and 4
-    per_block = (8 * 128 + 3 * 64 + 4 * 384) * 2
+    per_block = (8 * 128 + 2 * 64 + 4 * 384) * 2 + (4 + 2) * 4  # + 1/rms, logsumexp floats
     rest = 2 * 128 * 2  # the embedding's output and the loss's hidden-state gradient
     sel = activation_bytes_per_token(cfg, 2, "selective", every_k=2)
     assert sel == 2 * per_block + 2 * 128 * 2 + per_block + rest

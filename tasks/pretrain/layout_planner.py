@@ -1,0 +1,382 @@
+"""Choosing the parallel layout of each stage: TP, CP, PP and data parallelism, micro-batch,
+gradient accumulation and activation checkpointing, so that the stage fits its GPUs and keeps
+the recipe's global batch (``llmflow plan``).
+
+A stage's memory per GPU is `planner.memory_per_gpu` at the layout; its cost is its step time
+estimated from the model FLOPs, the recomputation, the pipeline bubble and the TP/CP traffic
+that the step cannot hide (the FSDP and pipeline sends are assumed overlapped with compute).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from llmflow.model.config import ModelConfig
+from llmflow.tasks.framework.errors import ConfigError
+from llmflow.tasks.pretrain.parallel.config import Layout, ParallelConfig
+from llmflow.tasks.pretrain.planner import (
+    GB,
+    HEADROOM,
+    MemoryEstimate,
+    checkpointed_blocks,
+    flops_per_token,
+    memory_per_gpu,
+)
+
+INTRA_NODE_GBPS = 360.0
+"""Bus bandwidth of one GPU's collectives inside a node, GB/s (NCCL all-gather on H100 NVLink 4
+reaches about 360 of the 450 GB/s per direction)."""
+INTER_NODE_GBPS = 45.0
+"""Bus bandwidth of one GPU's collectives across nodes, GB/s (one 400 Gb/s NIC per GPU)."""
+CHECKPOINTING = ("none", "selective", "full")
+"""Activation checkpointing from the cheapest in compute to the smallest in memory."""
+MAX_CP = 32
+"""The largest context-parallel degree the planner tries."""
+PARALLEL_FIELD = "pretrain.train.parallel"
+
+
+@dataclass
+class Communication:
+    """Bytes one GPU sends per optimizer step, by parallelism (ring collectives move
+    (n-1)/n of the tensor per GPU), GB."""
+
+    tp_gb: float = 0.0
+    """TP + SP: 4 all-gathers/reduce-scatters of b·(s/cp)·h per layer forward, 4 backward."""
+    cp_gb: float = 0.0
+    """CP: all-gather of K and V per layer forward, again in the backward, and the
+    reduce-scatter of their gradients."""
+    fsdp_gb: float = 0.0
+    """FSDP2: parameter all-gathers (forward and backward of each micro-batch), gradient
+    reduce-scatter in float32 once per step, HSDP's all-reduce across replicas."""
+    pp_gb: float = 0.0
+    """PP: activations forward and their gradients backward per micro-batch per boundary."""
+
+
+@dataclass
+class LayoutPlan:
+    """One stage's layout, batch split, checkpointing, memory, bubble and traffic."""
+
+    layout: Layout
+    micro_batch_size: int
+    grad_accum_steps: int
+    activation_checkpointing: str
+    memory: MemoryEstimate
+    usable_gb: float
+    bubble: float
+    """Pipeline bubble: (pp - 1) / micro-batches, the idle share of a step (Narayanan 2021)."""
+    communication: Communication
+    step_seconds: float
+    """Estimated step time: compute (recomputation included), bubble, unhidden TP/CP traffic."""
+    compute_seconds: float
+    fixed: dict = field(default_factory=dict)
+    """The degrees the user or the recipe set (the rest were chosen)."""
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total_gb <= self.usable_gb
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per optimizer step: micro-batch x accumulation x data parallelism."""
+        return self.micro_batch_size * self.grad_accum_steps * self.layout.dp
+
+
+def bubble_fraction(pp: int, micro_batches: int) -> float:
+    """The pipeline bubble of GPipe and 1F1B, (p - 1) / m of the ideal step time."""
+    return (pp - 1) / micro_batches
+
+
+def communication(
+    cfg: ModelConfig,
+    layout: Layout,
+    *,
+    seq_len: int,
+    micro_batch_size: int,
+    micro_batches: int,
+    activation_bytes: int,
+    activation_checkpointing: str = "none",
+    every_k: int = 2,
+) -> Communication:
+    """Bytes one GPU sends per optimizer step for each parallelism of ``layout``.
+
+    Recomputed blocks repeat their forward collectives in the backward pass.
+    """
+    tp, cp, pp = layout.tp, layout.cp, layout.pp
+    blocks = math.ceil(cfg.num_layers / pp)
+    recomputed = checkpointed_blocks(cfg, activation_checkpointing, every_k) / cfg.num_layers
+    tokens = micro_batch_size * seq_len / cp  # per rank per micro-batch
+    residual = tokens * cfg.hidden_size * activation_bytes  # b·(s/cp)·h
+    tp_bytes = (8 + 4 * recomputed) * residual * (tp - 1) / tp * blocks * micro_batches
+    kv = cfg.num_kv_heads * cfg.head_dim / tp
+    gathered = 2 * micro_batch_size * seq_len * kv * activation_bytes  # K and V, whole sequence
+    cp_bytes = (3 + recomputed) * gathered * (cp - 1) / cp * blocks * micro_batches
+    shards = layout.dp_shard * cp
+    per_block = (cfg.num_parameters(non_embedding=True) - cfg.hidden_size) / cfg.num_layers
+    params = (blocks * per_block + cfg.vocab_size * cfg.hidden_size) / tp
+    fsdp_bytes = params * (2 * micro_batches * activation_bytes + 4) * (shards - 1) / shards
+    r = layout.dp_replicate
+    fsdp_bytes += 2 * params / shards * 4 * (r - 1) / r
+    pp_bytes = 2 * micro_batches * residual / tp if pp > 1 else 0.0
+    return Communication(tp_bytes / GB, cp_bytes / GB, fsdp_bytes / GB, pp_bytes / GB)
+
+
+def step_seconds(
+    cfg: ModelConfig,
+    layout: Layout,
+    comm: Communication,
+    *,
+    seq_len: int,
+    global_batch: int,
+    micro_batches: int,
+    hardware,
+    activation_checkpointing: str,
+    every_k: int,
+) -> tuple[float, float]:
+    """(step time, compute time) of one GPU, seconds. The model FLOPs of the global batch split
+    over every GPU at the hardware's MFU, plus a third of a block's forward and backward for
+    each recomputed block, plus the bubble, plus the TP and CP traffic at the bandwidth of the
+    link it crosses (inside a node while tp x cp fits in one)."""
+    flops = flops_per_token(cfg, seq_len) * global_batch * seq_len / layout.world_size
+    recomputed = checkpointed_blocks(cfg, activation_checkpointing, every_k) / cfg.num_layers
+    compute = flops * (1 + recomputed / 3) / (hardware.peak_tflops * 1e12 * hardware.mfu)
+    inside = layout.tp * layout.cp <= hardware.gpus_per_node
+    bandwidth = INTRA_NODE_GBPS if inside else INTER_NODE_GBPS
+    tp_bandwidth = INTRA_NODE_GBPS if layout.tp <= hardware.gpus_per_node else INTER_NODE_GBPS
+    traffic = comm.tp_gb / tp_bandwidth + comm.cp_gb / bandwidth
+    bubble = compute * bubble_fraction(layout.pp, micro_batches)
+    return compute + bubble + traffic, compute
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    return [2**i for i in range(int(math.log2(max(limit, 1))) + 1)]
+
+
+def _divisors_descending(n: int, cap: int) -> list[int]:
+    return [d for d in range(min(n, cap), 0, -1) if n % d == 0]
+
+
+def parse_parallel(text: str) -> dict:
+    """``tp=2,cp=4,pp=1`` (``llmflow plan --parallel``) as ParallelConfig fields, checked.
+
+    Raises:
+        ConfigError: a malformed item, an unknown field or a bad value, naming the field.
+    """
+    values: dict = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, value = item.partition("=")
+        name = name.strip()
+        if not sep or not value.strip():
+            raise ConfigError(f"--parallel {text!r}: {item!r} is not NAME=VALUE (e.g. tp=2,cp=4)")
+        if name not in ParallelConfig.model_fields:
+            raise ConfigError(
+                f"--parallel: {PARALLEL_FIELD}.{name} is not a field; "
+                f"one of {sorted(ParallelConfig.model_fields)}"
+            )
+        values[name] = value.strip() if name == "pp_schedule" else _integer(name, value)
+    try:
+        ParallelConfig(**values)
+    except ValueError as err:  # pydantic's ValidationError
+        bad = ", ".join(f"{PARALLEL_FIELD}.{e['loc'][0]}={e['input']!r}: {e['msg']}"
+                        for e in err.errors())  # fmt: skip
+        raise ConfigError(f"--parallel: {bad}") from None
+    return values
+
+
+def _integer(name: str, value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(
+            f"--parallel: {PARALLEL_FIELD}.{name}={value.strip()!r} is not an integer"
+        ) from None
+
+
+def configured_degrees(parallel: ParallelConfig) -> dict:
+    """The degrees a recipe's ``parallel`` sets: none at the default (plain FSDP2 over every
+    GPU: the planner chooses), all of them otherwise (``dp_shard: -1`` stays the rest)."""
+    if parallel == ParallelConfig():
+        return {}
+    values = parallel.model_dump()
+    if values["dp_shard"] == -1:
+        del values["dp_shard"]
+    return values
+
+
+def choose_layout(
+    model: ModelConfig,
+    seq_len: int,
+    micro_batch: int,
+    hardware,
+    *,
+    global_batch: int,
+    param_dtype_bytes: int = 2,
+    optimizer: str = "adamw",
+    activation_checkpointing: str = "none",
+    every_k: int = 2,
+    fixed: dict | None = None,
+    num_gpus: int | None = None,
+    gpu_mem_gb: float | None = None,
+) -> LayoutPlan:
+    """The cheapest layout that fits, Megatron-style.
+
+    Candidates: tp a power of two up to ``gpus_per_node`` dividing the heads and KV heads (TP
+    stays inside a node), cp a power of two with ``seq_len`` divisible by 2·cp, pp a power of
+    two up to the layers, dp_shard the GPUs left, which must divide ``global_batch`` (sequences
+    per step, kept: micro-batch x accumulation x dp); the micro-batch at most ``micro_batch``
+    (pp > 1 needs at least pp micro-batches); checkpointing the recipe's or stronger
+    (selective, then full). Each candidate's memory is `memory_per_gpu`; among those within
+    ``HEADROOM`` of the GPU, the one with the shortest `step_seconds` wins: its cost grows with
+    tp (traffic per layer), cp, pp (bubble) and recomputation, so tp grows first, as far as the
+    layer needs to fit, then cp or pp, and checkpointing comes in where it costs less than
+    more model parallelism. Ties go to less model parallelism and larger micro-batches. When
+    nothing fits, the candidate needing the least memory is returned (``fits`` False).
+
+    ``fixed`` holds degrees the user or the recipe set (``--parallel``,
+    ``pretrain.train.parallel``); they are checked by `ParallelConfig.resolve`, which names a
+    bad field.
+
+    Raises:
+        ConfigError: a fixed layout does not fit the world size, the model or the sequence,
+            or no layout keeps ``global_batch`` on these GPUs.
+    """
+    fixed = dict(fixed or {})
+    world = num_gpus or hardware.gpus
+    usable = HEADROOM * (gpu_mem_gb or hardware.gpu_mem_gb)
+    if fixed:  # a fixed layout that cannot work fails here, naming the field
+        ParallelConfig(**fixed).resolve(world, model, seq_len)
+    tps = [fixed["tp"]] if "tp" in fixed else [
+        t for t in _powers_of_two(hardware.gpus_per_node)
+        if model.num_heads % t == 0 and model.num_kv_heads % t == 0
+    ]  # fmt: skip
+    cps = [fixed["cp"]] if "cp" in fixed else [
+        c for c in _powers_of_two(MAX_CP) if c == 1 or seq_len % (2 * c) == 0
+    ]  # fmt: skip
+    pps = [fixed["pp"]] if "pp" in fixed else _powers_of_two(model.num_layers)
+    replicate = fixed.get("dp_replicate", 1)
+    schedule = fixed.get("pp_schedule", "1f1b")
+    start = CHECKPOINTING.index(activation_checkpointing)
+    ladder = CHECKPOINTING[start:]
+    best, smallest = None, None
+    for tp in tps:
+        for cp in cps:
+            for pp in pps:
+                rest = world // (replicate * tp * cp * pp)
+                if rest * replicate * tp * cp * pp != world:
+                    continue
+                if fixed.get("dp_shard", rest) != rest or global_batch % (rest * replicate):
+                    continue
+                layout = Layout(replicate, rest, tp, cp, pp, schedule)
+                per_rank = global_batch // layout.dp
+                for micro in _divisors_descending(per_rank, micro_batch):
+                    accum = per_rank // micro
+                    if pp > 1 and accum < pp:
+                        continue
+                    for ac in ladder:
+                        plan = _evaluate(model, layout, seq_len, micro, accum, ac, hardware,
+                                         param_dtype_bytes, optimizer, every_k, usable, fixed)  # fmt: skip
+                        key = (plan.step_seconds, tp * cp * pp, -micro)
+                        if plan.fits and (best is None or key < best[0]):
+                            best = (key, plan)
+                        if smallest is None or plan.memory.total_gb < smallest.memory.total_gb:
+                            smallest = plan
+    if smallest is None:
+        raise ConfigError(
+            f"{PARALLEL_FIELD}: no layout of {world} GPUs {fixed or ''} keeps the global batch of "
+            f"{global_batch} sequences (micro-batch x accumulation x dp) at seq_len {seq_len}"
+        )
+    chosen = best[1] if best else smallest
+    ParallelConfig(
+        dp_replicate=chosen.layout.dp_replicate, dp_shard=chosen.layout.dp_shard,
+        tp=chosen.layout.tp, cp=chosen.layout.cp, pp=chosen.layout.pp,
+        pp_schedule=chosen.layout.pp_schedule,
+    ).resolve(world, model, seq_len, chosen.grad_accum_steps)  # fmt: skip
+    return chosen
+
+
+def _evaluate(model, layout, seq_len, micro, accum, ac, hardware, param_dtype_bytes, optimizer,
+              every_k, usable, fixed) -> LayoutPlan:  # fmt: skip
+    memory = memory_per_gpu(
+        model, seq_len=seq_len, micro_batch_size=micro, num_gpus=layout.world_size,
+        param_dtype_bytes=param_dtype_bytes, optimizer=optimizer, fsdp=True,
+        activation_checkpointing=ac, every_k=every_k, tp=layout.tp, cp=layout.cp, pp=layout.pp,
+        dp_shard=layout.dp_shard, dp_replicate=layout.dp_replicate, micro_batches=accum,
+        pp_schedule=layout.pp_schedule,
+    )  # fmt: skip
+    comm = communication(model, layout, seq_len=seq_len, micro_batch_size=micro,
+                         micro_batches=accum, activation_bytes=param_dtype_bytes,
+                         activation_checkpointing=ac, every_k=every_k)  # fmt: skip
+    seconds, compute = step_seconds(
+        model, layout, comm, seq_len=seq_len, global_batch=micro * accum * layout.dp,
+        micro_batches=accum, hardware=hardware, activation_checkpointing=ac, every_k=every_k,
+    )  # fmt: skip
+    return LayoutPlan(layout, micro, accum, ac, memory, usable, bubble_fraction(layout.pp, accum),
+                      comm, seconds, compute, fixed)  # fmt: skip
+
+
+def layout_text(layout: Layout) -> str:
+    """``tp=2 cp=4 pp=1 dp_shard=36 dp_replicate=1``, and the schedule when pp > 1."""
+    text = (f"tp={layout.tp} cp={layout.cp} pp={layout.pp} dp_shard={layout.dp_shard} "
+            f"dp_replicate={layout.dp_replicate}")  # fmt: skip
+    return text + (f" ({layout.pp_schedule})" if layout.pp > 1 else "")
+
+
+def format_layout_plan(name: str, seq_len: int, p: LayoutPlan) -> list[str]:
+    """Three lines: the layout and batch, the memory per GPU, the bubble and traffic."""
+    m, c = p.memory, p.communication
+    source = "set" if {"tp", "cp", "pp"} <= set(p.fixed) else (
+        "chosen" if not p.fixed else f"chosen around {','.join(f'{k}={v}' for k, v in p.fixed.items())}"
+    )  # fmt: skip
+    hidden = 1 - p.compute_seconds / p.step_seconds if p.step_seconds else 0.0
+    return [
+        f"{name:<14} ctx {seq_len:<7} {layout_text(p.layout)} ({source}); micro-batch "
+        f"{p.micro_batch_size} x accumulation {p.grad_accum_steps} x dp {p.layout.dp} = "
+        f"{p.global_batch} sequences; activation_checkpointing {p.activation_checkpointing}",
+        f"{'':<14} memory per GPU (GB) weights {m.weights_gb:.2f} + gradients "
+        f"{m.gradients_gb:.2f} + optimizer {m.optimizer_gb:.2f} + activations "
+        f"{m.activations_gb:.2f}: peak {m.total_gb:.1f} of {p.usable_gb:.1f} usable: "
+        + ("fits" if p.fits else "does NOT fit"),
+        f"{'':<14} bubble {p.bubble:.1%}; per step per GPU: TP {c.tp_gb:.1f} GB, CP "
+        f"{c.cp_gb:.1f} GB, FSDP {c.fsdp_gb:.1f} GB, PP {c.pp_gb:.2f} GB; step ~{p.step_seconds:.2f}"
+        f" s ({hidden:.1%} bubble and unhidden TP/CP traffic)",
+    ]
+
+
+def stage_layout_plans(
+    pretrain,
+    extend,
+    hardware,
+    *,
+    parallel: dict | None = None,
+    num_gpus: int | None = None,
+    gpu_mem_gb: float | None = None,
+) -> list[tuple[str, int, LayoutPlan]]:
+    """(name, seq_len, plan) of each pretraining stage and each context-extension stage.
+
+    A stage keeps the global batch its trainer config makes with the recipe's own layout
+    (``micro_batch_size x grad_accum_steps x dp``); its layout is chosen around the degrees
+    ``parallel`` (``llmflow plan --parallel``) or, without it, the stage's configured ones
+    (``pretrain.train.parallel``, an extension stage's ``parallel``) when they are not the
+    default. ``pretrain`` is a ``PretrainConfig``, ``extend`` an ``ExtendConfig``.
+    """
+    from llmflow.tasks.extend.config import extension_train_config
+    from llmflow.tasks.pretrain.planner import precision_bytes
+
+    world = num_gpus or hardware.gpus
+    stages = [(s.name, s.mixture.seq_len, pretrain.train) for s in pretrain.stages]
+    stages += [(f"extension {i + 1}", s.seq_len, extension_train_config(pretrain.train, s))
+               for i, s in enumerate(extend.stages)]  # fmt: skip
+    plans = []
+    for name, seq_len, train in stages:
+        batch = train.batch
+        recipe_dp = train.parallel.resolve(world).dp
+        plans.append((name, seq_len, choose_layout(
+            train.model_config_obj(), seq_len, batch.micro_batch_size, hardware,
+            global_batch=batch.micro_batch_size * batch.grad_accum_steps * recipe_dp,
+            param_dtype_bytes=precision_bytes(train), optimizer=train.optimizer.name,
+            activation_checkpointing=train.activation_checkpointing,
+            every_k=train.activation_checkpointing_every_k,
+            fixed=parallel if parallel is not None else configured_degrees(train.parallel),
+            num_gpus=world, gpu_mem_gb=gpu_mem_gb,
+        )))  # fmt: skip
+    return plans
