@@ -7,7 +7,7 @@ group (`SequenceShard.gather`), under a mask that is causal in the rows' own tok
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -173,6 +173,15 @@ class SequenceShard:
         else:
             allowed = allowed[None]
         return allowed.unsqueeze(1)
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> SequenceShard:
+        """The same shard with its tensors on `device` (moved with the batch that holds it)."""
+        doc_ids = self.doc_ids
+        if doc_ids is not None:
+            doc_ids = doc_ids.to(device, non_blocking=non_blocking)
+        index = self.index.to(device, non_blocking=non_blocking)
+        order = self.order.to(device, non_blocking=non_blocking)
+        return replace(self, index=index, order=order, doc_ids=doc_ids)
 
     def gather(self, x: Tensor) -> Tensor:
         """(B, N, T, D) local heads -> (B, N, T_full, D) of the whole rows (autograd: the backward

@@ -97,9 +97,10 @@ def shard_batch(batch: dict[str, Tensor], group: dist.ProcessGroup) -> dict:
     """This rank's part of a micro-batch of whole rows, for ``Transformer.forward(context=...)``.
 
     ``input_ids``, ``labels`` and ``position_ids`` (the whole rows' positions, restarting at each
-    document of ``cu_seqlens``) keep this rank's T/cp tokens; ``cu_seqlens`` becomes None and
-    ``context`` holds the ``SequenceShard`` (index, gather order and the whole rows' document
-    ids). Other keys are kept as they are.
+    document of ``cu_seqlens``) keep this rank's T/cp tokens; ``context`` holds the
+    ``SequenceShard`` (index, gather order and the whole rows' document ids; it moves with
+    ``.to(device)`` like the tensors). Other keys, ``cu_seqlens`` included (the model reads the
+    documents from ``context``), are kept as they are.
     """
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     ids = batch["input_ids"]
@@ -113,6 +114,5 @@ def shard_batch(batch: dict[str, Tensor], group: dist.ProcessGroup) -> dict:
     for key in SHARDED_KEYS:
         if whole.get(key) is not None:
             out[key] = whole[key].index_select(1, index)
-    out["cu_seqlens"] = None
     out["context"] = SequenceShard(group, index, gather_order(seq_len, cp, ids.device), doc_ids)
     return out
