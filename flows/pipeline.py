@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from prefect import flow
 from prefect.artifacts import create_table_artifact
+from prefect.task_runners import ThreadPoolTaskRunner
 
 from llmflow.flows.recipe import recipe
 from llmflow.tasks.config import PipelineConfig
@@ -25,7 +26,7 @@ def planned(config: PipelineConfig) -> Graph:
 @flow(name="llmflow-pipeline", log_prints=True)
 def pipeline(config: PipelineConfig) -> list[StepResult]:
     """Run every step of the recipe that is not already in the store."""
-    rows = PrefectExecutor(config.root).run(planned(config)).rows()
+    rows = PrefectExecutor(config.root, runner=config.runner).run(planned(config)).rows()
     create_table_artifact(
         [
             {
@@ -43,6 +44,13 @@ def pipeline(config: PipelineConfig) -> list[StepResult]:
 
 
 def run_pipeline(config: PipelineConfig) -> list[StepResult]:
-    """Check the graph builds (no Prefect yet), then run it with the configured task runner."""
+    """Check the graph builds (no Prefect yet), then run it with the configured task runner.
+
+    With ``runner.fan_out: stage`` (the default) a mapped stage is one task whose shards run on
+    the runner's engine, so the flow's own task runner only ever holds a few tasks."""
     planned(config)
-    return pipeline.with_options(task_runner=task_runner(config.runner))(config)
+    if config.runner.fan_out == "stage" and config.runner.kind != "dask":
+        runner = ThreadPoolTaskRunner(max_workers=4)
+    else:
+        runner = task_runner(config.runner)
+    return pipeline.with_options(task_runner=runner)(config)

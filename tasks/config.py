@@ -62,15 +62,42 @@ PHASES = (
 """The recipe's phases in run order: ``--until`` stops after one."""
 
 
+class RayEngineConfig(BaseModel):
+    """Where a stage's shards run under ``runner.kind: ray`` (execution-only, never in a hash)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    address: str = Field(
+        "local",
+        description=(
+            "'local' starts a Ray cluster on this machine (127.0.0.1, all its cores) for the run; "
+            "'auto' joins the cluster this machine belongs to; 'HOST:PORT' or 'ray://HOST:PORT' "
+            "joins that one. A Ray already initialised in this process is used as it is."
+        ),
+    )
+    max_in_flight: int | None = Field(
+        None, ge=1, description="Shards submitted at once (None: twice the cluster's CPUs)."
+    )
+    cpus_per_shard: float = Field(1.0, gt=0, description="CPUs each shard's Ray task reserves.")
+
+
 class RunnerConfig(BaseModel):
     """How fanned-out tasks (curation shards) run: execution-only, never in a hash."""
 
     model_config = ConfigDict(extra="forbid")
 
     kind: Literal["threads", "processes", "dask", "ray"] = Field(
-        "threads", description="Prefect task runner for fan-out; dask/ray need the extras."
+        "threads",
+        description="Where a mapped stage's shards run: a thread or process pool here, or Ray; "
+        "dask (and fan_out: shard) fans out through Prefect's task runner; dask/ray need extras.",
     )
     max_workers: int | None = Field(None, ge=1, description="Workers (None: Prefect's default).")
+    fan_out: Literal["stage", "shard"] = Field(
+        "stage",
+        description="stage: each mapped stage is one Prefect task running its shards on the "
+        "engine (O(stages) task runs); shard: one Prefect task per shard (kind dask always).",
+    )
+    ray: RayEngineConfig = Field(default_factory=RayEngineConfig)
 
 
 class HardwareConfig(BaseModel):

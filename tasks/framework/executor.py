@@ -2,8 +2,11 @@
 
 Each node runs through its step's store address, so a node whose output exists is skipped (and
 shows as Cached in Prefect, whose cache key is the same content hash). A mapped node fans out
-over the shards of its input; one failing shard retries alone. Prefect is imported here and in
-``flows/`` only.
+over the shards of its input, each shard its own output; one failing shard retries alone. On
+Prefect, a mapped node given a ``RunnerConfig`` is one task for the whole stage, its shards on
+an engine (threads, processes, Ray: ``engine.py``), so a run of 10,000 shards makes O(stages)
+task runs; without one (or with ``fan_out: shard``) each shard is its own task on the flow's
+task runner. Prefect is imported here and in ``flows/`` only.
 """
 
 from __future__ import annotations
@@ -29,14 +32,18 @@ class Mapped:
 
     labels: list[str]
     results: list[StepResult]
+    seconds: float | None = None  # the stage's wall time (None: the shards' seconds summed)
 
     def summary(self, label: str) -> StepResult:
-        """One row for all shards: the last output, cached only if every shard was."""
+        """One row for all shards: the last output, cached only if every shard was, and the
+        stage's wall time (summed shard seconds overstate a parallel stage many times over)."""
         return replace(
             self.results[-1],
             step=f"{label} ({len(self.results)} shards)",
             cached=all(r.cached for r in self.results),
-            seconds=sum(r.seconds for r in self.results),
+            seconds=self.seconds
+            if self.seconds is not None
+            else sum(r.seconds for r in self.results),
         )
 
 
@@ -58,12 +65,16 @@ class Outcome:
 
 
 class Executor:
-    """Runs the nodes of a graph in order, in this process."""
+    """Runs the nodes of a graph in order, in this process (a mapped node's shards one by one,
+    or on ``engine``: a thread or process pool, or Ray; see ``engine.py``)."""
 
-    def __init__(self, root: str, *, keep_going: bool = False, audit: bool = False):
+    def __init__(
+        self, root: str, *, keep_going: bool = False, audit: bool = False, engine: Any = None
+    ):
         self.store = Store(root)
         self.keep_going = keep_going
         self.reads: dict[str, set[str]] | None = {} if audit else None
+        self.engine = engine
 
     def run(self, graph: Graph) -> Outcome:
         """Run every node whose output is not yet in the store; return every node's result.
@@ -99,7 +110,9 @@ class Executor:
             (f"{node.name}-{label}", {**inputs, node.map_over: element})
             for label, element in zip(labels, elements, strict=True)
         ]
-        return Mapped(labels, self.map(node.step, node.config, per_shard))
+        started = time.perf_counter()
+        results = self.map(node.step, node.config, per_shard, stage=node.name)
+        return Mapped(labels, results, time.perf_counter() - started)
 
     def _resolve(self, value: Any, done: dict[Node, Any]) -> Any:
         """An input as the step takes it: a URI, a list of URIs, or raw files."""
@@ -131,8 +144,15 @@ class Executor:
         }
         return {name: bad for name, bad in found.items() if bad}
 
-    def map(self, step: Step, config: Any, per_shard: list[tuple[str, dict]]) -> list[StepResult]:
-        """Run one step once per shard."""
+    def map(
+        self, step: Step, config: Any, per_shard: list[tuple[str, dict]], stage: str = ""
+    ) -> list[StepResult]:
+        """Run one step once per shard (``stage``: the mapped node's output label)."""
+        if self.engine is not None and self.reads is None:
+            from llmflow.tasks.framework.engine import Progress
+
+            progress = Progress(f"{step.name} {stage}", len(per_shard))
+            return self.engine.run_stage(step, config, self.store.root, per_shard, None, progress)
         return [self.call(step, config, name, inputs) for name, inputs in per_shard]
 
 
@@ -171,11 +191,29 @@ def run_graph(graph: Graph, root: str, **options: Any) -> Outcome:
 
 
 class PrefectExecutor(Executor):
-    """The same walk, each step a Prefect task: retries, Cached states, events and artifacts."""
+    """The same walk, each step a Prefect task: retries, Cached states, events and artifacts.
 
-    def __init__(self, root: str, *, keep_going: bool = False):
+    With ``runner`` (and ``runner.fan_out == "stage"``, the default), a mapped step is one task
+    per stage running its shards on that runner's engine; otherwise one task per shard, submitted
+    to the flow's task runner.
+    """
+
+    def __init__(self, root: str, *, keep_going: bool = False, runner: Any = None):
         super().__init__(root, keep_going=keep_going)
         self._tasks: dict[int, Callable] = {}
+        staged = runner is not None and runner.fan_out == "stage" and runner.kind != "dask"
+        self.runner = runner if staged else None
+        self._engine = None
+        self._stage_tasks: dict[int, Callable] = {}
+        self._stages: dict[str, str] = {}  # a shard's output URI -> its stage's asset
+
+    def run(self, graph: Graph) -> Outcome:
+        try:
+            return super().run(graph)
+        finally:
+            if self._engine is not None:
+                self._engine.close()
+                self._engine = None
 
     def task(self, step: Step):
         if id(step) not in self._tasks:
@@ -185,14 +223,47 @@ class PrefectExecutor(Executor):
         return self._tasks[id(step)]
 
     def call(self, step: Step, config: Any, name: str, inputs: dict[str, Any]) -> StepResult:
-        return self.task(step)(config, inputs=inputs, root=self.store.root, name=name)
+        upstream = self._upstream([inputs])
+        return self.task(step)(
+            config, inputs=inputs, root=self.store.root, name=name, upstream=upstream
+        )
 
-    def map(self, step: Step, config: Any, per_shard: list[tuple[str, dict]]) -> list[StepResult]:
+    def _upstream(self, inputs: list[dict[str, Any]]) -> list[str]:
+        """The assets the inputs come from: a mapped stage's shards as that one stage."""
+        from llmflow.tasks.framework.prefect_task import input_uris
+
+        uris = (u for one in inputs for u in input_uris(one))
+        return list(dict.fromkeys(self._stages.get(u, u) for u in uris))
+
+    def map(
+        self, step: Step, config: Any, per_shard: list[tuple[str, dict]], stage: str = ""
+    ) -> list[StepResult]:
+        if self.runner is not None:
+            return self._map_stage(step, config, per_shard, stage)
         futures = [
             self.task(step).submit(config, inputs=inputs, root=self.store.root, name=name)
             for name, inputs in per_shard
         ]
         return [_unwrap(f.result()) for f in futures]
+
+    def _map_stage(
+        self, step: Step, config: Any, per_shard: list[tuple[str, dict]], stage: str
+    ) -> list[StepResult]:
+        """One Prefect task for the stage; its shards on the runner's engine."""
+        from llmflow.tasks.framework.engine import make_engine
+        from llmflow.tasks.framework.prefect_task import stage_key, stage_task
+
+        if self._engine is None:
+            self._engine = make_engine(self.runner)
+        if id(step) not in self._stage_tasks:
+            self._stage_tasks[id(step)] = stage_task(step, self._engine)
+        upstream = self._upstream([inputs for _, inputs in per_shard])
+        results = self._stage_tasks[id(step)](
+            config, shards=per_shard, root=self.store.root, name=stage, upstream=upstream
+        )
+        key = stage_key(self.store.root, step.name, stage)
+        self._stages.update((r.uri, key) for r in results)
+        return results
 
 
 def _unwrap(value: Any) -> StepResult:

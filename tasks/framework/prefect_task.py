@@ -4,22 +4,38 @@ The task's cache key is the output's content hash (only once that output is comp
 deleted output is rebuilt rather than served stale). When the store already holds the output,
 the task finishes in a ``Cached`` state. Retries cover transient failures (I/O, a killed worker),
 never bad input. Each materialized output emits a Prefect asset event with its upstream outputs.
+
+``stage_task`` makes a mapped step one task for the whole stage: its shards run on an engine
+(``engine.py``), and the stage is one asset, linked as one (a Prefect event takes at most 100
+related resources: a global step over 2,000 shards links their stage, not each shard).
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
+from collections.abc import Callable
 from typing import Any
 
 from prefect import task
-from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.artifacts import (
+    create_markdown_artifact,
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
+from prefect.cache_policies import NO_CACHE
 from prefect.context import FlowRunContext, TaskRunContext
 from prefect.events import emit_event
 from prefect.states import Completed, State
 
+from llmflow.tasks.framework.engine import Engine, Progress, ShardCall
 from llmflow.tasks.framework.errors import BadInputError
 from llmflow.tasks.framework.step import Shard, Step, StepResult
 from llmflow.tasks.framework.store import Store
+
+MAX_RELATED = 100  # Prefect rejects an event with more related resources
+log = logging.getLogger("llmflow.executor")
 
 
 def asset_key(uri: str) -> str:
@@ -48,25 +64,40 @@ def _run_info() -> dict[str, Any]:
     }
 
 
-def _publish(result: StepResult, inputs: dict[str, str | list[str]]) -> None:
+def input_uris(inputs: dict[str, Any]) -> list[str]:
+    """The upstream outputs among a step's inputs (a shard's output is its upstream's)."""
     upstream = []
     for value in inputs.values():
         for item in value if isinstance(value, list) else [value]:
             if isinstance(item, (str, Shard)):
                 upstream.append(item.uri if isinstance(item, Shard) else item)
+    return upstream
+
+
+def _related(upstream: list[str]) -> list[dict[str, str]]:
+    keys = list(dict.fromkeys(asset_key(u) for u in upstream))
+    if len(keys) > MAX_RELATED:  # NOTE: shards not linked as their stage: their steps' folders
+        keys = list(dict.fromkeys(k.rstrip("/").rsplit("/", 1)[0] for k in keys))[:MAX_RELATED]
+    return [{"prefect.resource.id": k, "prefect.resource.role": "asset"} for k in keys]
+
+
+def _publish(
+    result: StepResult, inputs: dict[str, str | list[str]], upstream: list[str] | None = None
+) -> None:
     emit_event(
         event="prefect.asset.materialization.succeeded",
         resource={
             "prefect.resource.id": asset_key(result.uri),
             "prefect.resource.name": result.step,
         },
-        related=[
-            {"prefect.resource.id": asset_key(u), "prefect.resource.role": "asset"}
-            for u in upstream
-        ],
+        related=_related(upstream if upstream is not None else input_uris(inputs)),
         payload={"hash": result.hash, "metrics": result.metrics},
     )
-    for art in result.artifacts:
+    _publish_artifacts(result.artifacts)
+
+
+def _publish_artifacts(artifacts: list[dict[str, Any]]) -> None:
+    for art in artifacts:
         key = art["key"].lower().replace("_", "-")
         if art["kind"] == "table":
             create_table_artifact(art["rows"], key=key, description=art.get("description") or None)
@@ -98,12 +129,16 @@ def step_task(step: Step):
         return f"llmflow-{step.name}-{digest}-{where}"
 
     def run(
-        config: Any, inputs: dict[str, Any] | None = None, root: str = "./runs", name: str = "run"
+        config: Any,
+        inputs: dict[str, Any] | None = None,
+        root: str = "./runs",
+        name: str = "run",
+        upstream: list[str] | None = None,
     ):
         result = step.run(Store(root), config, name, inputs, _run_info())
         if result.cached:
             return Completed(message=f"output exists: {result.uri}", name="Cached", data=result)
-        _publish(result, inputs or {})
+        _publish(result, inputs or {}, upstream)
         return result
 
     return _StepTask(
@@ -139,3 +174,81 @@ class _StepTask:
 
     def __getattr__(self, name: str):
         return getattr(self.task, name)
+
+
+def stage_key(root: str, step: str, name: str) -> str:
+    """The asset of a mapped stage: its shards' outputs, ``{root}/{step}/{name}-<shard>-<hash>``."""
+    return f"{root}/{step}/{name}"
+
+
+def stage_task(step: Step, engine: Engine):
+    """Wrap a mapped step as ONE Prefect task that runs all its shards on ``engine``.
+
+    Called as ``t(config, shards=[(name, inputs), ...], root=..., name=..., upstream=[...])``;
+    gives every shard's ``StepResult`` in order. The task is ``Cached`` when every shard was.
+    A retry redoes only the shards without a commit marker.
+    """
+
+    def run(
+        config: Any,
+        shards: list[ShardCall],
+        root: str = "./runs",
+        name: str = "run",
+        upstream: list[str] | None = None,
+    ):
+        label = f"{step.name} {name}"
+        progress = Progress(label, len(shards), _progress_artifact(step.name, name, len(shards)))
+        results = engine.run_stage(step, config, root, shards, _run_info(), progress)
+        if all(r.cached for r in results):
+            message = f"all {len(results)} shards exist under {stage_key(root, step.name, name)}"
+            return Completed(message=message, name="Cached", data=results)
+        _publish_stage(step.name, stage_key(root, step.name, name), results, upstream or [])
+        return results
+
+    return _StepTask(
+        task(
+            run,
+            name=step.name,
+            description=step.doc,
+            task_run_name=f"{step.name}-{{name}}",
+            retries=step.retries,
+            retry_delay_seconds=[2, 10],
+            retry_condition_fn=_retry_transient,
+            cache_policy=NO_CACHE,  # NOTE: each shard's output is its own cache entry
+            persist_result=False,
+            log_prints=False,
+            tags=["gpu"] if step.gpu else [],
+        )
+    )
+
+
+def _progress_artifact(step: str, name: str, total: int) -> Callable[[float], None] | None:
+    """A Prefect progress artifact (percent of shards done) and its updater; None outside a task."""
+    if TaskRunContext.get() is None:
+        return None
+    key = f"{step}-{name}-shards".lower().replace("_", "-").replace(".", "-")
+    artifact = create_progress_artifact(0.0, key=key, description=f"{step}: {total} shards")
+
+    def report(fraction: float) -> None:
+        update_progress_artifact(artifact, 100 * fraction)
+
+    return report
+
+
+def _publish_stage(step: str, key: str, results: list[StepResult], upstream: list[str]) -> None:
+    """One asset event for the stage (its shards' hashes folded in), and each artifact key once."""
+    digest = hashlib.sha256("".join(r.hash for r in results).encode()).hexdigest()[:16]
+    emit_event(
+        event="prefect.asset.materialization.succeeded",
+        resource={"prefect.resource.id": asset_key(key), "prefect.resource.name": step},
+        related=_related(upstream),
+        payload={
+            "hash": digest,
+            "num_shards": len(results),
+            "num_cached": sum(r.cached for r in results),
+        },
+    )
+    latest = {a["key"]: a for r in results for a in r.artifacts}  # the last shard's per key
+    if len(latest) > MAX_RELATED:
+        log.warning("%s: %d artifact keys; publishing the first %d", step, len(latest), MAX_RELATED)
+    _publish_artifacts(list(latest.values())[:MAX_RELATED])

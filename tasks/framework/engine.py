@@ -1,0 +1,308 @@
+"""Where a mapped stage's shards run: a thread pool, a process pool or Ray, a bounded number at once.
+
+A mapped stage (``curate-normalize`` over 2,000 shards) is one Prefect task; inside it the
+engine runs the step once per shard, through the store exactly as the local path does
+(``Step.run``: the same function, the same content-addressed output per shard, its own
+``_COMMITTED`` marker and lineage). A shard whose output is committed is skipped, so a re-run of
+the stage (a Prefect retry, or a re-run after a killed worker) redoes only the shards without a
+marker. After the first failing shard no new shard starts; those in flight finish and commit.
+
+Progress (shards done of total) goes to the log every tenth of the stage or every few seconds,
+never once per shard, and to an optional callback (the Prefect progress artifact).
+
+``LLMFLOW_ENGINE_FAULT`` (tests only): ``{"kill_shard": NAME, "once": PATH, "log": LOG}`` makes
+the worker about to run shard NAME SIGKILL itself, once (PATH marks that it happened); each
+shard computed (not found committed) appends its name to LOG.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import functools
+import json
+import logging
+import multiprocessing
+import os
+import signal
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from llmflow.tasks.framework.errors import BadInputError
+from llmflow.tasks.framework.step import Step, StepResult
+from llmflow.tasks.framework.store import Store
+
+log = logging.getLogger("llmflow.engine")
+FAULT_ENV = "LLMFLOW_ENGINE_FAULT"
+
+# (output label, inputs) of one shard: what ``Step.run`` takes besides the config
+ShardCall = tuple[str, dict[str, Any]]
+
+
+def run_shard(
+    step: Step, config: Any, root: str, name: str, inputs: dict, run_info: dict
+) -> StepResult:
+    """One shard through the store: the worker side of every engine."""
+    fault = json.loads(os.environ.get(FAULT_ENV) or "{}")
+    if fault.get("kill_shard") == name and not Path(fault["once"]).exists():
+        Path(fault["once"]).write_text(str(os.getpid()))
+        os.kill(os.getpid(), signal.SIGKILL)
+    result = step.run(Store(root), config, name, inputs, run_info)
+    if fault.get("log") and not result.cached:
+        with open(fault["log"], "a") as f:
+            f.write(f"{step.name} {name}\n")
+    return result
+
+
+class Progress:
+    """Shards done of total, logged every ``fraction`` of the stage or ``every_s`` seconds."""
+
+    def __init__(
+        self,
+        label: str,
+        total: int,
+        report: Callable[[float], None] | None = None,
+        every_s: float = 10.0,
+        fraction: float = 0.1,
+    ):
+        self.label, self.total, self.report = label, total, report
+        self.every_s, self.step = every_s, max(1, int(total * fraction))
+        self.done = self.cached = 0
+        self.started = self.last = time.monotonic()
+        self.next_mark = self.step
+
+    def advance(self, result: StepResult) -> None:
+        self.done += 1
+        self.cached += result.cached
+        now = time.monotonic()
+        if self.done < self.total and self.done < self.next_mark and now - self.last < self.every_s:
+            return
+        self.last, self.next_mark = now, self.done + self.step
+        log.info(
+            "%s: %d/%d shards (%d%%, %d cached) in %.1f s",
+            self.label,
+            self.done,
+            self.total,
+            100 * self.done // max(1, self.total),
+            self.cached,
+            now - self.started,
+        )
+        if self.report is not None:
+            self.report(self.done / max(1, self.total))
+
+
+class Engine:
+    """Runs ``run_shard`` over a stage's shards, at most ``limit`` at once, in shard order."""
+
+    limit = 1
+
+    def run_stage(
+        self,
+        step: Step,
+        config: Any,
+        root: str,
+        shards: list[ShardCall],
+        run_info: dict[str, Any] | None = None,
+        progress: Progress | None = None,
+    ) -> list[StepResult]:
+        """Every shard's result, in order; raises after the in-flight shards finish if any
+        failed (a ``BadInputError`` first, since a retry would fail the same way)."""
+        self.prepare(step, config)
+        run_info = run_info or {}
+        results: list[StepResult | None] = [None] * len(shards)
+        failures: dict[int, BaseException] = {}
+        pending: dict[Any, int] = {}
+        todo = iter(enumerate(shards))
+        while True:
+            while not failures and len(pending) < self.limit:
+                item = next(todo, None)
+                if item is None:
+                    break
+                index, (name, inputs) = item
+                pending[self.submit(step, config, root, name, inputs, run_info)] = index
+            if not pending:
+                break
+            for handle, value in self.wait(list(pending)):
+                index = pending.pop(handle)
+                if isinstance(value, BaseException):
+                    failures[index] = value
+                    continue
+                results[index] = value
+                if progress is not None:
+                    progress.advance(value)
+        if failures:
+            raise _stage_error(step, shards, failures, results)
+        return results  # type: ignore[return-value]
+
+    def prepare(self, step: Step, config: Any) -> None:
+        """Before a stage's first shard (ship the step to the workers once)."""
+
+    def submit(self, step, config, root, name, inputs, run_info) -> Any:
+        raise NotImplementedError
+
+    def wait(self, handles: list[Any]) -> Iterable[tuple[Any, StepResult | BaseException]]:
+        """At least one finished handle, with its result or its error."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release the workers (and a Ray cluster this engine started)."""
+
+
+def _stage_error(
+    step: Step, shards: list[ShardCall], failures: dict[int, BaseException], results: list
+) -> BaseException:
+    done = sum(r is not None for r in results)
+    names = ", ".join(shards[i][0] for i in sorted(failures)[:5])
+    log.error(
+        "%s: %d of %d shards failed (%s); %d committed, %d not started: a re-run redoes only the "
+        "shards without a marker",
+        step.name,
+        len(failures),
+        len(shards),
+        names,
+        done,
+        len(shards) - done - len(failures),
+    )
+    bad = [e for e in failures.values() if isinstance(e, BadInputError)]
+    return (bad or list(failures.values()))[0]
+
+
+def _futures_wait(handles: list[cf.Future]):
+    done, _ = cf.wait(handles, return_when=cf.FIRST_COMPLETED)
+    for future in done:
+        error = future.exception()
+        yield future, error if error is not None else future.result()
+
+
+class ThreadEngine(Engine):
+    """Shards on a thread pool in this process (the step functions release the GIL in Arrow)."""
+
+    def __init__(self, max_workers: int | None = None):
+        self.pool = cf.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="shard")
+        self.limit = 2 * self.pool._max_workers
+
+    def submit(self, step, config, root, name, inputs, run_info):
+        return self.pool.submit(run_shard, step, config, root, name, inputs, run_info)
+
+    def wait(self, handles):
+        return _futures_wait(handles)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+
+class ProcessEngine(Engine):
+    """Shards on a pool of spawned processes; the step goes over once per stage (cloudpickle:
+    a declared step's function is shadowed by its ``Step`` in its module)."""
+
+    def __init__(self, max_workers: int | None = None):
+        context = multiprocessing.get_context("spawn")
+        self.pool = cf.ProcessPoolExecutor(max_workers=max_workers, mp_context=context)
+        self.limit = 2 * self.pool._max_workers
+        self.payload = b""
+
+    def prepare(self, step, config):
+        import cloudpickle
+
+        self.payload = cloudpickle.dumps((step, config))
+
+    def submit(self, step, config, root, name, inputs, run_info):
+        return self.pool.submit(_pickled_shard, self.payload, root, name, inputs, run_info)
+
+    def wait(self, handles):
+        return _futures_wait(handles)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+
+@functools.lru_cache(maxsize=4)
+def _unpickle(payload: bytes) -> tuple[Step, Any]:
+    import cloudpickle
+
+    return cloudpickle.loads(payload)
+
+
+def _pickled_shard(payload: bytes, root, name, inputs, run_info) -> StepResult:
+    step, config = _unpickle(payload)
+    return run_shard(step, config, root, name, inputs, run_info)
+
+
+class RayEngine(Engine):
+    """Shards as Ray tasks, at most ``max_in_flight`` submitted at once (``ray.wait``).
+
+    ``address='local'`` starts a Ray cluster on 127.0.0.1 with this machine's cores (shut down
+    by ``close``); a Ray already initialised in this process is used and left running. Ray does
+    not retry a shard itself (``max_retries=0``): a killed worker fails the stage, and its retry
+    redoes only the shards without a marker, as on every engine.
+    """
+
+    def __init__(self, address: str = "local", max_in_flight: int | None = None, cpus: float = 1):
+        import ray
+
+        from llmflow.tasks.pretrain.ray_launch import check_reachable, worker_env
+
+        self.started = False
+        if not ray.is_initialized():
+            check_reachable(address)
+            env = {"env_vars": worker_env(dict(os.environ))}
+            if address == "local":
+                # NOTE: loopback only; a cluster on the machine's address would be reachable
+                # from its network, and Ray's usage report would try to phone home.
+                os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+                ray.init(
+                    num_cpus=os.cpu_count(),
+                    include_dashboard=False,
+                    _node_ip_address="127.0.0.1",
+                    runtime_env=env,
+                )
+            else:
+                ray.init(address=address, runtime_env=env)
+            self.started = True
+        self.ray = ray
+        self.cpus = cpus
+        self.limit = max_in_flight or max(2, 2 * int(ray.cluster_resources().get("CPU", 1)))
+        self.remote = ray.remote(run_shard).options(num_cpus=cpus, max_retries=0)
+        self.refs: tuple[Any, Any] | None = None
+
+    def prepare(self, step, config):
+        self.refs = (self.ray.put(step), self.ray.put(config))
+
+    def submit(self, step, config, root, name, inputs, run_info):
+        step_ref, config_ref = self.refs
+        return self.remote.remote(step_ref, config_ref, root, name, inputs, run_info)
+
+    def wait(self, handles):
+        ready, _ = self.ray.wait(handles, num_returns=1)
+        for ref in ready:
+            try:
+                yield ref, self.ray.get(ref)
+            except Exception as err:  # a RayTaskError is also an instance of its cause's class
+                yield ref, err
+
+    def close(self) -> None:
+        if self.started:
+            self.ray.shutdown()
+            self.started = False
+
+
+def make_engine(runner: Any) -> Engine:
+    """The engine of a ``RunnerConfig``: threads, processes or ray."""
+    if runner.kind == "threads":
+        return ThreadEngine(runner.max_workers)
+    if runner.kind == "processes":
+        return ProcessEngine(runner.max_workers)
+    if runner.kind == "ray":
+        try:
+            import ray  # noqa: F401
+        except ImportError as err:
+            raise BadInputError(
+                "runner.kind='ray' needs the optional extra: pip install 'llmflow[ray]'"
+            ) from err
+        cfg = runner.ray
+        return RayEngine(cfg.address, cfg.max_in_flight, cfg.cpus_per_shard)
+    raise BadInputError(
+        f"runner.kind={runner.kind!r} has no stage engine: set runner.fan_out=shard "
+        "(one Prefect task per shard on its task runner)"
+    )

@@ -1,0 +1,150 @@
+"""Stage engines run a mapped step's shards through the store as the sequential walk does: the
+same outputs, a bounded number at once, a failure that stops new shards and a re-run that redoes
+only the shards without a marker; progress in a few lines; a stage linked as one asset."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+from pydantic import BaseModel
+
+from llmflow.tasks.config import RunnerConfig
+from llmflow.tasks.framework.engine import (
+    ProcessEngine,
+    Progress,
+    ThreadEngine,
+    make_engine,
+)
+from llmflow.tasks.framework.errors import BadInputError
+from llmflow.tasks.framework.executor import Executor, Mapped
+from llmflow.tasks.framework.graph import Graph
+from llmflow.tasks.framework.stage_overhead import OverheadShards, overhead_shards
+from llmflow.tasks.framework.step import Metrics, StepResult, step
+
+
+class FailAt(BaseModel):
+    fail_at: int = -1
+
+
+@step("engine-double")
+def double(cfg: FailAt, shard: Path, out: Path) -> Metrics:
+    """The shard's number doubled; a BadInputError at shard ``fail_at``."""
+    (i,) = pq.read_table(shard).column("i").to_pylist()
+    if i == cfg.fail_at:
+        raise BadInputError(f"shard {i} is bad")
+    (out / "value.json").write_text(json.dumps({"value": 2 * i, "pid": os.getpid()}))
+    return {"value": 2 * i}
+
+
+def graph_of(num_shards: int, fail_at: int = -1) -> tuple[Graph, object]:
+    graph = Graph()
+    source = graph.add(overhead_shards, OverheadShards(num_shards=num_shards), "n")
+    return graph, graph.add(double, FailAt(fail_at=fail_at), "n", map_over="shard", shard=source)
+
+
+def values(root: Path) -> dict[str, int]:
+    return {
+        p.parent.name: json.loads(p.read_text())["value"]
+        for p in root.glob("engine-double/*/value.json")
+    }
+
+
+def test_thread_engine_gives_the_sequential_walks_outputs(tmp_path):
+    graph, node = graph_of(12)
+    reference = Executor(str(tmp_path / "seq")).run(graph)[node]
+    engine = ThreadEngine(2)
+    try:
+        mapped = Executor(str(tmp_path / "thr"), engine=engine).run(graph)[node]
+    finally:
+        engine.close()
+    assert isinstance(mapped, Mapped) and mapped.labels == reference.labels
+    assert [r.hash for r in mapped.results] == [r.hash for r in reference.results]
+    assert (
+        values(tmp_path / "thr") == values(tmp_path / "seq") and len(values(tmp_path / "seq")) == 12
+    )
+    assert mapped.seconds is not None
+
+
+def test_a_failing_shard_stops_new_shards_and_those_in_flight_commit(tmp_path):
+    graph, _ = graph_of(40, fail_at=5)
+    engine = ThreadEngine(1)  # two in flight: after shard 5 fails, at most shard 6 finishes
+    root = tmp_path / "store"
+    try:
+        with pytest.raises(BadInputError, match="shard 5 is bad"):
+            Executor(str(root), engine=engine).run(graph)
+    finally:
+        engine.close()
+    done = sorted(p.parent.name for p in root.glob("engine-double/*/_COMMITTED"))
+    assert [name.split("-")[2] for name in done][:5] == [f"{i:06d}" for i in range(5)]
+    assert len(done) in (5, 6)
+
+
+def test_rerun_after_a_failure_keeps_committed_shards(tmp_path):
+    """The same config again, once the cause is gone (a flag file): only uncommitted shards run."""
+    graph, node = graph_of(30)
+    root = tmp_path / "store"
+    engine = ThreadEngine(1)
+    try:
+        Executor(str(root), engine=engine).run(graph)
+        committed = sorted(root.glob("engine-double/*/_COMMITTED"))
+        for marker in committed[10:]:  # as if the stage died after 10 shards
+            marker.unlink()
+        mapped = Executor(str(root), engine=engine).run(graph)[node]
+    finally:
+        engine.close()
+    assert sum(r.cached for r in mapped.results) == 10
+    assert sum(not r.cached for r in mapped.results) == 20
+    assert len(values(root)) == 30
+
+
+def test_process_engine_runs_shards_in_other_processes(tmp_path):
+    graph, node = graph_of(6)
+    engine = ProcessEngine(2)
+    try:
+        mapped = Executor(str(tmp_path / "p"), engine=engine).run(graph)[node]
+    finally:
+        engine.close()
+    reference = Executor(str(tmp_path / "seq")).run(graph)[node]
+    assert [r.hash for r in mapped.results] == [r.hash for r in reference.results]
+    pids = {json.loads(p.read_text())["pid"] for p in (tmp_path / "p").glob("*/*/value.json")}
+    assert pids and os.getpid() not in pids
+
+
+def test_progress_logs_a_line_per_tenth_not_per_shard(caplog):
+    reports: list[float] = []
+    progress = Progress("stage x", 1000, reports.append, every_s=3600)
+    result = StepResult("s", "u", "h", False, 0.0)
+    with caplog.at_level(logging.INFO, logger="llmflow.engine"):
+        for _ in range(1000):
+            progress.advance(result)
+    lines = [r.getMessage() for r in caplog.records if r.name == "llmflow.engine"]
+    assert len(lines) == 10 and lines[-1].startswith("stage x: 1000/1000 shards (100%")
+    assert reports == [pytest.approx(k / 10) for k in range(1, 11)]
+
+
+def test_stage_summary_is_its_wall_time_not_the_shards_summed():
+    shards = [StepResult("s", f"u{i}", "h", False, 2.0) for i in range(10)]
+    assert Mapped(["a"] * 10, shards, seconds=3.0).summary("s").seconds == 3.0
+    assert Mapped(["a"] * 10, shards).summary("s").seconds == 20.0
+
+
+def test_an_event_links_at_most_100_assets():
+    from llmflow.tasks.framework.prefect_task import MAX_RELATED, _related
+
+    shards = [f"/r/curate-minhash/q-shard-{i:05d}-abc" for i in range(2000)]
+    related = _related(shards + ["/r/curate-filter/q-x"])
+    assert [r["prefect.resource.id"] for r in related] == [
+        "file:///r/curate-minhash",
+        "file:///r/curate-filter",
+    ]
+    assert len(_related([f"/r/s{i}/x" for i in range(500)])) == MAX_RELATED
+
+
+def test_unknown_engine_kind_names_the_field():
+    with pytest.raises(BadInputError, match=r"runner.kind='dask' has no stage engine"):
+        make_engine(RunnerConfig(kind="dask"))
