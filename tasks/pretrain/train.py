@@ -55,7 +55,7 @@ from llmflow.tasks.pretrain.guard import StabilityGuard
 from llmflow.tasks.pretrain.init_weights import is_weights_only, load_weights
 from llmflow.tasks.pretrain.launch import die_with_launcher
 from llmflow.tasks.pretrain.optim import build_optimizers, set_lr
-from llmflow.tasks.pretrain.parallel import tp
+from llmflow.tasks.pretrain.parallel import pp, tp  # pp: pipeline parallelism
 from llmflow.tasks.pretrain.parallel.mesh import build_mesh
 from llmflow.tasks.pretrain.preemption import Preemption
 from llmflow.tasks.pretrain.schedule import lr_multiplier, micro_batch_size, steps_for_tokens
@@ -99,6 +99,12 @@ class Trainer:
         self.fsdp_ranks = self.layout.dp * self.layout.cp if rt.distributed else 1
         self.compute_dtype = cfg.compute_dtype(rt.device.type)
         self.model = self._build_model()
+        # PP: this rank's stage runs the step's micro-batches through the schedule (pp.py)
+        self.pipeline = (
+            pp.PipelineRunner.on_mesh(self.model, self.mesh, rt.device, self.layout.pp_schedule)
+            if self.layout.pp > 1
+            else None
+        )
         self.optimizers = build_optimizers(self.model, cfg.optimizer)
         self.base_lrs = [[g["base_lr"] for g in o.param_groups] for o in self.optimizers]
         self.loss_fn = functools.partial(model_loss, z_loss_weight=cfg.z_loss)
@@ -130,6 +136,8 @@ class Trainer:
         rt, cfg = self.runtime, self.cfg
         with torch.device("meta"):
             model = Transformer(self.model_config)
+        if self.layout.pp > 1:  # PP: keep this rank's stage, full-model names (pp.py)
+            model = pp.build_stage(model, self.mesh.rank("pp"), self.layout.pp, cfg.z_loss)
         if self.layout.tp > 1:  # torchtitan's order: TP, activation checkpointing, compile, FSDP
             tp.apply_tp(model, self.mesh["tp"])
         apply_activation_checkpointing(
@@ -261,6 +269,10 @@ class Trainer:
             device=rt.device,
         )
         num_valid, num_tokens = self._dp_sum(totals).tolist()
+        if self.pipeline is not None:  # PP: the schedule runs all micro-batches (pp.py)
+            with self.autocast:
+                loss_sum = self.pipeline.step(batches, self.fsdp_ranks / max(num_valid, 1))
+            return self._dp_sum(loss_sum).item() / max(num_valid, 1), int(num_tokens)
         loss_sum = torch.zeros((), dtype=torch.float64, device=rt.device)
         for batch, count in zip(batches, counts, strict=True):
             batch = {k: v.to(rt.device, non_blocking=True) for k, v in batch.items()}
@@ -276,6 +288,8 @@ class Trainer:
     def clip_gradients(self) -> float:
         """Clip the (possibly sharded) gradients; return the global norm before clipping."""
         max_norm = self.cfg.optimizer.grad_clip or float("inf")
+        if self.pipeline is not None:  # PP: the norm over every stage's gradients (pp.py)
+            return self.pipeline.clip_grad_norm_(max_norm)
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=True)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,9 @@ from llmflow.model.attention import document_ids, document_mask
 from llmflow.model.loss import IGNORE_INDEX, linear_cross_entropy
 from llmflow.model.transformer import Transformer
 from llmflow.tasks.framework.errors import ConfigError
+
+if TYPE_CHECKING:
+    from llmflow.tasks.pretrain.parallel.mesh import Mesh
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
@@ -255,6 +258,35 @@ class PipelineRunner:
         self._grad_scale = 1.0
         self._loss_sums: list[Tensor] = []
 
+    @classmethod
+    def on_mesh(
+        cls, stage: TransformerStage, mesh: Mesh, device: torch.device, schedule: str
+    ) -> PipelineRunner:
+        """The runner of this rank's stage on the trainer's mesh (collective: every rank calls
+        it, as it makes the tied-embedding groups)."""
+        tied = tied_group(mesh.world.mesh) if stage.cfg.tie_embeddings else None
+        pp = mesh.layout.pp
+        return cls(stage, mesh.rank("pp"), pp, mesh.group("pp"), device, schedule, tied)
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Clip by the global norm over all stages; return it (see `clip_grad_norm_`)."""
+        return clip_grad_norm_(self.stage, max_norm, self.group)
+
+    def gather_stages(self, full: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Every stage's full state dict (``full``, on each rank) merged on global rank 0, for
+        the final ``model.safetensors``; ``{}`` on other ranks (collective over the pipeline
+        group). A tied embedding comes from the first stage."""
+        state = {name: value.detach().cpu() for name, value in full.items()}
+        received: list[Any] | None = [None] * self.num_stages if self.stage_index == 0 else None
+        dist.gather_object(state, received, group=self.group, group_dst=0)
+        if dist.get_rank() != 0:
+            return {}
+        merged: dict[str, Tensor] = {}
+        for part in received or []:
+            for name, value in part.items():
+                merged.setdefault(name, value)
+        return merged
+
     def _schedule(self, key: tuple[Any, ...], num_microbatches: int) -> Any:
         if self._built is None or self._built[0] != key:
             stage = PipelineStage(
@@ -282,7 +314,8 @@ class PipelineRunner:
                 num_valid`` for the global token mean under FSDP's average over ``dp``.
 
         Returns:
-            This rank's float64 sum of ``mean_loss_i * count_i`` (0 except on the last stage).
+            The float64 sum of ``mean_loss_i * count_i`` over the micro-batches, on every stage
+            (summed over the pipeline group from the last stage).
         """
         ids = torch.cat([b["input_ids"] for b in batches]).to(self.device)
         positions = torch.cat([b["position_ids"] for b in batches]).to(self.device)
@@ -300,6 +333,7 @@ class PipelineRunner:
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for value in self._loss_sums[-len(batches) :]:
             total += value
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.group)
         return total
 
 
