@@ -34,6 +34,8 @@ CASES = {
         rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
         nope_interval=2,
     ),
+    # Every block recomputed in the backward pass (the all-gather runs again) on the CP ranks.
+    "checkpointed": dict(),
 }
 
 
@@ -67,9 +69,12 @@ def _cp_step(case: str, docs: str) -> dict:
     """One rank: the loss of its shard, weighted by its share of the tokens; summed over ranks."""
     import torch.distributed as dist
 
+    from llmflow.tasks.pretrain.distributed import apply_activation_checkpointing
     from llmflow.tasks.pretrain.parallel.cp import shard_batch
 
     model, group = _model(case), dist.group.WORLD
+    if case == "checkpointed":
+        apply_activation_checkpointing(model, "full")
     shard = shard_batch(_batch(docs), group)
     count = int((shard["labels"] != IGNORE_INDEX).sum())
     total = torch.tensor(float(count))
@@ -87,7 +92,7 @@ def _cp_step(case: str, docs: str) -> dict:
     grads = {}
     for name, param in model.named_parameters():
         dist.all_reduce(param.grad, group=group)
-        grads[name] = param.grad
+        grads[name.replace("_checkpoint_wrapped_module.", "")] = param.grad
     return {"loss": weighted.item(), "grads": grads, "count": count}
 
 
@@ -118,7 +123,12 @@ def _run_cp(tmp_path: Path, runs: list[tuple[str, str]], timeout: float = 120) -
     return [torch.load(f"{out}.{r}") for r in (0, 1)]
 
 
-RUNS = [("default", "packed"), ("yarn_nope", "packed"), ("default", "rows")]
+RUNS = [
+    ("default", "packed"),
+    ("yarn_nope", "packed"),
+    ("default", "rows"),
+    ("checkpointed", "packed"),
+]
 
 
 def test_two_cp_ranks_match_one_process(tmp_path):
