@@ -44,8 +44,8 @@ class Communication:
     tp_gb: float = 0.0
     """TP + SP: 4 all-gathers/reduce-scatters of b·(s/cp)·h per layer forward, 4 backward."""
     cp_gb: float = 0.0
-    """CP: all-gather of K and V per layer forward, again in the backward, and the
-    reduce-scatter of their gradients."""
+    """CP: all-gather of K and V per layer forward (again for a recomputed layer), the
+    reduce-scatter of their gradients backward."""
     fsdp_gb: float = 0.0
     """FSDP2: parameter all-gathers (forward and backward of each micro-batch), gradient
     reduce-scatter in float32 once per step, HSDP's all-reduce across replicas."""
@@ -110,7 +110,7 @@ def communication(
     tp_bytes = (8 + 4 * recomputed) * residual * (tp - 1) / tp * blocks * micro_batches
     kv = cfg.num_kv_heads * cfg.head_dim / tp
     gathered = 2 * micro_batch_size * seq_len * kv * activation_bytes  # K and V, whole sequence
-    cp_bytes = (3 + recomputed) * gathered * (cp - 1) / cp * blocks * micro_batches
+    cp_bytes = (2 + recomputed) * gathered * (cp - 1) / cp * blocks * micro_batches
     shards = layout.dp_shard * cp
     per_block = (cfg.num_parameters(non_embedding=True) - cfg.hidden_size) / cfg.num_layers
     params = (blocks * per_block + cfg.vocab_size * cfg.hidden_size) / tp
@@ -301,7 +301,7 @@ def _evaluate(model, layout, seq_len, micro, accum, ac, hardware, param_dtype_by
         param_dtype_bytes=param_dtype_bytes, optimizer=optimizer, fsdp=True,
         activation_checkpointing=ac, every_k=every_k, tp=layout.tp, cp=layout.cp, pp=layout.pp,
         dp_shard=layout.dp_shard, dp_replicate=layout.dp_replicate, micro_batches=accum,
-        pp_schedule=layout.pp_schedule,
+        pp_schedule=layout.pp_schedule, masked=True,
     )  # fmt: skip
     comm = communication(model, layout, seq_len=seq_len, micro_batch_size=micro,
                          micro_batches=accum, activation_bytes=param_dtype_bytes,

@@ -2,8 +2,9 @@
 
 The estimates are the standard ones: 6N + 12·L·C·T FLOPs per token (Kaplan et al. 2020, PaLM
 appendix B), Chinchilla's 20 tokens per parameter (Hoffmann et al. 2022), and activation memory
-counted tensor by tensor for this model's block (in the spirit of Korthikanti et al. 2022, with
-flash attention, so no T×T score matrix is kept).
+counted tensor by tensor for this model's block (Korthikanti et al. 2022 redone for RMSNorm,
+GQA, SDPA and SwiGLU: `block_activation_bytes`), per GPU of a TP/CP/PP/FSDP2 layout
+(`memory_per_gpu`). Choosing the layout is `layout_planner`'s.
 """
 
 from __future__ import annotations
@@ -198,20 +199,56 @@ def loss_buffer_bytes(cfg: ModelConfig, tokens: int, tp: int = 1) -> float:
     return (8 * min(rows, tokens) * cfg.vocab_size + 4 * cfg.vocab_size * cfg.hidden_size) / tp
 
 
-def cp_gathered_bytes(
-    cfg: ModelConfig, seq_len: int, micro_batch_size: int, activation_bytes: int, tp: int, cp: int
-) -> float:
-    """Context parallelism's all-gathered K and V of the layer being computed, (b, kv/tp, s, d)
-    each over the whole sequence, and in the backward pass their gradients beside them before
-    the reduce-scatter: one layer's at a time (0 without CP).
+@dataclass
+class AttentionExtra:
+    """What attention keeps beyond `block_activation_bytes` under a mask or CP, bytes."""
 
-    NOTE: this assumes the gathered K/V are not saved for the backward pass (gathered again
-    there, as Llama 3's all-gather CP does); saving them would add this per layer.
+    per_layer: float = 0.0
+    """Kept by every block that is not recomputed (one block's worth when recomputed)."""
+    once: float = 0.0
+    """Held through the step once, for all layers (the boolean mask)."""
+
+
+def attention_extra_bytes(
+    cfg: ModelConfig,
+    *,
+    seq_len: int,
+    micro_batch_size: int,
+    activation_bytes: int,
+    tp: int = 1,
+    cp: int = 1,
+    masked: bool = False,
+    device_type: str = "cuda",
+) -> AttentionExtra:
+    """The attention's memory that `block_activation_bytes` leaves out: that of masks and of
+    context parallelism, for ``micro_batch_size`` rows of ``seq_len`` tokens (s/cp per rank).
+
+    ``masked``: rows hold several documents, so every layer attends under a block-diagonal
+    mask (always so under CP: ``SequenceShard.mask``). Following ``model/attention.py`` and
+    ``tasks/pretrain/parallel/cp.py``:
+
+    - CP all-gathers K and V over the whole rows, and SDPA saves its inputs: every layer keeps
+      them at full s (``2·b·s·kv/tp``) instead of its local s/cp;
+    - on CUDA under a mask, k and v are expanded to the query heads before SDPA (its fused
+      kernels take grouped k/v only without a mask): every layer keeps ``2·b·s·(a·d)/tp``; and
+      SDPA turns the boolean mask into an additive bias of the activations' dtype for the
+      memory-efficient kernel, which saves it: ``b·(s/cp)·s`` values per layer.
+      NOTE: at long s that bias dominates (32k, cp=4: 0.54 GB per layer in bf16); a varlen or
+      flex-attention path would remove it and the k/v expansion;
+    - the boolean mask, ``b·(s/cp)·s`` bytes, is held once for all layers.
     """
-    if cp == 1:
-        return 0.0
+    if not masked and cp == 1:
+        return AttentionExtra()
+    b, local, p = micro_batch_size, seq_len / cp, activation_bytes
     kv = cfg.num_kv_heads * cfg.head_dim / tp
-    return 2 * 2 * micro_batch_size * seq_len * kv * activation_bytes
+    local_kv = 2 * b * local * kv * p  # already in block_activation_bytes
+    extra = AttentionExtra(once=b * local * seq_len)
+    if device_type == "cuda":  # masked (CP always is): expanded k/v and the additive bias
+        heads = cfg.num_heads * cfg.head_dim / tp
+        extra.per_layer = 2 * b * seq_len * heads * p - local_kv + b * local * seq_len * p
+    elif cp > 1:
+        extra.per_layer = 2 * b * seq_len * kv * p - local_kv
+    return extra
 
 
 def memory_per_gpu(
@@ -232,6 +269,8 @@ def memory_per_gpu(
     dp_replicate: int = 1,
     micro_batches: int = 1,
     pp_schedule: str = "1f1b",
+    masked: bool = False,
+    device_type: str = "cuda",
 ) -> MemoryEstimate:
     """Weights, gradients, optimizer states and activations on one GPU, and their peak together,
     for the layout ``dp_replicate x dp_shard x cp x tp x pp = num_gpus``.
@@ -247,7 +286,7 @@ def memory_per_gpu(
     ``dp_shard`` defaults to the GPUs the other degrees leave.
 
     Activations (`activation_bytes_per_token`) are for ``micro_batch_size x seq_len / cp``
-    tokens per micro-batch, with CP's gathered K/V (`cp_gathered_bytes`) on top and the loss's
+    tokens per micro-batch, with what masks and CP add (`attention_extra_bytes`) and the loss's
     buffers vocab-parallel over tp (`loss_buffer_bytes`). With pipeline parallelism the first
     stage holds the activations of the micro-batches in flight (1F1B: min(pp, micro_batches);
     GPipe: all ``micro_batches``) and the last the loss; the fuller of the two is counted.
@@ -291,12 +330,15 @@ def memory_per_gpu(
         gradients += root / tp * param_dtype_bytes
         reducing = (per_block + root / shards) / tp * param_dtype_bytes
     tokens = micro_batch_size * seq_len / cp
+    extra = attention_extra_bytes(
+        cfg, seq_len=seq_len, micro_batch_size=micro_batch_size,
+        activation_bytes=param_dtype_bytes, tp=tp, cp=cp, masked=masked, device_type=device_type,
+    )  # fmt: skip
     activations = _stage_activations(
         cfg, tokens, param_dtype_bytes, activation_checkpointing, every_k, tp, pp,
-        micro_batches, pp_schedule,
+        micro_batches, pp_schedule, extra,
     )  # fmt: skip
-    activations += cp_gathered_bytes(cfg, seq_len, micro_batch_size, param_dtype_bytes, tp, cp)
-    first_block = tokens * block_activation_bytes(cfg, param_dtype_bytes, tp)
+    first_block = tokens * block_activation_bytes(cfg, param_dtype_bytes, tp) + extra.per_layer
     backward_end = gradients + reducing + first_block
     return MemoryEstimate(
         weights_gb=weights / GB,
@@ -317,20 +359,25 @@ def _stage_activations(
     pp: int,
     micro_batches: int,
     pp_schedule: str,
+    extra: AttentionExtra | None = None,
 ) -> float:
     """Activations of the fullest pipeline stage at the loss's forward pass (the whole model
     without PP): blocks, embedding output, the loss's hidden-state gradient and buffers."""
+    extra = extra or AttentionExtra()
+    recomputed = checkpointed_blocks(cfg, activation_checkpointing, every_k)
+    kept_layers = cfg.num_layers - recomputed + (1 if recomputed else 0)
     whole = tokens * activation_bytes_per_token(
         cfg, activation_bytes, activation_checkpointing, every_k, tp
     )
-    loss = loss_buffer_bytes(cfg, int(tokens), tp)
+    whole += kept_layers * extra.per_layer
+    loss = loss_buffer_bytes(cfg, int(tokens), tp) + extra.once
     if pp == 1:
         return whole + loss
     c = cfg.hidden_size
     ends = tokens * (c / tp + c) * activation_bytes  # embedding output, hidden-state gradient
     stage = (whole - ends) * math.ceil(cfg.num_layers / pp) / cfg.num_layers
     in_flight = micro_batches if pp_schedule == "gpipe" else min(pp, micro_batches)
-    first = in_flight * (stage + tokens * c / tp * activation_bytes)
+    first = in_flight * (stage + tokens * c / tp * activation_bytes) + extra.once
     last_in_flight = micro_batches if pp_schedule == "gpipe" else 1
     last = last_in_flight * (stage + tokens * c * activation_bytes) + loss
     return max(first, last)
@@ -361,6 +408,7 @@ def plan(
     activation_checkpointing: bool | str = False,
     every_k: int = 2,
     layout=None,
+    masked: bool = False,
 ) -> Plan:
     """Estimate a pretraining run and say whether it fits in GPU memory.
 
@@ -381,6 +429,8 @@ def plan(
             block), "selective" (every ``every_k``-th block), False or "none".
         every_k: the selective interval.
         layout: a resolved ``parallel.config.Layout`` of the `num_gpus` (None: FSDP over all).
+        masked: rows hold several documents: attention runs under a mask, on CUDA
+            (`attention_extra_bytes`).
     """
     _check_positive(seq_len=seq_len, global_batch_tokens=global_batch_tokens,
                     num_tokens=num_tokens, num_gpus=num_gpus, gpu_mem_gb=gpu_mem_gb, mfu=mfu,
@@ -388,7 +438,7 @@ def plan(
     memory_kwargs = dict(
         seq_len=seq_len, micro_batch_size=micro_batch_size, num_gpus=num_gpus,
         param_dtype_bytes=param_dtype_bytes, optimizer=optimizer, fsdp=fsdp,
-        activation_checkpointing=activation_checkpointing, every_k=every_k,
+        activation_checkpointing=activation_checkpointing, every_k=every_k, masked=masked,
     )  # fmt: skip
     if layout is not None and not layout.is_plain:
         memory_kwargs.update(tp=layout.tp, cp=layout.cp, pp=layout.pp, dp_shard=layout.dp_shard,
@@ -541,6 +591,7 @@ def recipe_plan(
         activation_checkpointing=train.activation_checkpointing,
         every_k=train.activation_checkpointing_every_k,
         layout=layout,
+        masked=True,  # packed rows hold several documents
     )
 
 
@@ -567,6 +618,7 @@ def extension_memory(pretrain, extend, hardware, num_gpus: int | None = None) ->
             every_k=train.activation_checkpointing_every_k, tp=layout.tp, cp=layout.cp,
             pp=layout.pp, dp_shard=layout.dp_shard, dp_replicate=layout.dp_replicate,
             micro_batches=train.batch.grad_accum_steps, pp_schedule=layout.pp_schedule,
+            masked=True,
         )  # fmt: skip
         fits = memory.total_gb <= HEADROOM * hardware.gpu_mem_gb
         where = "" if layout.is_plain else f" at tp={layout.tp} cp={layout.cp} pp={layout.pp}"

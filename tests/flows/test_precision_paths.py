@@ -119,4 +119,6 @@ def _float32_statistics_gb(model, config) -> float:
     per_token = activation_bytes_per_token(  # 0 bytes per value: what stays float32
         model, 0, train.activation_checkpointing, train.activation_checkpointing_every_k
     )
-    return per_token * train.batch.micro_batch_size * seq / 1e9
+    micro = train.batch.micro_batch_size
+    bool_mask = micro * seq * seq  # packed rows: one boolean document mask, 1 byte
+    return (per_token * micro * seq + bool_mask) / 1e9

@@ -89,8 +89,19 @@ def test_layout_memory_by_hand():
     block = block_activation_bytes(cfg, p, 2)
     first = 2 * tokens * (2 * block + H / 2 * p)  # 2 in flight: 2 blocks + embedding output
     last = tokens * (2 * block + H * p) + loss_buffer_bytes(cfg, int(tokens), 2)
-    gathered = 2 * 2 * 2 * 256 * KV / 2 * p  # K, V and their gradients over the whole sequence
-    assert m.activations_gb == pytest.approx((max(first, last) + gathered) / GB)
+    # CP (on CUDA): every layer keeps K and V of the whole rows expanded to the query heads
+    # (instead of its local KV heads) and the (s/cp) x s additive mask; the bool mask once
+    per_layer = 2 * 2 * 256 * H / 2 * p - 2 * 2 * 128 * KV / 2 * p + 2 * 128 * 256 * p
+    mask = 2 * 128 * 256
+    first += 2 * 2 * per_layer + mask  # 2 layers, 2 micro-batches in flight
+    last += 2 * per_layer + mask
+    assert m.activations_gb == pytest.approx(max(first, last) / GB)
+    cpu = memory_per_gpu(cfg, tp=2, cp=2, pp=2, dp_shard=2, micro_batches=4, device_type="cpu",
+                         **kwargs)  # fmt: skip
+    gathered = 2 * 2 * 256 * KV / 2 * p - 2 * 2 * 128 * KV / 2 * p  # native GQA: KV heads
+    assert cpu.activations_gb == pytest.approx(
+        (m.activations_gb * GB - 2 * 2 * (per_layer - gathered)) / GB
+    )
     gpipe = memory_per_gpu(cfg, tp=2, cp=2, pp=2, dp_shard=2, micro_batches=4,
                            pp_schedule="gpipe", **kwargs)  # fmt: skip
     assert gpipe.activations_gb > m.activations_gb  # all 4 micro-batches in flight
@@ -160,7 +171,7 @@ def test_communication_by_hand():
     residual = 2 * 128 * H * p  # b x s/cp x h
     assert c.tp_gb * GB == pytest.approx(8 * residual * (1 / 2) * 4 * 3)  # 4 layers, 3 micro
     kv = 2 * 2 * 256 * KV / 2 * p  # K and V over the whole sequence, kv heads / tp
-    assert c.cp_gb * GB == pytest.approx(3 * kv * (1 / 2) * 4 * 3)  # gather, regather, RS
+    assert c.cp_gb * GB == pytest.approx(2 * kv * (1 / 2) * 4 * 3)  # gather, reduce-scatter
     assert c.pp_gb == 0
     full = communication(cfg, layout, seq_len=256, micro_batch_size=2, micro_batches=3,
                          activation_bytes=p, activation_checkpointing="full")  # fmt: skip
@@ -218,21 +229,22 @@ def test_plain_fsdp_does_not_fit_the_long_stages():
 
 
 def test_tensor_parallelism_grows_until_the_layer_fits():
-    """On small GPUs with CP and PP fixed at 1, tp is the smallest that fits without
-    checkpointing, when one does."""
+    """On one node of small GPUs with CP and PP fixed at 1, tp is the smallest that fits with
+    the chosen checkpointing: half of it is over the GPU (and would cost less)."""
     config = _recipe()
     model = preset("3b")
     hw = config.hardware.model_copy(update={"nodes": 1})
     kwargs = dict(global_batch=8, fixed={"cp": 1, "pp": 1, "dp_replicate": 1})
     plan = choose_layout(model, 8192, 1, hw, gpu_mem_gb=24, **kwargs)
-    assert plan.fits and plan.activation_checkpointing == "none"
-    smaller = plan.layout.tp // 2
-    if smaller >= 1:
-        too_small = memory_per_gpu(model, seq_len=8192, micro_batch_size=1, num_gpus=8,
-                                   param_dtype_bytes=2, optimizer="adamw", fsdp=True,
-                                   activation_checkpointing="none", tp=smaller)  # fmt: skip
-        assert too_small.total_gb > HEADROOM * 24
-    assert plan.layout.tp > 1
+    assert plan.fits and plan.layout.tp > 1
+    assert model.num_heads % plan.layout.tp == 0 and model.num_kv_heads % plan.layout.tp == 0
+    smaller = memory_per_gpu(model, seq_len=8192, micro_batch_size=1, num_gpus=8,
+                             param_dtype_bytes=2, optimizer="adamw", fsdp=True,
+                             activation_checkpointing=plan.activation_checkpointing,
+                             tp=plan.layout.tp // 2, masked=True)  # fmt: skip
+    assert smaller.total_gb > HEADROOM * 24
+    at_80 = choose_layout(model, 8192, 1, hw, gpu_mem_gb=80, **kwargs)
+    assert at_80.layout.tp < plan.layout.tp or at_80.activation_checkpointing == "none"
 
 
 def test_a_fixed_layout_is_respected_and_a_bad_one_names_the_field():
