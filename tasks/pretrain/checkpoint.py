@@ -243,7 +243,7 @@ def save_checkpoint(
     """
     tmp = _prepare(path)
     model_sd, optim_sd = get_state_dict(model, optimizers)
-    tp.canonical_state(model, model_sd, optim_sd)  # the same files whatever the layout
+    model_sd, optim_sd, _ = tp.canonical_state(model, model_sd, optim_sd)  # any layout's files
     state = {"model": model_sd, "optim": optim_sd}
     with _no_space_named(tmp, path, state):
         with _quiet_single_process():
@@ -392,7 +392,7 @@ def start_async_save(
     started = time.perf_counter()
     tmp = _prepare(path)
     model_sd, optim_sd = get_state_dict(model, optimizers)
-    tp.canonical_state(model, model_sd, optim_sd)  # the same files whatever the layout
+    model_sd, optim_sd, _ = tp.canonical_state(model, model_sd, optim_sd)  # any layout's files
     group = _async_group()
     cuda = torch.cuda.is_available()
     stager = DefaultStager(StagingOptions(cuda, False, True, cuda))
@@ -467,7 +467,11 @@ def load_checkpoint(
         state = {"model": model_sd, "optim": optim_sd}
     else:  # NOTE: get_state_dict would give a fresh optimizer state (a fake step with lr=0).
         state = {"model": get_model_state_dict(model)}
-    replaced = tp.canonical_state(model, state["model"], state.get("optim"))
+    state["model"], optim_sd, replaced = tp.canonical_state(
+        model, state["model"], state.get("optim")
+    )
+    if optim_sd is not None:
+        state["optim"] = optim_sd
     with _quiet_single_process():
         dcp.load(state, checkpoint_id=str(path / "dcp"))
     tp.restore_order(model, state["model"], state.get("optim"), replaced)

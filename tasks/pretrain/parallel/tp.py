@@ -178,10 +178,17 @@ def _reorder(full: Tensor, order: Tensor) -> Tensor:
 
 def canonical_state(
     model: nn.Module, model_sd: dict[str, Tensor], optim_sd: dict | None = None
-) -> dict[str, Tensor]:
-    """Put the permuted parameters (and their optimizer state) of ``get_state_dict``'s dicts in
-    canonical row order, in place; return the tensor-parallel-ordered ones it replaced (by
-    name, ``optim/`` prefixed for optimizer state) for :func:`restore_order`."""
+) -> tuple[dict[str, Tensor], dict | None, dict[str, Tensor]]:
+    """``get_state_dict``'s dicts with the permuted parameters (and their optimizer state) in
+    canonical row order; also the tensor-parallel-ordered tensors they replaced (by name,
+    ``optim/`` prefixed for optimizer state) for :func:`restore_order`.
+
+    NOTE: new dicts: the optimizer state dict shares its per-parameter dicts with the optimizer,
+    which must keep stepping its own tensors.
+    """
+    model_sd = dict(model_sd)
+    if optim_sd is not None:
+        optim_sd = {**optim_sd, "state": dict(optim_sd.get("state", {}))}
     replaced = {}
     for name, order in permuted(model):
         if name not in model_sd:
@@ -189,12 +196,14 @@ def canonical_state(
         shape = model_sd[name].shape
         replaced[name] = model_sd[name]
         model_sd[name] = to_canonical(model_sd[name], order)
-        state = (optim_sd or {}).get("state", {}).get(name, {})
+        if optim_sd is None or name not in optim_sd["state"]:
+            continue
+        state = optim_sd["state"][name] = dict(optim_sd["state"][name])
         for key, value in state.items():
             if isinstance(value, Tensor) and value.shape == shape:
                 replaced[f"optim/{name}/{key}"] = value
                 state[key] = to_canonical(value, order)
-    return replaced
+    return model_sd, optim_sd, replaced
 
 
 def restore_order(
@@ -203,8 +212,8 @@ def restore_order(
     optim_sd: dict | None,
     replaced: dict[str, Tensor],
 ) -> None:
-    """After loading into :func:`canonical_state`'s dicts: copy the canonical tensors back into
-    the tensor-parallel-ordered ones and put those in their place (in place)."""
+    """After loading into :func:`canonical_state`'s dicts: copy the canonical tensors into the
+    tensor-parallel-ordered ones they replaced and put those back in their place (in place)."""
     for name, order in permuted(model):
         if name not in replaced:
             continue

@@ -4,6 +4,7 @@ between layouts (tp=2 -> dp_shard=2 and -> one process) continuing the uninterru
 from __future__ import annotations
 
 import importlib.util
+import shutil
 import time
 from pathlib import Path
 
@@ -52,3 +53,110 @@ def test_layout_refused_before_anything_starts(
     assert named in str(err.value)
     assert not dist.is_initialized()
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+# ----------------------------------------------------------------------------- moving layouts
+STEPS = 8
+
+
+def layout_config(parallel: dict, micro_batch: int, interval: int = 4):
+    """The tiny model (GQA, tied) for ``STEPS`` steps; global batch 4 sequences whatever the
+    layout (``micro_batch`` x data-parallel ranks)."""
+    return _helpers().tiny_config(
+        parallel=parallel,
+        batch={"micro_batch_size": micro_batch, "grad_accum_steps": 1},
+        max_steps=STEPS,
+        checkpoint={"interval": interval, "keep_last": 2},
+    )
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    """Uninterrupted runs: one process (the reference) and tp=2 on 2 processes."""
+    helpers, root = _helpers(), tmp_path_factory.mktemp("layouts")
+    data = helpers.make_packed(root / "data", num_docs=300, seed=0)
+    found = {"data": data, "one": root / "one", "tp2": root / "tp2"}
+    helpers.run_trainer(layout_config({}, 4), data, found["one"], timeout=300)
+    helpers.run_trainer(
+        layout_config({"tp": 2}, 4), data, found["tp2"], num_processes=2, timeout=300
+    )
+    return found
+
+
+def assert_losses_close(got: dict[int, float], expected: dict[int, float], steps) -> float:
+    worst = max(abs(got[s] - expected[s]) / abs(expected[s]) for s in steps)
+    assert worst <= 1e-4, (got, expected)
+    return worst
+
+
+@pytest.mark.slow
+def test_tp2_run_matches_one_process(runs):
+    helpers = _helpers()
+    expected, got = helpers.losses_by_step(runs["one"]), helpers.losses_by_step(runs["tp2"])
+    assert sorted(got) == list(range(1, STEPS + 1))
+    print(f"tp=2 vs one process, max loss rel diff {assert_losses_close(got, expected, got):.2e}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("parallel", "processes", "micro_batch"),
+    [({"dp_shard": 2}, 2, 2), ({}, 1, 4), ({"tp": 2}, 2, 4)],
+    ids=["to-dp_shard2", "to-one-process", "to-tp2"],
+)
+def test_tp2_checkpoint_resumes_at_another_layout(tmp_path, runs, parallel, processes, micro_batch):
+    """DCP reshards the step-4 checkpoint of the tp=2 run (weights and AdamW moments, in
+    canonical row order); the resumed run continues the uninterrupted one's losses."""
+    helpers = _helpers()
+    out = tmp_path / "resumed"
+    source = runs["tp2"] / "checkpoints" / "step-000004"
+    shutil.copytree(source, out / "checkpoints" / source.name)
+    proc = helpers.run_trainer(
+        layout_config(parallel, micro_batch), runs["data"], out, num_processes=processes
+    )
+    assert "resumed from" in proc.stdout and "step 4" in proc.stdout
+    got, expected = helpers.losses_by_step(out), helpers.losses_by_step(runs["one"])
+    assert sorted(got) == list(range(5, STEPS + 1))
+    worst = assert_losses_close(got, expected, got)
+    print(f"tp=2 step 4 -> {parallel or 'one process'}: max loss rel diff {worst:.2e}")
+
+
+@pytest.mark.slow
+def test_tp2_killed_resumes_bitwise(tmp_path, runs):
+    """kill -9 after step 5 (checkpoint at step 3): the rerun resumes from step 3 and ends on
+    the uninterrupted tp=2 run's weights and losses, bit for bit."""
+    helpers = _helpers()
+    out, cfg = tmp_path / "killed", layout_config({"tp": 2}, 4, interval=3)
+    proc = helpers.run_trainer(
+        cfg, runs["data"], out, num_processes=2, check=False, faults={"sigkill_after_step": 5}
+    )
+    assert proc.returncode != 0 and "SIGKILL after step 5" in proc.stdout + proc.stderr
+    assert not (out / "final").exists()
+    proc = helpers.run_trainer(cfg, runs["data"], out, num_processes=2)
+    assert "resumed from" in proc.stdout and "step 3" in proc.stdout
+    got, expected = helpers.losses_by_step(out), helpers.losses_by_step(runs["tp2"])
+    assert got == expected
+    final = (out / "final" / "model.safetensors").read_bytes()
+    assert final == (runs["tp2"] / "final" / "model.safetensors").read_bytes()
+
+
+@pytest.mark.slow
+def test_final_exports_the_same_from_tp2_and_one_process(tmp_path, runs):
+    """final/ holds canonical weights: the HF export of the tp=2 run equals one process's
+    (within the runs' float differences); q/k/v and gate/up rows in their places."""
+    from safetensors.torch import load_file
+
+    from llmflow.model.hf import export_hf
+    from llmflow.tasks.pretrain.config import TrainConfig
+
+    model_cfg = TrainConfig.load(runs["one"] / "train_config.json").model_config_obj()
+    exported = {}
+    for name in ("one", "tp2"):
+        export_hf(load_file(runs[name] / "final" / "model.safetensors"), model_cfg, tmp_path / name)
+        exported[name] = load_file(tmp_path / name / "model.safetensors")
+    assert exported["one"].keys() == exported["tp2"].keys()
+    worst = 0.0
+    for key, expected in exported["one"].items():
+        diff = (exported["tp2"][key] - expected).abs().max() / expected.abs().max()
+        worst = max(worst, float(diff))
+    print(f"HF export, tp=2 vs one process: max rel diff {worst:.2e}")
+    assert worst <= 1e-4
