@@ -208,7 +208,12 @@ def run_two_ranks(tmp_path: Path, schedule: str, tied: bool, z_loss: float = 0.0
 
 @pytest.mark.parametrize(
     ("schedule", "tied", "z_loss"),
-    [("gpipe", True, 0.0), ("1f1b", True, 0.0), ("1f1b", False, 1e-3), ("gpipe", False, 0.0)],
+    [
+        ("gpipe", True, 0.0),
+        ("1f1b", False, 1e-3),
+        pytest.param("1f1b", True, 0.0, marks=pytest.mark.slow),
+        pytest.param("gpipe", False, 0.0, marks=pytest.mark.slow),
+    ],
 )
 def test_pp2_matches_one_process(tmp_path, schedule, tied, z_loss):
     ranks = run_two_ranks(tmp_path, schedule, tied, z_loss)

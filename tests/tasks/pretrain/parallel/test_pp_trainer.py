@@ -1,0 +1,165 @@
+"""The trainer at pp=2 (two gloo ranks) against one process on the same global batch.
+
+pp=2 over 2 processes leaves one data-parallel rank, so both runs read the same micro-batches:
+the debug preset's tiny model, micro_batch_size 2 x grad_accum_steps 4 (one schedule
+micro-batch per accumulation step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/tasks/pretrain/conftest.py
+
+from conftest import (  # noqa: E402
+    losses_by_step,
+    make_packed,
+    read_jsonl,
+    run_trainer,
+    tiny_config,
+)
+
+STEPS = 10
+COMMON = dict(
+    max_steps=STEPS,
+    batch={"micro_batch_size": 2, "grad_accum_steps": 4},
+    checkpoint={"interval": 5, "keep_last": 2},
+)
+DEADLINE_S = 240
+
+
+def _pp(schedule: str) -> dict:
+    return {"pp": 2, "pp_schedule": schedule}
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
+
+
+# ------------------------------------------------------------- step-1 gradients (in process)
+def _worker(args: argparse.Namespace) -> None:
+    """Build the trainer, run step 1's forward/backward and clip; save gradients by name."""
+    from llmflow.tasks.pretrain.config import TrainConfig
+    from llmflow.tasks.pretrain.distributed import teardown_runtime
+    from llmflow.tasks.pretrain.train import Trainer
+
+    trainer = Trainer(TrainConfig.load(Path(args.config)), Path(args.data), Path(args.out))
+    loss, _ = trainer.forward_backward(trainer.next_batches(0))
+    grads = {}
+    for name, param in trainer.model.named_parameters():
+        grad = param.grad
+        grads[name] = grad.full_tensor() if hasattr(grad, "full_tensor") else grad.detach()
+    norm = trainer.clip_gradients()
+    rank = trainer.runtime.rank
+    torch.save({"loss": loss, "norm": norm, "grads": grads}, Path(args.out) / f"grads{rank}.pt")
+    teardown_runtime()
+
+
+def _step_one(cfg, data: Path, out: Path, processes: int) -> list[dict]:
+    out.mkdir(parents=True, exist_ok=True)
+    cfg.save(out / "train_config.json")
+    worker = [__file__, "--config", str(out / "train_config.json"), "--data", str(data)]
+    worker += ["--out", str(out)]
+    if processes == 1:
+        command = [sys.executable, *worker]
+    else:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        command += ["--nproc_per_node", str(processes), *worker]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        output, _ = proc.communicate(timeout=DEADLINE_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its ranks
+        output, _ = proc.communicate()
+        pytest.fail(f"step 1 on {processes} processes hung past {DEADLINE_S} s:\n{output[-3000:]}")
+    assert proc.returncode == 0, output[-5000:]
+    return [torch.load(out / f"grads{r}.pt") for r in range(processes)]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    return make_packed(tmp_path_factory.mktemp("pp_data") / "train", num_docs=300, seed=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pp2_step_one_gradients_match_one_process(tmp_path, data, schedule):
+    (expected,) = _step_one(tiny_config(**COMMON), data, tmp_path / "single", 1)
+    ranks = _step_one(tiny_config(**COMMON, parallel=_pp(schedule)), data, tmp_path / "pp", 2)
+    names: set[str] = set()
+    for got in ranks:
+        assert abs(got["loss"] - expected["loss"]) <= 1e-5 * expected["loss"]
+        # the norm over both stages (the tied embedding once) before clipping
+        assert abs(got["norm"] - expected["norm"]) <= 1e-5 * expected["norm"]
+        for name, grad in got["grads"].items():
+            assert _relative(grad, expected["grads"][name]) <= 1e-5, name
+        names |= set(got["grads"])
+    assert names == set(expected["grads"])  # the stages together hold every parameter
+    first, last = (set(r["grads"]) for r in ranks)
+    assert "layers.0.attn.qkv_proj.weight" in first - last
+    assert {"layers.1.attn.qkv_proj.weight", "norm.weight"} <= last - first
+
+
+# ------------------------------------------------------------ 10 steps, export and resume
+@pytest.fixture(scope="module")
+def single_run(tmp_path_factory, data) -> Path:
+    out = tmp_path_factory.mktemp("pp_single") / "run"
+    run_trainer(tiny_config(**COMMON), data, out, timeout=DEADLINE_S)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pp2_trainer_matches_one_process_and_resumes_at_pp1(tmp_path, data, single_run, schedule):
+    from safetensors.torch import load_file
+
+    out = tmp_path / "pp"
+    cfg = tiny_config(**COMMON, parallel=_pp(schedule))
+    run_trainer(cfg, data, out, num_processes=2, timeout=DEADLINE_S)
+    expected, got = losses_by_step(single_run), losses_by_step(out)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for step in range(1, STEPS + 1):
+        assert abs(got[step] - expected[step]) <= 1e-4 * expected[step], step
+    assert json.loads((out / "summary.json").read_text())["world_size"] == 2
+
+    # The final export holds every stage's tensors (gathered on rank 0).
+    reference = load_file(single_run / "final" / "model.safetensors")
+    exported = load_file(out / "final" / "model.safetensors")
+    assert set(exported) == set(reference)
+    for name, value in exported.items():
+        assert _relative(value, reference[name]) <= 1e-4, name
+
+    # The pp=2 checkpoint of step 5 (each stage's parameters and optimizer state under their
+    # own names) resumes in one process and trains steps 6-10 as the one-process run did.
+    resumed = tmp_path / "resumed"
+    shutil.copytree(out, resumed)
+    shutil.rmtree(resumed / "final")
+    kept = [row for row in read_jsonl(resumed / "metrics.jsonl") if row["step"] <= 5]
+    (resumed / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in kept))
+    proc = run_trainer(tiny_config(**COMMON), data, resumed, timeout=DEADLINE_S)
+    assert "resumed from" in proc.stdout and "step-000005" in proc.stdout
+    got = losses_by_step(resumed)
+    assert sorted(got) == list(range(1, STEPS + 1))  # steps 6-10 trained again
+    for step in range(6, STEPS + 1):
+        assert abs(got[step] - expected[step]) <= 1e-4 * expected[step], step
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    for flag in ("--config", "--data", "--out"):
+        parser.add_argument(flag, required=True)
+    _worker(parser.parse_args())
