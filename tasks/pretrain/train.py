@@ -56,6 +56,7 @@ from llmflow.tasks.pretrain.init_weights import is_weights_only, load_weights
 from llmflow.tasks.pretrain.launch import die_with_launcher
 from llmflow.tasks.pretrain.optim import build_optimizers, set_lr
 from llmflow.tasks.pretrain.parallel import pp, tp  # pp: pipeline parallelism
+from llmflow.tasks.pretrain.parallel.cp import check_cp_layout, shard_batch
 from llmflow.tasks.pretrain.parallel.mesh import build_mesh
 from llmflow.tasks.pretrain.preemption import Preemption
 from llmflow.tasks.pretrain.schedule import lr_multiplier, micro_batch_size, steps_for_tokens
@@ -86,6 +87,7 @@ class Trainer:
         )
         if self.layout.tp > 1:
             tp.check_model(self.model_config, self.layout.tp)
+        check_cp_layout(self.layout)  # context parallel (cp.py): what it cannot combine with
         self.runtime = rt = setup_runtime()
         if cfg.deterministic and rt.device.type == "cpu":
             torch.use_deterministic_algorithms(True)
@@ -165,11 +167,11 @@ class Trainer:
         return self.mesh["dp_shard_cp"]
 
     def _dp_sum(self, value: torch.Tensor) -> torch.Tensor:
-        """Sum over the data-parallel ranks (in place; returns it): the ranks of one
-        data-parallel rank hold the same tokens, counted once."""
+        """Sum over the data- and context-parallel ranks (in place; returns it): the TP/PP
+        ranks of one of them hold the same tokens, counted once; CP ranks hold different ones."""
         if self.mesh is None or self.layout.is_plain:
             return all_reduce_sum(value, self.runtime)
-        torch.distributed.all_reduce(value, group=self.mesh.group("dp"))
+        torch.distributed.all_reduce(value, group=self.mesh.group("dp_cp"))
         return value
 
     def _watch_matmul_dtype(self, model: torch.nn.Module) -> None:
@@ -262,6 +264,8 @@ class Trainer:
         Returns the global mean loss and the global number of tokens.
         """
         rt = self.runtime
+        if self.layout.cp > 1:  # context parallel: this rank's T/cp tokens of every row (cp.py)
+            batches = [shard_batch(b, self.mesh.group("cp")) for b in batches]
         counts = [int((b["labels"] != IGNORE_INDEX).sum()) for b in batches]
         totals = torch.tensor(
             [sum(counts), sum(b["input_ids"].numel() for b in batches)],
@@ -378,7 +382,14 @@ def model_loss(
     Equal to ``causal_lm_loss(model(...), labels)`` up to float rounding.
     """
     ids, positions, cu_seqlens = batch["input_ids"], batch["position_ids"], batch["cu_seqlens"]
-    return model(ids, positions, cu_seqlens, labels=batch["labels"], z_loss_weight=z_loss_weight)
+    return model(
+        ids,
+        positions,
+        cu_seqlens,
+        labels=batch["labels"],
+        z_loss_weight=z_loss_weight,
+        context=batch.get("context"),  # context parallel: the shard's place in its rows
+    )
 
 
 def run(

@@ -131,10 +131,10 @@ RUNS = [
 ]
 
 
-def test_two_cp_ranks_match_one_process(tmp_path):
+def _check_runs(tmp_path: Path, runs: list[tuple[str, str]]) -> None:
     """Loss within 1e-5 relative and every summed gradient within 1e-5 of its largest entry."""
-    results = _run_cp(tmp_path, RUNS)
-    for run in RUNS:
+    results = _run_cp(tmp_path, runs)
+    for run in runs:
         expected_loss, expected = _reference(*run)
         per_rank = [r[run] for r in results]
         assert per_rank[0]["count"] > 0 and per_rank[1]["count"] > 0
@@ -146,6 +146,17 @@ def test_two_cp_ranks_match_one_process(tmp_path):
             assert scale > 0, (run, name)
             worst = (got["grads"][name] - grad).abs().max().item()
             assert worst <= 1e-5 * scale, (run, name, worst, scale)
+
+
+def test_two_cp_ranks_match_one_process_yarn_nope(tmp_path):
+    """Documents across the ranks' chunks, ABF + YaRN, NoPE layers, GQA: about 12 s idle."""
+    _check_runs(tmp_path, [("yarn_nope", "packed")])
+
+
+@pytest.mark.slow  # four models on two spawned ranks: about 20 s idle, 50 s on a loaded machine
+def test_two_cp_ranks_match_one_process_all_cases(tmp_path):
+    """Default RoPE, one document per row (plain causal) and activation checkpointing too."""
+    _check_runs(tmp_path, RUNS)
 
 
 def test_zigzag_split_covers_each_position_once_and_balances_causal_work():
@@ -180,3 +191,14 @@ def test_shard_mask_is_the_rows_of_the_whole_mask(docs):
     if docs == "packed":  # positions restart at each document, across the chunk boundaries
         assert positions[0, 19].item() == 0 and positions[0, 31].item() == 12
         assert positions[1, 10].item() == 0 and positions[1, 9].item() == 9
+
+
+def test_cp_with_pipeline_stages_is_refused_naming_both():
+    from llmflow.tasks.framework.errors import ConfigError
+    from llmflow.tasks.pretrain.parallel.config import ParallelConfig
+    from llmflow.tasks.pretrain.parallel.cp import check_cp_layout
+
+    check_cp_layout(ParallelConfig(cp=2).resolve(4))
+    check_cp_layout(ParallelConfig(pp=2).resolve(4))
+    with pytest.raises(ConfigError, match=r"parallel.cp=2 with pp=2"):
+        check_cp_layout(ParallelConfig(cp=2, pp=2).resolve(4))
