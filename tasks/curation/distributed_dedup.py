@@ -107,16 +107,19 @@ def _collect(ray: Any, pending: dict, results: list) -> None:
         results[pending.pop(ref)] = ray.get(ref)
 
 
-def process_map(max_workers: int = 2) -> MapFn:
-    """A map on fresh processes, one per item (spawned, so a worker's peak memory is its own
-    unit's: `resource.getrusage(RUSAGE_CHILDREN)` measures it)."""
+def process_map(max_workers: int = 2, fresh_workers: bool = False) -> MapFn:
+    """A map on a pool of spawned processes, one pool per map (`fresh_workers`: a new process
+    per item, so a worker's peak memory is its own item's)."""
 
     def run(fn: Callable[[Any], Any], items: Sequence[Any]) -> list:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
 
         context = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(max_workers, mp_context=context, max_tasks_per_child=1) as pool:
+        per_child = 1 if fresh_workers else None
+        with ProcessPoolExecutor(
+            max_workers, mp_context=context, max_tasks_per_child=per_child
+        ) as pool:
             return list(pool.map(fn, items))
 
     return run

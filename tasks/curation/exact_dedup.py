@@ -8,6 +8,10 @@ false-positive rate; a hit only marks the hash as a candidate. A second streamin
 first occurrence of every candidate hash and drops the later ones, so a Bloom false positive can
 never cost a unique document. Memory: the Bloom bits plus the candidate hashes; the ids of the
 surviving documents stay on disk (`IdSet`).
+
+With ``method: partitioned`` the hashes are shuffled by prefix into partitions that each decide
+their duplicates (tasks/curation/distributed_dedup.py, on Ray when one is connected): the same
+drops, in the same order, with memory per worker bounded by its partition.
 """
 
 from __future__ import annotations

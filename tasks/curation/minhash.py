@@ -8,6 +8,10 @@ batch of documents at once, and stores one 64-bit key per LSH band: `<stem>.minh
 
 Globally, `near_dedup` sorts each band's keys, joins documents sharing a key with union-find,
 and keeps one document per connected component: the first by (shard name, row) or the longest.
+With ``method: partitioned`` the band keys are shuffled by (band, key) into partitions that emit
+duplicate pairs, and the union-find runs over the documents in pairs only
+(tasks/curation/distributed_dedup.py, on Ray when one is connected): the same clusters and
+keepers, with memory that grows with duplicates, not documents.
 """
 
 from __future__ import annotations
