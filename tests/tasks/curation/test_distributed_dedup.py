@@ -321,3 +321,57 @@ def test_steps_on_ray_equal_union_find_and_reference(tmp_path, local_ray, shared
     sigs, filtered = _near_inputs(tmp_path / "near", near, num_shards=4, alive_every=9)
     drops = _assert_same_as_union_find(tmp_path, sigs, filtered, "first", None, (8,))
     assert len(drops) >= 45
+
+
+def _stage_outputs(outcome, graph) -> dict[str, list[str]]:
+    """Each step's output addresses, by step name."""
+    found: dict[str, list[str]] = {}
+    for node in graph.nodes:
+        result = outcome[node]
+        for one in getattr(result, "results", [result]):  # a mapped node: its shards
+            found.setdefault(node.step.name, []).append(one.uri.rsplit("/", 1)[-1])
+    return found
+
+
+def _tables(folder: Path) -> dict[str, object]:
+    return {str(p.relative_to(folder)): pq.read_table(p) for p in sorted(folder.rglob("*.parquet"))}
+
+
+def test_curation_graph_with_partitioned_dedup_curates_the_same_corpus(tmp_path):
+    """The whole curate graph, dedup partitioned: the same drops and the same curated shards;
+    only the two global steps get new addresses (the per-shard stages are not re-run)."""
+    from llmflow.tasks.curation.config import CurateConfig
+    from llmflow.tasks.framework.executor import run_graph
+    from llmflow.tasks.framework.store import Store
+    from tests.tasks.curation.helpers import curation_graph
+    from tests.tasks.curation.test_quality_and_pipeline import _corpus
+
+    records, _ = _corpus(random.Random(8))
+    base = {"skip_domains": ["code", "math"]}
+    partitioned = {
+        **base,
+        "exact_dedup": {"method": "partitioned", "partitions": 4},
+        "minhash": {"method": "partitioned", "partitions": 4},
+    }
+    roots, outputs, addresses = {}, {}, {}
+    for tag, raw in (("bloom", base), ("partitioned", partitioned)):
+        graph, _ = curation_graph(records, CurateConfig.model_validate(raw), num_shards=3)
+        roots[tag] = tmp_path / tag
+        outcome = run_graph(graph, str(roots[tag]))
+        addresses[tag] = _stage_outputs(outcome, graph)
+        store = Store(str(roots[tag]))
+        outputs[tag] = {
+            n.step.name: _tables(store.local_path(outcome[n].uri))
+            for n in graph.nodes
+            if n.step.name in ("curate-exact-dedup", "curate-near-dedup", "curate")
+        }
+    changed = {
+        k for k in addresses["bloom"] if addresses["bloom"][k] != addresses["partitioned"][k]
+    }
+    assert changed == {"curate-exact-dedup", "curate-near-dedup", "curate-quality-model", "curate"}
+    for step_name, tables in outputs["bloom"].items():
+        assert tables.keys() == outputs["partitioned"][step_name].keys()
+        for name, table in tables.items():
+            assert table.equals(outputs["partitioned"][step_name][name]), (step_name, name)
+    assert outputs["bloom"]["curate-exact-dedup"]["drops.parquet"].num_rows == 10
+    assert outputs["bloom"]["curate-near-dedup"]["drops.parquet"].num_rows >= 9
