@@ -46,9 +46,14 @@ ROW_ORDER = "row_order"
 """Attribute of a colwise ``nn.Linear`` whose weight rows are held in tensor-parallel order."""
 
 
-def check_model(cfg: ModelConfig, tp: int) -> None:
-    """Refuse what this plan cannot split evenly, naming the field (before any compute)."""
+def check_model(cfg: ModelConfig, tp: int, optimizer: str = "adamw") -> None:
+    """Refuse what this plan cannot split evenly or does not support, naming the field (before
+    any compute)."""
     field = "pretrain.train.parallel.tp"
+    if optimizer == "muon":
+        # NOTE: Muon orthogonalizes q, k, v (gate, up) as separate row blocks of row-sharded
+        # matrices; tensor parallelism shards columns and holds fused rows in another order.
+        raise ConfigError(f"{field}={tp}: optimizer.name='muon' does not support it yet")
     for name, size in (
         ("intermediate_size", cfg.intermediate_size),
         ("vocab_size", cfg.vocab_size),

@@ -30,6 +30,7 @@ def _helpers():
         (4, {"tp": 4}, {}, "num_kv_heads=2"),  # 4 ranks, but 2 KV heads
         (2, {"tp": 2}, {"intermediate_size": 66 + 1}, "intermediate_size=67"),
         (2, {"tp": 2}, {"qk_norm": True}, "qk_norm"),
+        (2, {"tp": 2, "optimizer": "muon"}, {}, "muon"),
     ],
 )
 def test_layout_refused_before_anything_starts(
@@ -41,8 +42,12 @@ def test_layout_refused_before_anything_starts(
 
     helpers = _helpers()
     data = helpers.make_packed(tmp_path / "data", num_docs=20)
+    parallel = dict(parallel)
+    optimizer = {"name": parallel.pop("optimizer", "adamw"), "lr": 3e-3}
     cfg = helpers.tiny_config(
-        model={"preset": "debug", "overrides": {**helpers.TINY_MODEL, **model}}, parallel=parallel
+        model={"preset": "debug", "overrides": {**helpers.TINY_MODEL, **model}},
+        parallel=parallel,
+        optimizer=optimizer,
     )
     monkeypatch.setenv("WORLD_SIZE", str(world_size))
     monkeypatch.setenv("RANK", "0")
@@ -72,13 +77,15 @@ def layout_config(parallel: dict, micro_batch: int, interval: int = 4):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
-    """Uninterrupted runs: one process (the reference) and tp=2 on 2 processes."""
+    """Uninterrupted runs, validated at steps 6 and 8: one process (the reference) and tp=2 on
+    2 processes."""
     helpers, root = _helpers(), tmp_path_factory.mktemp("layouts")
     data = helpers.make_packed(root / "data", num_docs=300, seed=0)
+    val = helpers.make_packed(root / "val", num_docs=60, seed=1)
     found = {"data": data, "one": root / "one", "tp2": root / "tp2"}
-    helpers.run_trainer(layout_config({}, 4), data, found["one"], timeout=300)
+    helpers.run_trainer(layout_config({}, 4), data, found["one"], val_dir=val, timeout=300)
     helpers.run_trainer(
-        layout_config({"tp": 2}, 4), data, found["tp2"], num_processes=2, timeout=300
+        layout_config({"tp": 2}, 4), data, found["tp2"], val_dir=val, num_processes=2, timeout=300
     )
     return found
 
@@ -95,6 +102,13 @@ def test_tp2_run_matches_one_process(runs):
     expected, got = helpers.losses_by_step(runs["one"]), helpers.losses_by_step(runs["tp2"])
     assert sorted(got) == list(range(1, STEPS + 1))
     print(f"tp=2 vs one process, max loss rel diff {assert_losses_close(got, expected, got):.2e}")
+    # validation reads by data-parallel rank: both TP ranks score the same sequences
+    val = {}
+    for name in ("one", "tp2"):
+        rows = helpers.read_jsonl(runs[name] / "metrics.jsonl")
+        val[name] = {row["step"]: row["val_loss"] for row in rows if "val_loss" in row}
+    assert sorted(val["tp2"]) == [6, 8]
+    assert_losses_close(val["tp2"], val["one"], val["one"])
 
 
 @pytest.mark.slow

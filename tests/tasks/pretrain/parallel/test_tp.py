@@ -80,9 +80,11 @@ def data(tmp_path_factory) -> Path:
 
 
 CASES = {
+    # model overrides, config changes
     # GQA (KV heads split 1 per rank), tied embeddings, layer 1 without RoPE
-    "tied-gqa-nope": {"nope_layers": [1]},
-    "untied": {"tie_embeddings": False},
+    "tied-gqa-nope": ({"nope_layers": [1]}, {}),
+    # the vocabulary-parallel loss's z-loss term
+    "untied-zloss": ({"tie_embeddings": False}, {"z_loss": 1e-3}),
 }
 
 
@@ -113,10 +115,10 @@ def test_seeded_init_in_row_order_equals_the_canonical_rows():
 @pytest.mark.slow  # about 40 s a case on 2 cores
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_tp2_matches_one_process(tmp_path, data, case):
-    model = CASES[case]
+    model, changes = CASES[case]
     started = time.perf_counter()
-    expected = run_worker(tp_config({}, model), data, tmp_path / "one", 1)
-    got = run_worker(tp_config({"tp": 2}, model), data, tmp_path / "tp2", 2)
+    expected = run_worker(tp_config({}, model, **changes), data, tmp_path / "one", 1)
+    got = run_worker(tp_config({"tp": 2}, model, **changes), data, tmp_path / "tp2", 2)
     diffs = compare(got, expected)
     print(f"{case}: {diffs} ({time.perf_counter() - started:.1f}s)")
     assert diffs["init_abs"] == 0.0  # the seeded init draws the same rows
@@ -141,6 +143,32 @@ def test_tp2_dp2_matches_one_process(tmp_path, data):
     assert diffs["init_abs"] == 0.0
     assert diffs["loss_rel"] <= 1e-4
     assert diffs["grad_rel"] <= 1e-5
+
+
+LAYOUTS = {
+    # name: (config changes, parallel, processes, micro-batch, loss and gradient tolerances)
+    "tp2-activation-ckpt": ({"activation_checkpointing": "full"}, {"tp": 2}, 2, 4, 1e-4, 1e-5),
+    "hsdp-2x2": ({}, {"dp_replicate": 2, "dp_shard": 2}, 4, 1, 1e-4, 1e-5),
+    "dp_replicate2-tp2": ({}, {"dp_replicate": 2, "tp": 2}, 4, 2, 1e-4, 1e-5),
+    # bf16 against one process's autocast: bf16 rounding, not exactness
+    "tp2-bf16": ({"precision": "bf16"}, {"tp": 2}, 2, 4, 1e-3, 3e-2),
+    "tp2-dp_shard2-bf16": ({"precision": "bf16"}, {"tp": 2, "dp_shard": 2}, 4, 2, 1e-3, 3e-2),
+}
+
+
+@pytest.mark.slow  # 50-95 s each on 2 cores
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_more_layouts_match_one_process(tmp_path, data, name):
+    changes, parallel, processes, micro_batch, loss_tol, grad_tol = LAYOUTS[name]
+    one = {"micro_batch_size": 4, "grad_accum_steps": 1}
+    expected = run_worker(tp_config({}, batch=one, **changes), data, tmp_path / "one", 1)
+    batch = {"micro_batch_size": micro_batch, "grad_accum_steps": 1}
+    cfg = tp_config(parallel, batch=batch, **changes)
+    diffs = compare(run_worker(cfg, data, tmp_path / "par", processes), expected)
+    print(f"{name}: {diffs}")
+    assert diffs["init_abs"] == 0.0
+    assert diffs["loss_rel"] <= loss_tol
+    assert diffs["grad_rel"] <= grad_tol
 
 
 # ----------------------------------------------------------------------------- the worker
