@@ -177,7 +177,13 @@ class Validator(Callback):
         )
         model.eval()
         totals = torch.zeros(2, dtype=torch.float64, device=rt.device)
-        for _ in range(cfg.eval_batches):
+        pipeline = getattr(trainer, "pipeline", None)
+        if pipeline is not None:  # PP: the schedule's forward over all batches (parallel/pp.py)
+            batches = [loader.next_batch() for _ in range(cfg.eval_batches)]
+            with trainer.autocast:
+                totals[0] += pipeline.evaluate(batches)
+            totals[1] += sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)
+        for _ in range(cfg.eval_batches if pipeline is None else 0):
             batch = {k: v.to(rt.device) for k, v in loader.next_batch().items()}
             with trainer.autocast:
                 logits = model(batch["input_ids"], batch["position_ids"], batch["cu_seqlens"])

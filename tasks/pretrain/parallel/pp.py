@@ -26,7 +26,7 @@ first stage: all ``n_microbatches`` with GPipe, at most ``pp`` with 1F1B.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -254,7 +254,7 @@ class PipelineRunner:
             )
         self.stage, self.stage_index, self.num_stages = stage, stage_index, num_stages
         self.group, self.device, self.schedule_name, self.tied = group, device, schedule, tied
-        self._built: tuple[tuple[Any, ...], Any] | None = None
+        self._built: dict[tuple[Any, ...], Any] = {}
         self._grad_scale = 1.0
         self._loss_sums: list[Tensor] = []
 
@@ -288,15 +288,17 @@ class PipelineRunner:
         return merged
 
     def _schedule(self, key: tuple[Any, ...], num_microbatches: int) -> Any:
-        if self._built is None or self._built[0] != key:
+        """The schedule for one (micro-batch shape, count, training or not)."""
+        if key not in self._built:
             stage = PipelineStage(
                 self.stage, self.stage_index, self.num_stages, self.device, group=self.group
             )
-            schedule = SCHEDULES[self.schedule_name](
+            # NOTE: forward only, every schedule is GPipe's order (1F1B needs >= pp batches)
+            schedule = SCHEDULES[self.schedule_name] if key[-1] else ScheduleGPipe
+            self._built[key] = schedule(
                 stage, num_microbatches, loss_fn=self._loss, scale_grads=False
             )
-            self._built = (key, schedule)
-        return self._built[1]
+        return self._built[key]
 
     def _loss(self, loss: Tensor, labels: Tensor) -> Tensor:
         count = (labels != IGNORE_INDEX).sum()
@@ -317,10 +319,20 @@ class PipelineRunner:
             The float64 sum of ``mean_loss_i * count_i`` over the micro-batches, on every stage
             (summed over the pipeline group from the last stage).
         """
+        total = self._run(batches, grad_scale, train=True)
+        sync_tied_gradients(self.stage, self.tied)
+        return total
+
+    def evaluate(self, batches: list[dict[str, Tensor]]) -> Tensor:
+        """The forward pass only (the schedule's ``eval``): the float64 sum of ``mean_loss_i *
+        count_i`` over ``batches``, on every stage."""
+        return self._run(batches, 1.0, train=False)
+
+    def _run(self, batches: list[dict[str, Tensor]], grad_scale: float, train: bool) -> Tensor:
         ids = torch.cat([b["input_ids"] for b in batches]).to(self.device)
         positions = torch.cat([b["position_ids"] for b in batches]).to(self.device)
         labels = torch.cat([b["labels"] for b in batches]).to(self.device)
-        key = (tuple(batches[0]["input_ids"].shape), len(batches))
+        key = (tuple(batches[0]["input_ids"].shape), len(batches), train)
         schedule = self._schedule(key, len(batches))
         self._grad_scale, self._loss_sums = grad_scale, []
         kwargs: dict[str, Tensor] = {"position_ids": positions}
@@ -328,8 +340,11 @@ class PipelineRunner:
             kwargs["labels"] = labels
         args = (ids,) if self.stage.is_first else ()
         target = labels if self.stage.is_last else None
-        schedule.step(*args, target=target, return_outputs=False, **kwargs)
-        sync_tied_gradients(self.stage, self.tied)
+        if train:
+            schedule.step(*args, target=target, return_outputs=False, **kwargs)
+        else:
+            # NOTE: eval() passes its keywords on to step(): no merge of the scalar losses
+            schedule.eval(*args, target=target, return_outputs=False, **kwargs)
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for value in self._loss_sums[-len(batches) :]:
             total += value
@@ -339,12 +354,3 @@ class PipelineRunner:
 
 def _local(tensor: Tensor) -> Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def stage_parameters(stages: Iterable[TransformerStage]) -> dict[str, Tensor]:
-    """Parameters by FQN over several stages (a tied embedding once, from the first stage)."""
-    found: dict[str, Tensor] = {}
-    for stage in stages:
-        for name, param in stage.named_parameters():
-            found.setdefault(name, param)
-    return found

@@ -178,7 +178,10 @@ def _worker(args: argparse.Namespace) -> None:
             grad_err = max(grad_err, err)
         names = sorted(n for n, _ in stage.named_parameters())
         results.append({"loss": loss, "grad_err": grad_err, "names": names})
-    out = {"expected_loss": expected_loss, "steps": results}
+    stage.eval()
+    with torch.no_grad():  # validation: the schedule's forward only, same weights
+        eval_loss = float(runner.evaluate(batches)) / num_valid
+    out = {"expected_loss": expected_loss, "steps": results, "eval_loss": eval_loss}
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(out))
     dist.barrier()
     dist.destroy_process_group()
@@ -219,6 +222,7 @@ def test_pp2_matches_one_process(tmp_path, schedule, tied, z_loss):
     ranks = run_two_ranks(tmp_path, schedule, tied, z_loss)
     expected = ranks[0]["expected_loss"]
     for info in ranks:
+        assert abs(info["eval_loss"] - expected) <= 1e-5 * abs(expected)
         for step in info["steps"]:
             assert abs(step["loss"] - expected) <= 1e-5 * abs(expected)
             assert step["grad_err"] <= 1e-5, step

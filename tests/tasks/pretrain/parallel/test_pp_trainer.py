@@ -115,25 +115,42 @@ def test_pp2_step_one_gradients_match_one_process(tmp_path, data, schedule):
 
 
 # ------------------------------------------------------------ 10 steps, export and resume
+def _val_losses(out: Path) -> dict[int, float]:
+    rows = read_jsonl(out / "metrics.jsonl")
+    return {row["step"]: row["val_loss"] for row in rows if row.get("val_loss") is not None}
+
+
 @pytest.fixture(scope="module")
-def single_run(tmp_path_factory, data) -> Path:
+def val_data(tmp_path_factory) -> Path:
+    return make_packed(tmp_path_factory.mktemp("pp_data") / "val", num_docs=60, seed=1)
+
+
+@pytest.fixture(scope="module")
+def single_run(tmp_path_factory, data, val_data) -> Path:
     out = tmp_path_factory.mktemp("pp_single") / "run"
-    run_trainer(tiny_config(**COMMON), data, out, timeout=DEADLINE_S)
+    run_trainer(tiny_config(**COMMON), data, out, val_dir=val_data, timeout=DEADLINE_S)
     return out
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_pp2_trainer_matches_one_process_and_resumes_at_pp1(tmp_path, data, single_run, schedule):
+def test_pp2_trainer_matches_one_process_and_resumes_at_pp1(
+    tmp_path, data, val_data, single_run, schedule
+):
     from safetensors.torch import load_file
 
     out = tmp_path / "pp"
     cfg = tiny_config(**COMMON, parallel=_pp(schedule))
-    run_trainer(cfg, data, out, num_processes=2, timeout=DEADLINE_S)
+    run_trainer(cfg, data, out, val_dir=val_data, num_processes=2, timeout=DEADLINE_S)
     expected, got = losses_by_step(single_run), losses_by_step(out)
     assert sorted(got) == list(range(1, STEPS + 1))
     for step in range(1, STEPS + 1):
         assert abs(got[step] - expected[step]) <= 1e-4 * expected[step], step
+    # validation (steps 6 and 10) runs the schedule's forward on every stage
+    expected_val, got_val = _val_losses(single_run), _val_losses(out)
+    assert sorted(got_val) == [6, STEPS]
+    for step, value in got_val.items():
+        assert abs(value - expected_val[step]) <= 1e-4 * expected_val[step], step
     assert json.loads((out / "summary.json").read_text())["world_size"] == 2
 
     # The final export holds every stage's tensors (gathered on rank 0).
