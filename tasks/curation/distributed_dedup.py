@@ -51,6 +51,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from llmflow.tasks.curation.minhash import UnionFind, _mix
 from llmflow.tasks.curation.shards import shards_in
 from llmflow.tasks.framework.errors import BadInputError
 
@@ -58,7 +59,7 @@ RAY_ADDRESS_ENV = "LLMFLOW_RAY_ADDRESS"
 """A Ray address ('local', 'auto', HOST:PORT) the global stages run their partitions on."""
 ROW_BITS = 32
 """``pos`` = file index << ROW_BITS | row: rows per source file must stay below 2**32."""
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # spreads the band number over the key's bits
 
 MapFn = Callable[[Callable[[Any], Any], Sequence[Any]], list]
 """``map_fn(fn, items)`` returns ``[fn(item) for item in items]``, wherever it runs them."""
@@ -264,12 +265,6 @@ class NearJob(_Job):
         return n
 
 
-def _mix(x: np.ndarray) -> np.ndarray:
-    from llmflow.tasks.curation.minhash import _mix as mix
-
-    return mix(x)
-
-
 def _with_positions(path: str, file_index: int, columns: tuple[str, ...]) -> pa.Table:
     table = pq.read_table(path, columns=list(columns))
     if table.num_rows >= 1 << ROW_BITS:
@@ -434,8 +429,6 @@ def partitioned_near(
     the first by (file, row) or the longest (ties: first). Clusters and drops come in the
     single-process order: by the cluster's first member, then member order.
     """
-    from llmflow.tasks.curation.minhash import UnionFind
-
     columns = ("id", "length", *(f"band_{b:02d}" for b in range(num_buckets)))
     job = NearJob(
         str(scratch),

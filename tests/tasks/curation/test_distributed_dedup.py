@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import sys
 from pathlib import Path
 
@@ -375,3 +376,52 @@ def test_curation_graph_with_partitioned_dedup_curates_the_same_corpus(tmp_path)
             assert table.equals(outputs["partitioned"][step_name][name]), (step_name, name)
     assert outputs["bloom"]["curate-exact-dedup"]["drops.parquet"].num_rows == 10
     assert outputs["bloom"]["curate-near-dedup"]["drops.parquet"].num_rows >= 9
+
+
+def _committed_files(root: Path, step: str) -> dict[str, str]:
+    """sha256 of each file the committed outputs of `step` hold (from their lineage records)."""
+    found = {}
+    for record in sorted(root.glob(f"{step}/*/lineage.json")):
+        found.update(json.loads(record.read_text())["files"])
+    return found
+
+
+@pytest.mark.slow
+def test_quickstart_curate_on_the_ray_engine_with_partitioned_dedup(
+    prefect_harness, tmp_path, monkeypatch
+):
+    """The quickstart's curation under ``runner.kind: ray`` with both dedups partitioned (their
+    partitions on the engine's Ray, nothing in-process) drops and curates the same bytes as the
+    threads runner with the Bloom filter and the single-process union-find."""
+    from llmflow.flows.pipeline import run_pipeline
+    from llmflow.tasks.config import load_config
+
+    _ray_pickling_this_module()
+    monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
+    repo = Path(__file__).resolve().parents[3]
+
+    def config(root: Path, *extra: str):
+        sets = [f"root={root}", "until=curate", "runner.max_workers=2", *extra]
+        return load_config(repo / "configs" / "quickstart.yaml", sets)
+
+    # NOTE: one root path for both runs (moved aside in between): documents record their
+    # source file's path
+    root = tmp_path / "run"
+    run_pipeline(config(root, "runner.kind=threads"))
+    shutil.move(root, tmp_path / "threads")
+    monkeypatch.setattr(distributed_dedup, "local_map", None)  # the partitions must go to Ray
+    partitioned = (
+        "curate.exact_dedup.method=partitioned",
+        "curate.exact_dedup.partitions=8",
+        "curate.minhash.method=partitioned",
+        "curate.minhash.partitions=8",
+    )
+    run_pipeline(config(root, "runner.kind=ray", *partitioned))
+    for step in ("curate-exact-dedup", "curate-near-dedup"):
+        threads, on_ray = _committed_files(tmp_path / "threads", step), _committed_files(root, step)
+        assert on_ray["drops.parquet"] == threads["drops.parquet"], step
+    near = pq.read_table(root.glob("curate-near-dedup/*/drops.parquet").__next__())
+    assert near.num_rows > 0
+    curated = {k: v for k, v in _committed_files(root, "curate").items() if k.startswith("shards/")}
+    expected = _committed_files(tmp_path / "threads", "curate")
+    assert curated and curated == {k: v for k, v in expected.items() if k.startswith("shards/")}
