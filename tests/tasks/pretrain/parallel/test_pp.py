@@ -136,7 +136,7 @@ def _reference(cfg, batches, z_loss: float) -> tuple[float, dict[str, torch.Tens
     total, loss_sum = sum(counts), 0.0
     for batch, count in zip(batches, counts, strict=True):
         loss, _ = model(
-            batch["input_ids"], batch["position_ids"], batch["cu_seqlens"],
+            batch["input_ids"], batch["position_ids"], batch.get("cu_seqlens"),
             labels=batch["labels"], z_loss_weight=z_loss,
         )  # fmt: skip
         (loss * (count / total)).backward()
@@ -148,6 +148,7 @@ def _reference(cfg, batches, z_loss: float) -> tuple[float, dict[str, torch.Tens
 def _worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
+    from llmflow.tasks.pretrain.distributed import apply_activation_checkpointing
     from llmflow.tasks.pretrain.parallel.pp import PipelineRunner, tied_group
 
     torch.use_deterministic_algorithms(True)
@@ -155,30 +156,42 @@ def _worker(args: argparse.Namespace) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = preset("debug", **TINY, tie_embeddings=bool(args.tied))
     batches = _batches(seed=11)
+    # batch-size warmup: a step of 1-row micro-batches (another shape, another schedule)
+    rows1 = [{k: b[k][:1] for k in ("input_ids", "labels", "position_ids")} for b in batches]
     expected_loss, expected_grads = _reference(cfg, batches, args.z_loss)
+    references = {
+        "full": (expected_loss, expected_grads),
+        "rows1": _reference(cfg, rows1, args.z_loss),
+    }
 
     with torch.device("meta"):
         model = Transformer(cfg)
     stage = build_stage(model, rank, world, z_loss_weight=args.z_loss)
     stage.to_empty(device="cpu")
     stage.init_weights(seed=0)
+    if args.ac:
+        apply_activation_checkpointing(stage, "full")
     group = dist.new_group(list(range(world)))
     tied = tied_group(torch.arange(world)) if cfg.tie_embeddings else None
     runner = PipelineRunner(stage, rank, world, group, torch.device("cpu"), args.schedule, tied)
-    num_valid = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)
     results = []
-    for _ in range(2):  # a second step reuses the schedule; gradients reset in between
+    # a second step reuses the schedule (gradients reset in between), a third has a new shape
+    for which, step_batches in [("full", batches), ("full", batches), ("rows1", rows1)]:
+        num_valid = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in step_batches)
         stage.zero_grad(set_to_none=True)
-        loss_sum = runner.step(batches, 1.0 / num_valid)  # summed over the stages
+        loss_sum = runner.step(step_batches, 1.0 / num_valid)  # summed over the stages
         loss = float(loss_sum) / num_valid
         grad_err = 0.0
         for name, param in stage.named_parameters():
-            ref = expected_grads[name]
+            ref = references[which][1][name.replace("_checkpoint_wrapped_module.", "")]
             err = float((param.grad - ref).abs().max() / ref.abs().max().clamp(min=1e-12))
             grad_err = max(grad_err, err)
-        names = sorted(n for n, _ in stage.named_parameters())
-        results.append({"loss": loss, "grad_err": grad_err, "names": names})
+        names = sorted(stage.state_dict())  # the wrapper's prefix left out
+        results.append(
+            {"loss": loss, "expected": references[which][0], "grad_err": grad_err, "names": names}
+        )
     stage.eval()
+    num_valid = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)
     with torch.no_grad():  # validation: the schedule's forward only, same weights
         eval_loss = float(runner.evaluate(batches)) / num_valid
     out = {"expected_loss": expected_loss, "steps": results, "eval_loss": eval_loss}
@@ -187,13 +200,15 @@ def _worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def run_two_ranks(tmp_path: Path, schedule: str, tied: bool, z_loss: float = 0.0) -> list[dict]:
+def run_two_ranks(
+    tmp_path: Path, schedule: str, tied: bool, z_loss: float = 0.0, ac: bool = False
+) -> list[dict]:
     """Run this file's worker on 2 gloo ranks with a deadline; return each rank's results."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
         "--standalone", __file__, "--schedule", schedule, "--tied", str(int(tied)),
-        "--z-loss", str(z_loss), "--out", str(tmp_path),
+        "--z-loss", str(z_loss), "--out", str(tmp_path), *(["--ac"] if ac else []),
     ]  # fmt: skip
     proc = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
@@ -210,21 +225,23 @@ def run_two_ranks(tmp_path: Path, schedule: str, tied: bool, z_loss: float = 0.0
 
 
 @pytest.mark.parametrize(
-    ("schedule", "tied", "z_loss"),
+    ("schedule", "tied", "z_loss", "ac"),
     [
-        ("gpipe", True, 0.0),
-        ("1f1b", False, 1e-3),
-        pytest.param("1f1b", True, 0.0, marks=pytest.mark.slow),
-        pytest.param("gpipe", False, 0.0, marks=pytest.mark.slow),
+        ("gpipe", True, 0.0, False),
+        ("1f1b", False, 1e-3, True),
+        pytest.param("1f1b", True, 0.0, False, marks=pytest.mark.slow),
+        pytest.param("gpipe", False, 0.0, False, marks=pytest.mark.slow),
     ],
 )
-def test_pp2_matches_one_process(tmp_path, schedule, tied, z_loss):
-    ranks = run_two_ranks(tmp_path, schedule, tied, z_loss)
+def test_pp2_matches_one_process(tmp_path, schedule, tied, z_loss, ac):
+    """Steps 1-2: the 4 micro-batches; step 3: 1-row micro-batches (a new schedule)."""
+    ranks = run_two_ranks(tmp_path, schedule, tied, z_loss, ac)
     expected = ranks[0]["expected_loss"]
     for info in ranks:
         assert abs(info["eval_loss"] - expected) <= 1e-5 * abs(expected)
+        assert len(info["steps"]) == 3
         for step in info["steps"]:
-            assert abs(step["loss"] - expected) <= 1e-5 * abs(expected)
+            assert abs(step["loss"] - step["expected"]) <= 1e-5 * abs(step["expected"])
             assert step["grad_err"] <= 1e-5, step
     first, last = ranks[0]["steps"][0]["names"], ranks[1]["steps"][0]["names"]
     assert "embed.weight" in first and "norm.weight" in last
@@ -237,5 +254,6 @@ if __name__ == "__main__":
     parser.add_argument("--schedule", required=True)
     parser.add_argument("--tied", type=int, required=True)
     parser.add_argument("--z-loss", type=float, default=0.0)
+    parser.add_argument("--ac", action="store_true", help="full activation checkpointing")
     parser.add_argument("--out", required=True)
     _worker(parser.parse_args())
