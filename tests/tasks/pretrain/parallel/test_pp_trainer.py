@@ -175,6 +175,25 @@ def test_pp2_trainer_matches_one_process_and_resumes_at_pp1(
         assert abs(got[step] - expected[step]) <= 1e-4 * expected[step], step
 
 
+@pytest.mark.slow
+def test_pp2_with_fsdp_over_two_data_parallel_ranks(tmp_path, data):
+    """4 gloo ranks: pp=2 x dp_shard=2 (FSDP2 inside each stage) against one process reading
+    the same global batch (2 data-parallel ranks x 2 rows = 4 rows per micro-batch)."""
+    steps = dict(max_steps=6, checkpoint={"interval": 5, "keep_last": 1})
+    single, double = tmp_path / "single", tmp_path / "pp_fsdp"
+    batch = {"micro_batch_size": 4, "grad_accum_steps": 2}
+    run_trainer(tiny_config(**steps, batch=batch), data, single, timeout=DEADLINE_S)
+    batch = {"micro_batch_size": 2, "grad_accum_steps": 2}
+    cfg = tiny_config(**steps, batch=batch, parallel=_pp("1f1b"))
+    run_trainer(cfg, data, double, num_processes=4, timeout=2 * DEADLINE_S)
+    expected, got = losses_by_step(single), losses_by_step(double)
+    assert sorted(got) == list(range(1, 7))
+    for step in range(1, 7):
+        assert abs(got[step] - expected[step]) <= 1e-4 * expected[step], step
+    ranks = [json.loads((double / "ranks" / f"rank-{r:05d}.json").read_text()) for r in range(4)]
+    assert all(info["num_sharded"] == info["num_params"] for info in ranks)  # FSDP2 in stages
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     for flag in ("--config", "--data", "--out"):
