@@ -18,6 +18,7 @@ shard computed (not found committed) appends its name to LOG.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import functools
 import json
 import logging
@@ -248,15 +249,13 @@ class RayEngine(Engine):
             check_reachable(address)
             env = {"env_vars": worker_env(dict(os.environ))}
             if address == "local":
-                # NOTE: loopback only; a cluster on the machine's address would be reachable
-                # from its network, and Ray's usage report would try to phone home.
-                os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-                ray.init(
-                    num_cpus=os.cpu_count(),
-                    include_dashboard=False,
-                    _node_ip_address="127.0.0.1",
-                    runtime_env=env,
-                )
+                with _loopback_only():
+                    ray.init(
+                        num_cpus=os.cpu_count(),
+                        include_dashboard=False,
+                        _node_ip_address="127.0.0.1",
+                        runtime_env=env,
+                    )
             else:
                 ray.init(address=address, runtime_env=env)
             self.started = True
@@ -285,6 +284,30 @@ class RayEngine(Engine):
         if self.started:
             self.ray.shutdown()
             self.started = False
+
+
+@contextlib.contextmanager
+def _loopback_only():
+    """The environment Ray's processes start in for a local cluster: loopback only.
+
+    NOTE: ``_node_ip_address="127.0.0.1"`` alone still leaves the GCS and the raylet listening
+    on every interface: Ray binds them to loopback only as a single-machine ("Windows or OSX")
+    cluster, a flag Ray reads when it is imported, so it is set here for the start; and no
+    usage report phoning home.
+    """
+    from ray._private import ray_constants
+
+    changed = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+    saved = {key: os.environ.get(key) for key in changed}
+    os.environ.update({k: v for k, v in changed.items() if saved[k] is None})
+    enabled, ray_constants.ENABLE_RAY_CLUSTER = ray_constants.ENABLE_RAY_CLUSTER, False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = enabled
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
 
 
 def make_engine(runner: Any) -> Engine:

@@ -152,3 +152,42 @@ def test_a_ray_worker_killed_mid_stage_rerun_redoes_only_unfinished_shards(
     assert not set(normalize_rerun) & set(first)  # no committed shard ran twice
     assert "curate-normalize quickstart-shard-00010" in normalize_rerun
     assert outputs(root) == outputs(tmp_path / "reference")
+
+
+@pytest.mark.slow
+def test_address_local_starts_a_loopback_only_cluster_and_shuts_it_down(tmp_path):
+    """``runner.ray.address: local``: every socket the cluster's processes listen on is on
+    127.0.0.1, the stage runs there, and closing the engine shuts the cluster down."""
+    import psutil
+    import ray
+
+    from llmflow.tasks.framework.engine import make_engine
+    from llmflow.tasks.framework.executor import Executor
+    from llmflow.tasks.framework.graph import Graph
+    from llmflow.tasks.framework.stage_overhead import (
+        OverheadShards,
+        overhead_noop,
+        overhead_shards,
+    )
+
+    assert not ray.is_initialized()
+    graph = Graph()
+    source = graph.add(overhead_shards, OverheadShards(num_shards=20), "n")
+    noop = graph.add(overhead_noop, OverheadShards(), "n", map_over="shard", shard=source)
+    engine = make_engine(curate_config(tmp_path, "ray").runner)
+    try:
+        assert engine.started and ray.is_initialized()
+        children = psutil.Process().children(recursive=True)
+        listening = {
+            c.laddr.ip
+            for p in children
+            if p.name() in ("gcs_server", "raylet")
+            for c in p.net_connections(kind="tcp")
+            if c.status == psutil.CONN_LISTEN
+        }
+        assert listening and all(ip.removeprefix("::ffff:") == "127.0.0.1" for ip in listening)
+        mapped = Executor(str(tmp_path / "store"), engine=engine).run(graph)[noop]
+    finally:
+        engine.close()
+    assert not ray.is_initialized()
+    assert len(mapped.results) == 20 and not any(r.cached for r in mapped.results)
