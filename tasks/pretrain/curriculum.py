@@ -85,7 +85,8 @@ def stage_steps(cfg: PretrainConfig, world_size: int = 1) -> list[int]:
 
 def stage_train_config(cfg: PretrainConfig, index: int) -> TrainConfig:
     """The trainer config of stage ``index``: its step budget and its part of the schedule."""
-    steps = stage_steps(cfg, cfg.world_size)
+    # NOTE: the data-parallel ranks set the global batch (TP/CP/PP ranks share theirs)
+    steps = stage_steps(cfg, cfg.train.parallel.resolve(cfg.world_size).dp)
     if index < len(cfg.stages) - 1:  # stable LR until the last stage
         schedule = {"name": "constant", "total_steps": None}
     elif len(cfg.stages) > 1:  # the last stage anneals: the decay covers exactly its steps

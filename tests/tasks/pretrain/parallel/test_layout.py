@@ -174,3 +174,20 @@ def test_final_exports_the_same_from_tp2_and_one_process(tmp_path, runs):
         worst = max(worst, float(diff))
     print(f"HF export, tp=2 vs one process: max rel diff {worst:.2e}")
     assert worst <= 1e-4
+
+
+def test_stage_steps_count_data_parallel_ranks():
+    """A curriculum stage at 4 processes with tp=2 has the global batch, and so the steps, of 2
+    data-parallel ranks; plain FSDP keeps counting every rank."""
+    from llmflow.tasks.pretrain.curriculum import PretrainConfig, stage_train_config
+
+    def steps(processes: int, parallel: dict) -> int:
+        mixture = {"weights": {"p": 1.0}, "num_tokens": 128 * 12, "seq_len": 32}
+        stages = [{"name": "s", "mixture": mixture}]
+        train = _helpers().tiny_config(parallel=parallel)  # 4 sequences of 32 tokens a rank
+        cfg = PretrainConfig(train=train, stages=stages, num_processes=processes)
+        return stage_train_config(cfg, 0).max_steps
+
+    assert steps(1, {}) == 12
+    assert steps(2, {}) == steps(4, {"tp": 2}) == 6
+    assert steps(4, {}) == steps(8, {"tp": 2}) == steps(8, {"tp": 2, "dp_replicate": 2}) == 3
