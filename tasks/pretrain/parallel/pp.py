@@ -220,7 +220,12 @@ def clip_grad_norm_(stage: TransformerStage, max_norm: float, pp_group: dist.Pro
         and not (stage.tied and stage.is_last and not stage.is_first and name.startswith("embed."))
     ]
     grads = [p.grad for p in counted]
-    norm = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else torch.zeros(())
+    device = next(stage.parameters()).device
+    norm = (
+        torch.nn.utils.get_total_norm(grads, foreach=True)
+        if grads
+        else torch.zeros((), device=device)
+    )
     if isinstance(norm, DTensor):
         norm = norm.full_tensor()
     square = norm.double().square().reshape(1)
@@ -234,8 +239,8 @@ def clip_grad_norm_(stage: TransformerStage, max_norm: float, pp_group: dist.Pro
 class PipelineRunner:
     """Runs a step's micro-batches through one pipeline schedule on this rank's stage.
 
-    The torch stage and schedule are made for one micro-batch shape and remade when it changes
-    (batch-size warmup).
+    A torch ``PipelineStage`` and schedule are made per micro-batch shape and count (batch-size
+    warmup changes the shape; validation runs forward only) and kept for reuse.
     """
 
     def __init__(
