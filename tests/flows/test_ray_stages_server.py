@@ -67,6 +67,22 @@ def settled_task_runs(flow_run_id: str, at_least: int, timeout_s: float = 180) -
     return runs
 
 
+def progress_artifacts(flow_run_id: str) -> list:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterFlowRunId,
+        ArtifactFilterType,
+    )
+
+    mine = ArtifactFilter(
+        flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]),
+        type=ArtifactFilterType(any_=["progress"]),
+    )
+    with get_client(sync_client=True) as client:
+        return client.read_artifacts(artifact_filter=mine)
+
+
 def shards(root: Path) -> int:
     return len(list(root.glob("curate-normalize/*/_COMMITTED")))
 
@@ -79,6 +95,8 @@ def test_2000_shard_curate_makes_one_task_run_per_stage(prefect_server, tmp_path
     assert len(runs) == NUM_NODES, sorted(r.name for r in runs)
     assert all(r.state.is_completed() for r in runs)
     assert len(flow_run_logs(flow_run)) < 40 * NUM_NODES  # grows with stages, not shards
+    progress = progress_artifacts(flow_run)  # one per mapped stage, at 100% of its shards
+    assert len(progress) == 4 and all(float(a.data) == 100.0 for a in progress)
 
     # The reference: one task per shard on a smaller corpus already makes O(shards) task runs.
     per_shard = tmp_path / "per-shard"
