@@ -86,7 +86,7 @@ class Trainer:
             launched_world_size(), self.model_config, None, cfg.batch.grad_accum_steps
         )
         if self.layout.tp > 1:
-            tp.check_model(self.model_config, self.layout.tp, cfg.optimizer.name)
+            tp.check_model(self.model_config, self.layout.tp, cfg.optimizer.name, cfg.compile)
         check_cp_layout(self.layout)  # context parallel (cp.py): what it cannot combine with
         self.runtime = rt = setup_runtime()
         if cfg.deterministic and rt.device.type == "cpu":

@@ -31,6 +31,7 @@ def _helpers():
         (2, {"tp": 2}, {"intermediate_size": 66 + 1}, "intermediate_size=67"),
         (2, {"tp": 2}, {"qk_norm": True}, "qk_norm"),
         (2, {"tp": 2, "optimizer": "muon"}, {}, "muon"),
+        (2, {"tp": 2, "compile": True}, {}, "compile=true"),
     ],
 )
 def test_layout_refused_before_anything_starts(
@@ -44,10 +45,12 @@ def test_layout_refused_before_anything_starts(
     data = helpers.make_packed(tmp_path / "data", num_docs=20)
     parallel = dict(parallel)
     optimizer = {"name": parallel.pop("optimizer", "adamw"), "lr": 3e-3}
+    compile_blocks = parallel.pop("compile", False)
     cfg = helpers.tiny_config(
         model={"preset": "debug", "overrides": {**helpers.TINY_MODEL, **model}},
         parallel=parallel,
         optimizer=optimizer,
+        compile=compile_blocks,
     )
     monkeypatch.setenv("WORLD_SIZE", str(world_size))
     monkeypatch.setenv("RANK", "0")
