@@ -15,6 +15,7 @@ from llmflow.tasks.preflight.checks import (
     check_plan,
     check_sources,
 )
+from llmflow.tasks.preflight.layouts import rehearse_layouts
 from llmflow.tasks.preflight.rehearsal import run_test_steps
 from llmflow.tasks.preflight.report import PreflightOptions, Report, timed
 
@@ -48,6 +49,7 @@ def preflight(
         work = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="llmflow-preflight-"))
         try:
             run_test_steps(report, config, options, work, log)
+            rehearse_layouts(report, config, options, work, log)
         finally:
             if work_dir is None:
                 shutil.rmtree(work, ignore_errors=True)

@@ -7,7 +7,7 @@ import contextlib
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -33,6 +33,12 @@ class PreflightOptions(BaseModel):
     check_data: bool = Field(True, description="Open every data source and read documents.")
     train: bool = Field(True, description="Run the test steps (False: plan and meta build only).")
     timeout_s: float = Field(1800, gt=0, description="Deadline of each trainer launch.")
+    layouts: Literal["plan", "all", "none"] = Field(
+        "plan",
+        description="Parallel layouts rehearsed at a tiny width against data parallelism alone: "
+        "those `llmflow plan` gives the recipe's stages (plan), each of TP, CP and PP (all), or "
+        "none. Runs with the test steps.",
+    )
     host_memory_gb: float | None = Field(
         None,
         gt=0,

@@ -224,31 +224,29 @@ def attention_extra_bytes(
     context parallelism, for ``micro_batch_size`` rows of ``seq_len`` tokens (s/cp per rank).
 
     ``masked``: rows hold several documents, so every layer attends under a block-diagonal
-    mask (always so under CP: ``SequenceShard.mask``). Following ``model/attention.py`` and
-    ``tasks/pretrain/parallel/cp.py``:
+    mask of one row each (under CP, rows of one document still get one causal mask for all
+    rows: ``SequenceShard.mask``). Following ``model/attention.py`` and
+    ``tasks/pretrain/parallel/cp.py``, and measured with saved-tensor hooks on CPU:
 
+    - SDPA turns a boolean mask into an additive one of the activations' dtype and saves it
+      for the backward pass: ``rows·(s/cp)·s`` values per layer (rows: b with documents, else
+      1). NOTE: at long s this dominates (32k, cp=4, bf16: 0.54 GB per layer and row); a
+      varlen or flex-attention path would remove it;
     - CP all-gathers K and V over the whole rows, and SDPA saves its inputs: every layer keeps
       them at full s (``2·b·s·kv/tp``) instead of its local s/cp;
     - on CUDA under a mask, k and v are expanded to the query heads before SDPA (its fused
-      kernels take grouped k/v only without a mask): every layer keeps ``2·b·s·(a·d)/tp``; and
-      SDPA turns the boolean mask into an additive bias of the activations' dtype for the
-      memory-efficient kernel, which saves it: ``b·(s/cp)·s`` values per layer.
-      NOTE: at long s that bias dominates (32k, cp=4: 0.54 GB per layer in bf16); a varlen or
-      flex-attention path would remove it and the k/v expansion;
-    - the boolean mask, ``b·(s/cp)·s`` bytes, is held once for all layers.
+      kernels take grouped k/v only without a mask): ``2·b·s·(a·d)/tp`` per layer instead;
+    - the boolean mask, ``rows·(s/cp)·s`` bytes, is held once for all layers.
     """
     if not masked and cp == 1:
         return AttentionExtra()
     b, local, p = micro_batch_size, seq_len / cp, activation_bytes
+    mask = (b if masked else 1) * local * seq_len
     kv = cfg.num_kv_heads * cfg.head_dim / tp
-    local_kv = 2 * b * local * kv * p  # already in block_activation_bytes
-    extra = AttentionExtra(once=b * local * seq_len)
-    if device_type == "cuda":  # masked (CP always is): expanded k/v and the additive bias
-        heads = cfg.num_heads * cfg.head_dim / tp
-        extra.per_layer = 2 * b * seq_len * heads * p - local_kv + b * local * seq_len * p
-    elif cp > 1:
-        extra.per_layer = 2 * b * seq_len * kv * p - local_kv
-    return extra
+    if device_type == "cuda":
+        kv = cfg.num_heads * cfg.head_dim / tp
+    local_kv = 2 * b * local * cfg.num_kv_heads * cfg.head_dim / tp * p  # in the block's count
+    return AttentionExtra(per_layer=mask * p + 2 * b * seq_len * kv * p - local_kv, once=mask)
 
 
 def memory_per_gpu(
@@ -293,10 +291,12 @@ def memory_per_gpu(
 
     Activations and gradients are never all live at once (measured on CPU with peak RSS
     sampled per phase of a step, 2 ranks; tests/flows/test_preflight_memory.py checks the total
-    at several shapes). They peak together at one of two points:
+    at several shapes). They peak together at one of three points:
 
     - the loss's forward pass: every activation and the loss's buffers (`loss_buffer_bytes`);
       no gradient exists yet, they were set to None after the last optimizer step;
+    - the backward pass's start: every activation less the loss's logits chunk, and the last
+      block's backward temporaries (`backward_working_bytes`);
     - the backward pass's end: every gradient, the first block's activations and, with FSDP,
       that block's unsharded gradient and the root's reduce-scattered shard beside its whole
       gradient.
@@ -340,13 +340,33 @@ def memory_per_gpu(
     )  # fmt: skip
     first_block = tokens * block_activation_bytes(cfg, param_dtype_bytes, tp) + extra.per_layer
     backward_end = gradients + reducing + first_block
+    backward_start = activations - logits_chunk_bytes(cfg, int(tokens), tp)
+    backward_start += backward_working_bytes(cfg, tokens, param_dtype_bytes, tp)
     return MemoryEstimate(
         weights_gb=weights / GB,
         gradients_gb=gradients / GB,
         optimizer_gb=state_floats * 4 / shards / GB,
         activations_gb=activations / GB,
-        peak_live_gb=max(activations, backward_end) / GB,
+        peak_live_gb=max(activations, backward_start, backward_end) / GB,
     )
+
+
+def backward_working_bytes(
+    cfg: ModelConfig, tokens: float, activation_bytes: int, tp: int
+) -> float:
+    """The last block's backward temporaries, beside every activation at the backward's start:
+    SwiGLU's grad·up, silu's gradient and grad·silu (3I/tp per token) and the hidden-state
+    gradient coming in and going out (2h, whole under TP: the gathered input's gradient)."""
+    return tokens * (3 * cfg.intermediate_size / tp + 2 * cfg.hidden_size) * activation_bytes
+
+
+def logits_chunk_bytes(cfg: ModelConfig, tokens: int, tp: int = 1) -> float:
+    """The loss's float32 logits and log-probabilities of one chunk (freed after the forward)."""
+    from llmflow.model import loss
+
+    chunk_elements = getattr(loss, "CHUNK_ELEMENTS", None)
+    rows = tokens if chunk_elements is None else max(1, chunk_elements // cfg.vocab_size)
+    return 8 * min(rows, tokens) * cfg.vocab_size / tp
 
 
 def _stage_activations(

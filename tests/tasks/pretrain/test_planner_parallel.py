@@ -90,15 +90,17 @@ def test_layout_memory_by_hand():
     first = 2 * tokens * (2 * block + H / 2 * p)  # 2 in flight: 2 blocks + embedding output
     last = tokens * (2 * block + H * p) + loss_buffer_bytes(cfg, int(tokens), 2)
     # CP (on CUDA): every layer keeps K and V of the whole rows expanded to the query heads
-    # (instead of its local KV heads) and the (s/cp) x s additive mask; the bool mask once
-    per_layer = 2 * 2 * 256 * H / 2 * p - 2 * 2 * 128 * KV / 2 * p + 2 * 128 * 256 * p
-    mask = 2 * 128 * 256
+    # (instead of its local KV heads) and the (s/cp) x s additive mask, one for all rows of one
+    # document each; the bool mask once
+    mask = 128 * 256
+    per_layer = 2 * 2 * 256 * H / 2 * p - 2 * 2 * 128 * KV / 2 * p + mask * p
     first += 2 * 2 * per_layer + mask  # 2 layers, 2 micro-batches in flight
     last += 2 * per_layer + mask
     assert m.activations_gb == pytest.approx(max(first, last) / GB)
     cpu = memory_per_gpu(cfg, tp=2, cp=2, pp=2, dp_shard=2, micro_batches=4, device_type="cpu",
                          **kwargs)  # fmt: skip
-    gathered = 2 * 2 * 256 * KV / 2 * p - 2 * 2 * 128 * KV / 2 * p  # native GQA: KV heads
+    # CPU: native GQA, K and V of the KV heads only; the same additive mask
+    gathered = 2 * 2 * 256 * KV / 2 * p - 2 * 2 * 128 * KV / 2 * p + mask * p
     assert cpu.activations_gb == pytest.approx(
         (m.activations_gb * GB - 2 * 2 * (per_layer - gathered)) / GB
     )
