@@ -7,11 +7,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from llmflow.tasks.config import RunnerConfig
 from llmflow.tasks.framework.engine import (
@@ -148,3 +149,59 @@ def test_an_event_links_at_most_100_assets():
 def test_unknown_engine_kind_names_the_field():
     with pytest.raises(BadInputError, match=r"runner.kind='dask' has no stage engine"):
         make_engine(RunnerConfig(kind="dask"))
+
+
+class Flaky(BaseModel):
+    """Shard 3 fails once with an OSError (``folder/failed`` marks it); each shard computed
+    appends its number to ``folder/computed``."""
+
+    folder: str = Field("", json_schema_extra={"versioned": False})
+
+
+@step("engine-flaky", execution=("folder",))
+def flaky(cfg: Flaky, shard: Path, out: Path) -> Metrics:
+    """The shard's number, after one transient failure at shard 3."""
+    (i,) = pq.read_table(shard).column("i").to_pylist()
+    folder = Path(cfg.folder)
+    if i == 3 and not (folder / "failed").exists():
+        (folder / "failed").write_text("once")
+        raise OSError("transient: the disk went away")
+    with open(folder / "computed", "a") as f:
+        f.write(f"{i}\n")
+    return {"i": i}
+
+
+def test_a_prefect_retry_of_the_stage_task_computes_each_shard_once(prefect_harness, tmp_path):
+    """One task for the whole stage; a transient shard failure fails it, Prefect retries it,
+    and the retry runs only the shards without a commit marker."""
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    from llmflow.tasks.framework.executor import PrefectExecutor
+
+    graph = Graph()
+    source = graph.add(overhead_shards, OverheadShards(num_shards=24), "n")
+    node = graph.add(flaky, Flaky(folder=str(tmp_path)), "n", map_over="shard", shard=source)
+
+    @flow(name="engine-retry")
+    def run():
+        from prefect.runtime import flow_run
+
+        outcome = PrefectExecutor(str(tmp_path / "store"), runner=RunnerConfig(max_workers=2))
+        return outcome.run(graph)[node], flow_run.id
+
+    mapped, flow_run_id = run()
+    computed = [int(x) for x in (tmp_path / "computed").read_text().split()]
+    assert sorted(computed) == list(range(24))  # each shard once, over two attempts
+    assert [r.metrics["i"] for r in mapped.results] == list(range(24))
+    mine = FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
+    deadline = time.monotonic() + 60  # the API records task runs from events, soon after
+    with get_client(sync_client=True) as client:
+        while True:
+            runs = client.read_task_runs(flow_run_filter=mine)
+            stage = [r for r in runs if r.name.startswith("engine-flaky")]
+            if (stage and stage[0].run_count == 2) or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+    assert len(runs) == 2 and len(stage) == 1 and stage[0].run_count == 2
