@@ -150,6 +150,7 @@ LAYOUTS = {
     "tp2-activation-ckpt": ({"activation_checkpointing": "full"}, {"tp": 2}, 2, 4, 1e-4, 1e-5),
     "hsdp-2x2": ({}, {"dp_replicate": 2, "dp_shard": 2}, 4, 1, 1e-4, 1e-5),
     "dp_replicate2-tp2": ({}, {"dp_replicate": 2, "tp": 2}, 4, 2, 1e-4, 1e-5),
+    "tp2-cp2": ({}, {"tp": 2, "cp": 2}, 4, 4, 1e-4, 1e-5),  # with parallel/cp.py
     # bf16 against one process's autocast: bf16 rounding, not exactness
     "tp2-bf16": ({"precision": "bf16"}, {"tp": 2}, 2, 4, 1e-3, 3e-2),
     "tp2-dp_shard2-bf16": ({"precision": "bf16"}, {"tp": 2, "dp_shard": 2}, 4, 2, 1e-3, 3e-2),
