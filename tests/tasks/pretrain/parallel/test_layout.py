@@ -194,3 +194,29 @@ def test_stage_steps_count_data_parallel_ranks():
     assert steps(1, {}) == 12
     assert steps(2, {}) == steps(4, {"tp": 2}) == 6
     assert steps(4, {}) == steps(8, {"tp": 2}) == steps(8, {"tp": 2, "dp_replicate": 2}) == 3
+
+
+@pytest.mark.slow
+def test_weights_only_init_at_tp2(tmp_path, runs):
+    """An imported model's weights (model.safetensors, canonical rows) start a tp=2 run as they
+    start one process: the same losses from step 1."""
+    helpers = _helpers()
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    for name in ("model.safetensors", "model_config.json", "COMPLETE"):
+        shutil.copy(runs["one"] / "final" / name, weights / name)
+    losses = {}
+    for name, parallel, processes in (("one", {}, 1), ("tp2", {"tp": 2}, 2)):
+        out = tmp_path / name
+        proc = helpers.run_trainer(
+            layout_config(parallel, 4),
+            runs["data"],
+            out,
+            init_from=weights,
+            num_processes=processes,
+        )
+        assert "initialised from the weights" in proc.stdout
+        losses[name] = helpers.losses_by_step(out)
+    assert losses["one"][1] < helpers.losses_by_step(runs["one"])[1] - 0.1  # trained weights
+    worst = assert_losses_close(losses["tp2"], losses["one"], losses["one"])
+    print(f"weights-only init, tp=2 vs one process: max loss rel diff {worst:.2e}")
