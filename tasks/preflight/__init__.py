@@ -9,7 +9,9 @@ the machine is small, ``shape.py``), resumes the checkpoint of the middle step i
 and checks that the loss continues bitwise; (6) measures tokens/s and peak memory (``memory.py``)
 and compares the memory with the plan's prediction for those very settings; (7) writes the first
 evaluation scores (held-out loss and perplexity of the trained model, and the loss at
-initialisation against ln(vocab)) (``rehearsal.py``). :func:`preflight` runs them in order
+initialisation against ln(vocab)) (``rehearsal.py``); (8) rehearses the parallel layouts
+(TP, CP, PP) ``llmflow plan`` gives the recipe's stages, at a tiny width against data
+parallelism alone (``layouts.py``). :func:`preflight` runs them in order
 (``checklist.py``) into a go/no-go :class:`Report` (``report.py``); ``flows/preflight.py`` is its
 Prefect flow and ``llmflow preflight`` its command.
 
