@@ -324,9 +324,12 @@ def layout_text(layout: Layout) -> str:
 def format_layout_plan(name: str, seq_len: int, p: LayoutPlan) -> list[str]:
     """Three lines: the layout and batch, the memory per GPU, the bubble and traffic."""
     m, c = p.memory, p.communication
-    source = "set" if {"tp", "cp", "pp"} <= set(p.fixed) else (
-        "chosen" if not p.fixed else f"chosen around {','.join(f'{k}={v}' for k, v in p.fixed.items())}"
-    )  # fmt: skip
+    if {"tp", "cp", "pp"} <= set(p.fixed):
+        source = "set"
+    elif p.fixed:
+        source = "chosen around " + ",".join(f"{k}={v}" for k, v in p.fixed.items())
+    else:
+        source = "chosen"
     hidden = 1 - p.compute_seconds / p.step_seconds if p.step_seconds else 0.0
     return [
         f"{name:<14} ctx {seq_len:<7} {layout_text(p.layout)} ({source}); micro-batch "
@@ -334,7 +337,7 @@ def format_layout_plan(name: str, seq_len: int, p: LayoutPlan) -> list[str]:
         f"{p.global_batch} sequences; activation_checkpointing {p.activation_checkpointing}",
         f"{'':<14} memory per GPU (GB) weights {m.weights_gb:.2f} + gradients "
         f"{m.gradients_gb:.2f} + optimizer {m.optimizer_gb:.2f} + activations "
-        f"{m.activations_gb:.2f}: peak {m.total_gb:.1f} of {p.usable_gb:.1f} usable: "
+        f"{m.activations_gb:.2f}: {m.total_gb:.1f} at the peak, of {p.usable_gb:.1f} usable: "
         + ("fits" if p.fits else "does NOT fit"),
         f"{'':<14} bubble {p.bubble:.1%}; per step per GPU: TP {c.tp_gb:.1f} GB, CP "
         f"{c.cp_gb:.1f} GB, FSDP {c.fsdp_gb:.1f} GB, PP {c.pp_gb:.2f} GB; step ~{p.step_seconds:.2f}"
