@@ -97,7 +97,7 @@ def _paragraphs(text: str, min_chars: int) -> Iterator[tuple[int, str]]:
 def _hash_file(cfg: ExactHashConfig, in_shard: Path, out_dir: Path) -> dict[str, int]:
     """Hashes every document (and paragraph, at level "paragraph") of one shard."""
     ids, hashes, para_rows = [], [], {"id": [], "paragraph": [], "hash": []}
-    for row in tqdm(iter_rows(in_shard, ("id", "text")), desc=f"hash {in_shard.stem}", leave=False):
+    for row in tqdm(iter_rows(in_shard, ("id", "text")), desc=f"hash {in_shard.stem}", leave=False, disable=None):
         ids.append(row["id"])
         hashes.append(text_hash(row["text"]))
         if cfg.level == "paragraph":
@@ -130,7 +130,7 @@ def _dedup_keys(
     """Two streaming passes (Bloom, then exact) over hash files; returns (dropped rows, stats)."""
     bloom = BloomFilter(cfg.expected_documents, cfg.false_positive_rate)
     candidates: set[bytes] = set()
-    for path in tqdm(files, desc="exact dedup: bloom", leave=False):
+    for path in tqdm(files, desc="exact dedup: bloom", leave=False, disable=None):
         table = pq.read_table(path)
         rows = [r for r in table.to_pylist() if keep is None or r["id"] in keep]
         for start in range(0, len(rows), BLOOM_BATCH):
@@ -139,7 +139,7 @@ def _dedup_keys(
             candidates.update(h for h, hit in zip(hashes, hits, strict=True) if hit)
     first: dict[bytes, dict] = {}
     dropped, duplicated = [], set()
-    for path in tqdm(files, desc="exact dedup: check", leave=False):
+    for path in tqdm(files, desc="exact dedup: check", leave=False, disable=None):
         for row in pq.read_table(path).to_pylist():
             if (keep is not None and row["id"] not in keep) or row["hash"] not in candidates:
                 continue

@@ -81,7 +81,7 @@ def _write_outputs(shard_dirs, drops, paragraphs, stage_names, out_dir) -> tuple
     output: dict[str, dict] = {}
     writers: dict[tuple[str, str], ShardWriter] = {}
     for shard in [s for d in shard_dirs for s in shards_in(d)]:
-        for row in tqdm(iter_rows(shard), desc=f"finalize {shard.stem}", leave=False):
+        for row in tqdm(iter_rows(shard), desc=f"finalize {shard.stem}", leave=False, disable=None):
             domain, tokens = row["domain"], count_tokens(row["text"])
             row, stage, reason = _fate(row, drops, paragraphs)
             _count(tables, stage_names, domain, tokens, stage, reason)

@@ -136,7 +136,7 @@ def _sign_file(cfg: SignatureConfig, in_shard: Path, out_dir: Path, batch_docs: 
     ids, lengths, keys, num_docs = [], [], [], 0
     rows = iter_rows(in_shard, ("id", "text"), batch_size=batch_docs)
     batch: list[dict] = []
-    progress = tqdm(desc=f"minhash {in_shard.stem}", leave=False)
+    progress = tqdm(desc=f"minhash {in_shard.stem}", leave=False, disable=None)
     for row in [*rows, None]:
         if row is not None:
             batch.append(row)
