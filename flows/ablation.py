@@ -115,7 +115,7 @@ def difference(base: dict, candidate: dict) -> list[dict]:
 def annealing_ablation(config: PipelineConfig, ablation: AblationConfig) -> list[dict]:
     """Anneal baseline vs baseline+candidate from one checkpoint; table of metric differences."""
     graph, models = ablation_graph(config, ablation)
-    outcome = PrefectExecutor(config.root).run(graph)
+    outcome = PrefectExecutor(config.root, runner=config.runner).run(graph)
     base, cand = models
     rows = difference(outcome[base.scores].metrics, outcome[cand.scores].metrics)
     create_table_artifact(

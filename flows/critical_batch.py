@@ -159,7 +159,7 @@ def critical_rows(
 def critical_batch(config: PipelineConfig, cb: CriticalBatchConfig) -> dict[str, Any]:
     """Branch at each point for each batch; report the critical batch at each point."""
     planned = critical_batch_graph(config, cb)
-    outcome = PrefectExecutor(config.root).run(planned.graph)
+    outcome = PrefectExecutor(config.root, runner=config.runner).run(planned.graph)
     losses = {key: outcome[node].metrics["val_loss"] for key, node in planned.branches.items()}
     rows, critical = critical_rows(cb, losses)
     create_table_artifact(

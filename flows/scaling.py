@@ -220,7 +220,7 @@ def _law_text(law: ScalingLaw, error: float | None) -> str:
 def scaling_ladder(config: PipelineConfig, ladder: LadderConfig) -> LadderResult:
     """Train the ladder, fit the law, check it on a larger model, rank two variants by size."""
     planned = ladder_graph(config, ladder)
-    outcome = PrefectExecutor(config.root).run(planned.graph)
+    outcome = PrefectExecutor(config.root, runner=config.runner).run(planned.graph)
     fitted = json.loads((Path(outcome[planned.fit].uri) / LAW_FILE).read_text())
     law = ScalingLaw(**fitted["law"])
     heldout = Path(outcome[planned.heldout].uri)

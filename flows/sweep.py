@@ -129,7 +129,7 @@ def sweep_inputs(config: PipelineConfig) -> tuple[str, str]:
     """The trials' data (the first curriculum stage's mixture) and held-out set, run or cached."""
     graph = recipe(config)
     data, held_out = graph.find(step="mixture")[0], graph.find(step="validation")[0]
-    outcome = PrefectExecutor(config.root).run(graph.closure([data, held_out]))
+    outcome = PrefectExecutor(config.root, runner=config.runner).run(graph.closure([data, held_out]))
     return outcome[data].uri, outcome[held_out].uri
 
 
@@ -170,7 +170,7 @@ def trial_task(
         target=_heartbeat, args=(study, trial_id, stop, heartbeat_s(space)), daemon=True
     )
     beat.start()
-    executor = PrefectExecutor(config.root)
+    executor = PrefectExecutor(config.root, runner=config.runner)
     name = f"{config.name}-sweep"
 
     def train_segment(run, previous):
