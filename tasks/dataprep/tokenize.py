@@ -10,13 +10,31 @@ Output directory (read by `tasks.dataprep.mixture`):
 - ``validation_docs/shards/part-00000.parquet``: the held-out documents with the input's
   columns (id, text, domain, source), itself a corpus directory for per-domain perplexity.
 - ``rejects.jsonl``: malformed records with a ``reason``.
+
+Parallel encoding (execution only: the output is the same bytes, the address unchanged): when
+this process is connected to Ray (the data engine connected it under ``runner.kind=ray``, or
+``LLMFLOW_RAY_ADDRESS`` names a cluster: `distributed_dedup.data_map` decides), each corpus file is
+encoded by a Ray task; else ``LLMFLOW_DATA_WORKERS=N`` (N > 1) encodes files on N spawned
+processes; else this process encodes batch by batch. A worker returns each of its file's record
+batches encoded (ids, domains, sources, tokens end to end with each document's length, the
+hold-out mask, the held-out rows, the rejects) and this process writes them in file and batch
+order, exactly the writes of the sequential path (the held-out Parquet gets the same row
+groups). At most ``2 x workers`` files are in flight, so this process holds a bounded number of
+encoded files, never the corpus.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import multiprocessing
+import os
 import re
 import time
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -41,6 +59,9 @@ from llmflow.tasks.tokenizer.corpus import (
 )
 
 SPLITS = ("train", "validation")
+WORKERS_ENV = "LLMFLOW_DATA_WORKERS"
+"""Processes that encode (tokenize) or read (ingest) files when Ray is not connected; unset,
+0 or 1: this process alone. Execution only: the output is byte-identical either way."""
 VOCAB_META = "vocab_meta.json"
 """An imported model's vocabulary size and special ids, beside its tokenizer (``import_model``)."""
 
@@ -169,11 +190,11 @@ def tokenize_corpus(cfg: TokenizeConfig, corpus: Path, tokenizer: Path, out: Pat
     holdout_path = out_dir / "validation_docs" / "shards" / "part-00000.parquet"
     holdout_path.parent.mkdir(parents=True)
     start = time.perf_counter()
+    pieces = _encoded_batches(cfg, encoder, bpe, files, dtype)
     with pq.ParquetWriter(holdout_path, _corpus_schema()) as holdout:
-        for batch in tqdm(iter_batches(files, cfg.read_batch_rows), desc="tokenize", unit="batch"):
-            cols, rejected = valid_rows(batch)
-            rejects.write(rejected)
-            _tokenize_batch(cfg, encoder, cols, writer, holdout, dtype)
+        for piece in tqdm(pieces, desc="tokenize", unit="batch"):
+            rejects.write(piece.rejected)
+            _write_batch(piece, writer, holdout)
     seconds = time.perf_counter() - start
     summary = writer.close()
     if not summary["train"]:
@@ -209,9 +230,13 @@ class _Encoder:
     """`ByteLevelEncoder` for the layout `train_tokenizer` writes, else `tokenizers` itself
     (an imported model's tokenizer: Llama 3's or Qwen's split pattern, a normalizer, ...)."""
 
-    def __init__(self, tokenizer: Tokenizer):
+    def __init__(self, tokenizer: Tokenizer, processes: bool = True):
         self.tokenizer = tokenizer
         self.fast = ByteLevelEncoder.for_tokenizer(tokenizer)
+        if self.fast is not None and not processes:
+            # NOTE: a file's worker (a Ray task, a pool process) is one of several: its encoder
+            # does not fork a helper process of its own.
+            self.fast = ByteLevelEncoder(tokenizer, processes=False)
 
     def encode_batch(self, texts: list[str], dtype: np.dtype) -> list[np.ndarray]:
         if self.fast is not None:
@@ -222,16 +247,152 @@ class _Encoder:
         return [np.array(e.ids, dtype) for e in encoded]
 
 
-def _tokenize_batch(cfg, encoder, cols, writer, holdout, dtype) -> None:
-    """Encode one record batch in large calls and route documents to writers."""
+@dataclass
+class _Batch:
+    """One record batch encoded: what the writers need of it, and nothing more (no texts but
+    the held-out rows'), so a worker sends little more than the tokens."""
+
+    ids: list[str]
+    domains: list[str]
+    sources: list
+    tokens: np.ndarray
+    lengths: np.ndarray
+    held: np.ndarray
+    held_rows: dict[str, list]
+    rejected: list[dict]
+
+
+def _encode_batch(cfg: TokenizeConfig, encoder: _Encoder, batch, dtype: np.dtype) -> _Batch:
+    """Encode one record batch in large calls; hold out documents by id."""
+    cols, rejected = valid_rows(batch)
     texts = cols["text"]
     arrays = []
     for begin in range(0, len(texts), cfg.encode_batch_size):
         arrays += encoder.encode_batch(texts[begin : begin + cfg.encode_batch_size], dtype)
     held = holdout_mask(cols["id"], cfg.validation_fraction)
-    writer.write("train", cols, arrays, np.flatnonzero(~held))
-    if held.any():
-        writer.write("validation", cols, arrays, np.flatnonzero(held))
-        rows = np.flatnonzero(held)
-        table = {c: [cols[c][i] for i in rows] for c in CORPUS_COLUMNS}
-        holdout.write_table(pa.Table.from_pydict(table, schema=_corpus_schema()))
+    rows = np.flatnonzero(held)
+    return _Batch(
+        ids=cols["id"],
+        domains=cols["domain"],
+        sources=cols["source"],
+        tokens=np.concatenate(arrays) if arrays else np.zeros(0, dtype),
+        lengths=np.fromiter((len(a) for a in arrays), np.int64, len(arrays)),
+        held=held,
+        held_rows={c: [cols[c][i] for i in rows] for c in CORPUS_COLUMNS},
+        rejected=rejected,
+    )
+
+
+def _write_batch(piece: _Batch, writer: _CorpusWriter, holdout: pq.ParquetWriter) -> None:
+    """Route one encoded batch's documents to the writers (the same calls on every path)."""
+    arrays = np.split(piece.tokens, np.cumsum(piece.lengths)[:-1]) if len(piece.lengths) else []
+    cols = {"id": piece.ids, "domain": piece.domains, "source": piece.sources}
+    writer.write("train", cols, arrays, np.flatnonzero(~piece.held))
+    if piece.held.any():
+        writer.write("validation", cols, arrays, np.flatnonzero(piece.held))
+        holdout.write_table(pa.Table.from_pydict(piece.held_rows, schema=_corpus_schema()))
+
+
+# --- parallel encoding ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Job:
+    """What a worker needs to encode a file: the tokenizer (as JSON) and the batch settings."""
+
+    tokenizer_json: str
+    key: str
+    cfg: TokenizeConfig
+    dtype: str
+
+
+_WORKER_ENCODERS: dict[str, _Encoder] = {}
+
+
+def _encode_file(job: _Job, path: str) -> list[_Batch]:
+    """In a worker: every record batch of one file, encoded as the sequential path does."""
+    encoder = _WORKER_ENCODERS.get(job.key)
+    if encoder is None:
+        tokenizer = Tokenizer.from_str(job.tokenizer_json)
+        tokenizer.encode_special_tokens = True
+        _WORKER_ENCODERS.clear()
+        encoder = _WORKER_ENCODERS[job.key] = _Encoder(tokenizer, processes=False)
+    dtype = np.dtype(job.dtype)
+    return [
+        _encode_batch(job.cfg, encoder, batch, dtype)
+        for batch in iter_batches([Path(path)], job.cfg.read_batch_rows)
+    ]
+
+
+def data_workers() -> int:
+    """``LLMFLOW_DATA_WORKERS`` as a number (0 when unset); a bad value names the variable."""
+    value = os.environ.get(WORKERS_ENV, "").strip() or "0"
+    if not value.isdigit():
+        raise BadInputError(
+            f"{WORKERS_ENV}={value!r} must be a whole number of processes (0: none)"
+        )
+    return int(value)
+
+
+def _encoded_batches(
+    cfg: TokenizeConfig, encoder: _Encoder, bpe: Tokenizer, files: list[Path], dtype: np.dtype
+) -> Iterator[_Batch]:
+    """Every record batch of every file encoded, in file and batch order: on Ray when connected,
+    else on ``LLMFLOW_DATA_WORKERS`` processes, else here."""
+    from llmflow.tasks.curation.distributed_dedup import data_map, local_map
+
+    workers = data_workers()
+    with data_map() as engine_map:
+        if engine_map is local_map and (workers < 2 or len(files) < 2):
+            for batch in iter_batches(files, cfg.read_batch_rows):
+                yield _encode_batch(cfg, encoder, batch, dtype)
+            return
+        text = bpe.to_str()
+        job = _Job(text, hashlib.sha256(text.encode()).hexdigest(), cfg, dtype.str)
+        paths = [str(f) for f in files]
+        if engine_map is local_map:
+            results = process_stream(_encode_file, job, paths, workers)
+        else:
+            results = ray_stream(_encode_file, job, paths)
+        for encoded in results:
+            yield from encoded
+
+
+def process_stream(fn, job, items: list, workers: int) -> Iterator:
+    """``fn(job, item)`` for every item on ``workers`` spawned processes, results in the items'
+    order, at most ``2 x workers`` submitted at once."""
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(workers, mp_context=context) as pool:
+        pending: deque = deque()
+        try:
+            for item in items:
+                pending.append(pool.submit(fn, job, item))
+                if len(pending) >= 2 * workers:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+        finally:
+            for future in pending:
+                future.cancel()
+
+
+def ray_stream(fn, job, items: list, max_in_flight: int = 0) -> Iterator:
+    """``fn(job, item)`` for every item as Ray tasks on the cluster this process is connected
+    to, results in the items' order, at most ``max_in_flight`` submitted at once (0: twice the
+    cluster's CPUs)."""
+    import ray
+
+    limit = max_in_flight or max(2, 2 * int(ray.cluster_resources().get("CPU", 1)))
+    remote = ray.remote(num_cpus=1, max_retries=2)(fn)
+    job_ref = ray.put(job)
+    pending: deque = deque()
+    try:
+        for item in items:
+            pending.append(remote.remote(job_ref, item))
+            if len(pending) >= limit:
+                yield ray.get(pending.popleft())
+        while pending:
+            yield ray.get(pending.popleft())
+    finally:
+        for ref in pending:
+            ray.cancel(ref)
