@@ -4,6 +4,13 @@ Every document gets ``id``, ``text``, ``domain`` and ``source``. Anything unusab
 not JSON, invalid UTF-8, a missing or non-string text field, an empty or oversized document, a
 duplicate id) is counted and written to ``rejects.jsonl`` with its reason: ``read + rejected``
 always equals the records seen.
+
+Files are read and parsed in parallel when this process is connected to Ray (the rule of
+`distributed_dedup.data_map`: each file a Ray task) or ``LLMFLOW_DATA_WORKERS=N`` (N > 1) names
+processes: a worker returns one file's (index, record) list and this process takes the files in
+their sorted order, at most ``2 x workers`` in flight, and checks, numbers, deduplicates and
+shards the records exactly as when it reads them itself: the same documents, ids, rejects and
+shard cut points (execution only). Hub sources are streamed after the files, here.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import json
 import re
 from collections import Counter
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal
 
@@ -241,9 +249,10 @@ def ingest(
     rejects = _Rejects(out_dir / "rejects.jsonl", cfg.excerpt_chars)
     writer = _ShardWriter(shard_dir, cfg.docs_per_shard)
     per_source: dict[str, Counter[str]] = {}
-    with IdSet(out_dir) as seen_ids:
+    with IdSet(out_dir) as seen_ids, _parsed_files(cfg, files) as parsed:
         for source in tqdm(sources, desc="ingest", unit="source"):
-            per_source[source.uri] = _read_source(source, seen_ids, writer, rejects)
+            records = next(parsed) if parsed is not None and source.hub is None else None
+            per_source[source.uri] = _read_source(source, seen_ids, writer, rejects, records)
     writer.flush()
     rejects.file.close()
     report = {
@@ -263,12 +272,44 @@ def ingest(
     return {**metrics, "hub_taken": taken} if taken else metrics
 
 
+def _file_records(cfg: IngestConfig, uri: str) -> list[tuple[int, Any]]:
+    """In a worker: one file's (index, record or error string) pairs, as `_records` yields them."""
+    return list(_records(uri, SUFFIXES[Path(uri).suffix], cfg))
+
+
+@contextmanager
+def _parsed_files(cfg: IngestConfig, files: list[str]) -> Iterator[Iterator[list] | None]:
+    """Each file's records in the files' order, read on Ray or ``LLMFLOW_DATA_WORKERS``
+    processes; None where this process reads them itself (no workers, or fewer than two files)."""
+    from llmflow.tasks.curation.distributed_dedup import data_map, local_map
+    from llmflow.tasks.dataprep.tokenize import data_workers, process_stream, ray_stream
+
+    workers = data_workers()
+    with data_map() as engine_map:
+        if len(files) < 2 or (engine_map is local_map and workers < 2):
+            yield None
+            return
+        if engine_map is local_map:
+            parsed = process_stream(_file_records, cfg, files, workers)
+        else:
+            parsed = ray_stream(_file_records, cfg, files)
+        try:
+            yield parsed
+        finally:
+            parsed.close()
+
+
 def _read_source(
-    source: _Source, seen_ids: IdSet, writer: _ShardWriter, rejects: _Rejects
+    source: _Source,
+    seen_ids: IdSet,
+    writer: _ShardWriter,
+    rejects: _Rejects,
+    records: list[tuple[int, Any]] | None = None,
 ) -> Counter:
-    """Stream one source into the writer; returns its counts (records, kept, rejected)."""
+    """Stream one source into the writer (its ``records`` when a worker read them); returns its
+    counts (records, kept, rejected)."""
     cfg, counts = source.cfg, Counter(records=0, kept=0, rejected=0)
-    for index, record in source.records():
+    for index, record in source.records() if records is None else records:
         counts["records"] += 1
         reason = _check(record, cfg)
         doc_id = None if reason else record.get(cfg.id_field)
