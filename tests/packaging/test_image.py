@@ -59,7 +59,9 @@ def image() -> str:
         return os.environ["LLMFLOW_IMAGE"]
     env = dict(os.environ, AWS_SECRET_ACCESS_KEY=CANARY, AWS_ACCESS_KEY_ID=CANARY + "-id")
     out = sh(str(BUILD), "--base-from-debian", "--tag", TAG, timeout=3600, env=env, cwd=REPO)
-    print(out.stderr[-4000:], out.stdout[-2000:])  # the commands and their times (pytest -s)
+    for line in (out.stderr + out.stdout).splitlines():  # the commands and their times (-s)
+        if line.startswith(("== ", "+ ", "image:", "build.sh:", "base:")):
+            print(line)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     return TAG
 
