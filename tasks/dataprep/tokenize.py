@@ -25,6 +25,7 @@ encoded files, never the corpus.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import multiprocessing
@@ -358,11 +359,15 @@ def _encoded_batches(
             yield from encoded
 
 
-def process_stream(fn, job, items: list, workers: int) -> Iterator:
-    """``fn(job, item)`` for every item on ``workers`` spawned processes, results in the items'
-    order, at most ``2 x workers`` submitted at once."""
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(workers, mp_context=context) as pool:
+def process_pool(workers: int) -> ProcessPoolExecutor:
+    """``workers`` spawned processes (forking a process that runs Prefect's threads is unsafe)."""
+    return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+
+
+def process_stream(fn, job, items: list, workers: int, pool=None) -> Iterator:
+    """``fn(job, item)`` for every item on ``workers`` spawned processes (``pool``'s, else a
+    pool of its own), results in the items' order, at most ``2 x workers`` submitted at once."""
+    with contextlib.nullcontext(pool) if pool is not None else process_pool(workers) as pool:
         pending: deque = deque()
         try:
             for item in items:

@@ -319,9 +319,22 @@ def pin(uri: str) -> str:
     return source.with_revision(resolve_revision(source)).uri
 
 
-def stream(source: HubSource) -> Iterator[dict[str, Any]]:
-    """The source's records, streamed; a missing config or split or an unreachable repo is a
-    BadInputError naming the source (raised before the first record)."""
+def file_streams(source: HubSource) -> list[Any]:
+    """The source's split as one streamed dataset per data file (``datasets``' shards, cut
+    contiguously one file each), in the order `stream` reads them: their records end to end are
+    `stream`'s. Each can be pickled to a worker that reads its file (ingest's parallel read)."""
+    dataset = _streamed(source)
+    count = dataset.num_shards
+    return [dataset.shard(num_shards=count, index=i, contiguous=True) for i in range(count)]
+
+
+def read_all(dataset: Any) -> list[dict[str, Any]]:
+    """In a worker: every record of one of `file_streams`' datasets."""
+    return list(dataset)
+
+
+def _streamed(source: HubSource) -> Any:
+    """The source's split as a streaming ``datasets.IterableDataset`` (not yet read)."""
     import datasets
 
     check_mirror_pin(source)
@@ -331,10 +344,19 @@ def stream(source: HubSource) -> Iterator[dict[str, Any]]:
         None if os.environ.get(MIRROR_ENV) or is_local_pin(source.revision) else source.revision
     )
     try:
-        dataset = datasets.load_dataset(
+        return datasets.load_dataset(
             source.location(), name=source.config, split=source.split, revision=revision,
             streaming=True,
         )  # fmt: skip
+    except (ValueError, FileNotFoundError, OSError) as err:
+        raise BadInputError(f"Hub source {source.uri!r}: {_first_line(err)}") from None
+
+
+def stream(source: HubSource) -> Iterator[dict[str, Any]]:
+    """The source's records, streamed; a missing config or split or an unreachable repo is a
+    BadInputError naming the source (raised before the first record)."""
+    dataset = _streamed(source)
+    try:
         records = iter(dataset)
         first = next(records, None)
     except (ValueError, FileNotFoundError, OSError) as err:

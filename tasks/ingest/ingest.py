@@ -10,17 +10,20 @@ Files are read and parsed in parallel when this process is connected to Ray (the
 processes: a worker returns one file's (index, record) list and this process takes the files in
 their sorted order, at most ``2 x workers`` in flight, and checks, numbers, deduplicates and
 shards the records exactly as when it reads them itself: the same documents, ids, rejects and
-shard cut points (execution only). Hub sources are streamed after the files, here.
+shard cut points (execution only). Hub sources come after the files, each read the same way
+one data file per worker (``datasets``' shards, `hub.file_streams`), its records numbered end to
+end as the one stream numbers them; a source whose caps are reached cancels its files in flight.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import itertools
 import json
 import re
 from collections import Counter
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -249,10 +252,20 @@ def ingest(
     rejects = _Rejects(out_dir / "rejects.jsonl", cfg.excerpt_chars)
     writer = _ShardWriter(shard_dir, cfg.docs_per_shard)
     per_source: dict[str, Counter[str]] = {}
-    with IdSet(out_dir) as seen_ids, _parsed_files(cfg, files) as parsed:
-        for source in tqdm(sources, desc="ingest", unit="source"):
-            records = next(parsed) if parsed is not None and source.hub is None else None
-            per_source[source.uri] = _read_source(source, seen_ids, writer, rejects, records)
+    with IdSet(out_dir) as seen_ids, _worker_map() as work:
+        parsed = work(_file_records, cfg, files) if work and len(files) > 1 else (r for r in ())
+        with contextlib.closing(parsed):
+            for source in tqdm(sources, desc="ingest", unit="source"):
+                if source.hub is None:
+                    records = next(parsed, None)
+                    per_source[source.uri] = _read_source(
+                        source, seen_ids, writer, rejects, records
+                    )
+                    continue
+                with _hub_records(source, work) as records:
+                    per_source[source.uri] = _read_source(
+                        source, seen_ids, writer, rejects, records
+                    )
     writer.flush()
     rejects.file.close()
     report = {
@@ -277,26 +290,50 @@ def _file_records(cfg: IngestConfig, uri: str) -> list[tuple[int, Any]]:
     return list(_records(uri, SUFFIXES[Path(uri).suffix], cfg))
 
 
-@contextmanager
-def _parsed_files(cfg: IngestConfig, files: list[str]) -> Iterator[Iterator[list] | None]:
-    """Each file's records in the files' order, read on Ray or ``LLMFLOW_DATA_WORKERS``
-    processes; None where this process reads them itself (no workers, or fewer than two files)."""
+@contextlib.contextmanager
+def _worker_map() -> Iterator[Callable | None]:
+    """``stream(fn, job, items)``: ``fn(job, item)`` per item on Ray (connected, by
+    `distributed_dedup.data_map`'s rule) or on ``LLMFLOW_DATA_WORKERS`` processes, results in
+    order with a bounded number in flight; None where this process reads everything itself."""
     from llmflow.tasks.curation.distributed_dedup import data_map, local_map
-    from llmflow.tasks.dataprep.tokenize import data_workers, process_stream, ray_stream
+    from llmflow.tasks.dataprep.tokenize import (
+        data_workers,
+        process_pool,
+        process_stream,
+        ray_stream,
+    )
 
     workers = data_workers()
     with data_map() as engine_map:
-        if len(files) < 2 or (engine_map is local_map and workers < 2):
-            yield None
-            return
-        if engine_map is local_map:
-            parsed = process_stream(_file_records, cfg, files, workers)
+        if engine_map is not local_map:
+            yield ray_stream
+        elif workers > 1:
+            # NOTE: one pool for the files and every Hub source (a spawned worker imports
+            # pyarrow and datasets once).
+            with process_pool(workers) as pool:
+                yield lambda fn, job, items: process_stream(fn, job, items, workers, pool)
         else:
-            parsed = ray_stream(_file_records, cfg, files)
-        try:
-            yield parsed
-        finally:
-            parsed.close()
+            yield None
+
+
+@contextlib.contextmanager
+def _hub_records(source: _Source, work: Callable | None) -> Iterator[Iterator | None]:
+    """A Hub source's (index, record) pairs read one data file per worker; None (this process
+    streams the source) without workers or with a single file."""
+    shards = hub_sources.file_streams(source.hub) if work is not None else []
+    if len(shards) < 2:
+        yield None
+        return
+    parsed = work(_shard_records, None, shards)
+    try:
+        yield enumerate(itertools.chain.from_iterable(parsed))
+    finally:
+        parsed.close()
+
+
+def _shard_records(_: None, dataset: Any) -> list[dict[str, Any]]:
+    """In a worker: one Hub data file's records."""
+    return hub_sources.read_all(dataset)
 
 
 def _read_source(
@@ -304,7 +341,7 @@ def _read_source(
     seen_ids: IdSet,
     writer: _ShardWriter,
     rejects: _Rejects,
-    records: list[tuple[int, Any]] | None = None,
+    records: Iterable[tuple[int, Any]] | None = None,
 ) -> Counter:
     """Stream one source into the writer (its ``records`` when a worker read them); returns its
     counts (records, kept, rejected)."""

@@ -3,7 +3,8 @@
 The reference is the sequential read (``LLMFLOW_DATA_WORKERS`` unset, Ray not connected): the
 shards, rejects and report must have the same sha256 on the parallel paths, on a multi-file
 --data input (the quickstart sample's JSONL plus Parquet, a JSON array, plain text, malformed
-lines and ids duplicated across files), cut into shards that straddle files.
+lines and ids duplicated across files), cut into shards that straddle files; and with Hub
+sources (a local mirror, several data files per split, a cap reached mid-file) after the files.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from llmflow.tasks.dataprep.tokenize import WORKERS_ENV
+from llmflow.tasks.ingest import hub
 from llmflow.tasks.ingest.ingest import IngestConfig, ingest, list_files
 from llmflow.tasks.ingest.sample import SampleConfig, make_sample
 
@@ -55,9 +57,47 @@ def data(tmp_path_factory) -> list[str]:
     return files
 
 
-def _ingest(files: list[str], out: Path) -> tuple[dict, dict, float]:
+README = """---
+configs:
+- config_name: default
+  data_files:
+  - split: train
+    path: data/train-*.parquet
+---
+"""
+
+
+@pytest.fixture(scope="module")
+def hub_sources(tmp_path_factory) -> list[str]:
+    """acme/web (4 Parquet files, an id repeated across two) and acme/code (3 JSONL files,
+    text in ``content``), laid out as Hub repos in a mirror folder."""
+    mirror = tmp_path_factory.mktemp("mirror")
+    web = mirror / "acme" / "web" / "data"
+    web.mkdir(parents=True)
+    (web.parent / "README.md").write_text(README)
+    for shard in range(4):
+        ids = [f"w{shard}-{i}" for i in range(30)]
+        ids[0] = "w-shared" if shard in (1, 2) else ids[0]
+        texts = [f"web page {shard}-{i}: " + "words " * (i + 1) for i in range(30)]
+        pq.write_table(pa.table({"id": ids, "text": texts}), web / f"train-{shard}.parquet")
+    code = mirror / "acme" / "code" / "data"
+    code.mkdir(parents=True)
+    for part in range(3):
+        lines = [json.dumps({"content": f"def f{part}_{i}():\n    return {i}\n"}) for i in range(9)]
+        (code / f"part-{part}.jsonl").write_text(
+            "\n".join(lines + [json.dumps({"content": "  "})]) + "\n"
+        )
+    os.environ[hub.MIRROR_ENV] = str(mirror)
+    yield [
+        "hf://datasets/acme/web?split=train&domain=web&max_docs=70",
+        "hf://datasets/acme/code?split=train&domain=code&text_field=content",
+    ]
+    os.environ.pop(hub.MIRROR_ENV, None)
+
+
+def _ingest(files: list[str], out: Path, hub_uris=None) -> tuple[dict, dict, float]:
     start = time.perf_counter()
-    metrics = ingest(CFG, files, out)
+    metrics = ingest(CFG, files, out, hub_uris)
     seconds = time.perf_counter() - start
     return metrics, sha256s(out), seconds
 
@@ -89,15 +129,43 @@ def test_reordered_input_changes_the_output(data, sequential, tmp_path, monkeypa
     assert files != sequential[1]
 
 
+def test_hub_sources_split_into_files_stream_as_one(hub_sources):
+    web = hub.parse_uri(hub_sources[0])
+    shards = hub.file_streams(web)
+    assert len(shards) == 4
+    assert [r for s in shards for r in hub.read_all(s)] == list(hub.stream(web))
+
+
+@pytest.fixture(scope="module")
+def sequential_hub(data, hub_sources, tmp_path_factory):
+    os.environ.pop(WORKERS_ENV, None)
+    return _ingest(data, tmp_path_factory.mktemp("seq_hub"), hub_sources)
+
+
+def test_hub_read_on_processes_is_byte_identical(
+    data, hub_sources, sequential_hub, tmp_path, monkeypatch
+):
+    metrics = sequential_hub[0]
+    assert metrics["hub_taken"][hub_sources[0]] == 70 and metrics["rejected"] >= 8
+    monkeypatch.setenv(WORKERS_ENV, "2")
+    metrics, files, seconds = _ingest(data, tmp_path, hub_sources)
+    print(f"ingest with Hub: sequential {sequential_hub[2]:.2f} s, 2 processes {seconds:.2f} s")
+    assert metrics == sequential_hub[0]
+    assert files == sequential_hub[1]
+
+
 @pytest.mark.slow
-def test_ray_read_is_byte_identical(data, sequential, tmp_path):
+def test_ray_read_is_byte_identical(data, hub_sources, sequential, sequential_hub, tmp_path):
     ray = pytest.importorskip("ray")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     try:
-        metrics, files, seconds = _ingest(data, tmp_path)
+        metrics, files, seconds = _ingest(data, tmp_path / "files")
+        with_hub = _ingest(data, tmp_path / "hub", hub_sources)
     finally:
         ray.shutdown()
     print(f"ingest: sequential {sequential[2]:.2f} s, ray {seconds:.2f} s")
+    print(f"ingest with Hub: sequential {sequential_hub[2]:.2f} s, ray {with_hub[2]:.2f} s")
     assert metrics == sequential[0]
     assert files == sequential[1]
+    assert with_hub[:2] == sequential_hub[:2]
