@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from llmflow.tasks.dataprep.tokenize import (
     WORKERS_ENV,
     data_workers,
     process_stream,
+    ray_stream,
     tokenize_corpus,
 )
 from llmflow.tasks.framework.errors import BadInputError
@@ -75,7 +77,7 @@ def _tokenize_and_mix(root: Path, out: Path) -> tuple[dict, dict, float]:
 @pytest.fixture(scope="module")
 def sequential(quickstart, tmp_path_factory):
     """The reference: this process alone."""
-    assert "ray" not in os.sys.modules or not os.sys.modules["ray"].is_initialized()
+    assert "ray" not in sys.modules or not sys.modules["ray"].is_initialized()
     os.environ.pop(WORKERS_ENV, None)
     return _tokenize_and_mix(quickstart, tmp_path_factory.mktemp("seq"))
 
@@ -122,8 +124,26 @@ def _sleep_and_return(job: float, item: int) -> int:
     return item
 
 
-def test_process_stream_keeps_the_items_order():
-    assert list(process_stream(_sleep_and_return, 0.05, list(range(12)), 2)) == list(range(12))
+def _drawn(count: int, log: list[int]):
+    """Items 0..count-1, logging each as the stream draws it."""
+    for item in range(count):
+        log.append(item)
+        yield item
+
+
+def _check_order_and_bound(stream_fn, limit: int) -> None:
+    """Results in the items' order, and never more than ``limit`` items drawn ahead of the
+    results taken (the driver holds a bounded number of encoded files)."""
+    drawn: list[int] = []
+    taken = []
+    for result in stream_fn(_sleep_and_return, 0.05, _drawn(12, drawn)):
+        assert len(drawn) - len(taken) <= limit
+        taken.append(result)
+    assert taken == list(range(12))
+
+
+def test_process_stream_keeps_the_items_order_with_a_bounded_number_in_flight():
+    _check_order_and_bound(lambda fn, job, items: process_stream(fn, job, items, 2), 4)
 
 
 def test_bad_worker_count_names_the_variable(monkeypatch):
@@ -138,6 +158,7 @@ def test_bad_worker_count_names_the_variable(monkeypatch):
 def test_ray_output_is_byte_identical(quickstart, sequential, tmp_path):
     """Ray connected (as the data engine connects it): each file a Ray task."""
     ray = pytest.importorskip("ray")
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     start = time.perf_counter()
     ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
@@ -145,6 +166,7 @@ def test_ray_output_is_byte_identical(quickstart, sequential, tmp_path):
         started = time.perf_counter() - start
         tokenized, mix, seconds = _tokenize_and_mix(quickstart, tmp_path)
         tokenized_again, _, again = _tokenize_and_mix(quickstart, tmp_path / "again")
+        _check_order_and_bound(lambda fn, job, items: ray_stream(fn, job, items, 3), 3)
     finally:
         ray.shutdown()
     print(
