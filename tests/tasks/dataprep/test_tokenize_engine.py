@@ -176,3 +176,59 @@ def test_ray_output_is_byte_identical(quickstart, sequential, tmp_path):
     assert tokenized == sequential[0] == tokenized_again
     assert mix == sequential[1]
     assert np.isfinite(seconds)
+
+
+def _committed(root: Path, steps: tuple[str, ...]) -> dict[str, tuple[str, dict]]:
+    """The committed outputs of ``steps`` under ``root``: address -> (hash, each file's sha256)."""
+    import json
+
+    found = {}
+    for step_name in steps:
+        for record in root.glob(f"{step_name}/*/lineage.json"):
+            data = json.loads(record.read_text())
+            found[record.parent.relative_to(root).as_posix()] = (data["hash"], data["files"])
+    return found
+
+
+@pytest.mark.slow
+def test_pipeline_under_ray_runner_tokenizes_on_ray_with_the_same_addresses(
+    prefect_harness, tmp_path, monkeypatch
+):
+    """The quickstart until the mixture on the threads runner, then on ``runner.kind=ray`` (the
+    engine starts a local cluster, so tokenize finds Ray connected): tokenize runs its files as
+    Ray tasks, and tokenize's and the mixture's addresses and files are the threads run's."""
+    import shutil
+
+    import llmflow.tasks.dataprep.tokenize as tokenize_module
+    from llmflow.flows.pipeline import run_pipeline
+    from llmflow.tasks.config import load_config
+
+    pytest.importorskip("ray")
+    monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
+    streamed: list[int] = []
+    original = tokenize_module.ray_stream
+
+    def counting(fn, job, items, max_in_flight=0):
+        streamed.append(len(items))
+        return original(fn, job, items, max_in_flight)
+
+    monkeypatch.setattr(tokenize_module, "ray_stream", counting)
+    repo = Path(__file__).resolve().parents[3]
+    root, walls = tmp_path / "run", {}
+    for kind in ("threads", "ray"):
+        overrides = [f"root={root}", "until=mixture", "ingest.docs_per_shard=60"]
+        config = load_config(
+            repo / "configs" / "quickstart.yaml", overrides + [f"runner.kind={kind}"]
+        )
+        start = time.perf_counter()
+        run_pipeline(config)
+        walls[kind] = time.perf_counter() - start
+        # NOTE: one root for both runs (moved aside in between): documents record their source
+        # file's path.
+        shutil.move(root, tmp_path / kind)
+    print(f"pipeline until mixture: {walls}, load {os.getloadavg()[0]:.1f}")
+    threads = _committed(tmp_path / "threads", ("tokenize", "mixture"))
+    on_ray = _committed(tmp_path / "ray", ("tokenize", "mixture"))
+    assert {k.split("/")[0] for k in threads} == {"tokenize", "mixture"}
+    assert on_ray == threads
+    assert streamed and streamed[0] >= 5  # tokenize's files went to Ray tasks
