@@ -401,3 +401,5 @@ def ray_stream(fn, job, items: list, max_in_flight: int = 0) -> Iterator:
     finally:
         for ref in pending:
             ray.cancel(ref)
+        if pending:  # NOTE: cancelled tasks end before the caller removes what they write to
+            ray.wait(list(pending), num_returns=len(pending), timeout=60)

@@ -328,9 +328,9 @@ def file_streams(source: HubSource) -> list[Any]:
     return [dataset.shard(num_shards=count, index=i, contiguous=True) for i in range(count)]
 
 
-def read_all(dataset: Any) -> list[dict[str, Any]]:
-    """In a worker: every record of one of `file_streams`' datasets."""
-    return list(dataset)
+def read_all(dataset: Any) -> Iterator[dict[str, Any]]:
+    """In a worker: every record of one of `file_streams`' datasets, streamed."""
+    return iter(dataset)
 
 
 def _streamed(source: HubSource) -> Any:

@@ -21,7 +21,11 @@ import contextlib
 import hashlib
 import itertools
 import json
+import os
+import pickle
 import re
+import shutil
+import tempfile
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -252,12 +256,14 @@ def ingest(
     rejects = _Rejects(out_dir / "rejects.jsonl", cfg.excerpt_chars)
     writer = _ShardWriter(shard_dir, cfg.docs_per_shard)
     per_source: dict[str, Counter[str]] = {}
-    with IdSet(out_dir) as seen_ids, _worker_map() as work:
-        parsed = work(_file_records, cfg, files) if work and len(files) > 1 else (r for r in ())
+    with IdSet(out_dir) as seen_ids, _worker_map(out_dir) as work:
+        many = work is not None and len(files) > 1
+        parsed = work(_file_records, cfg, files) if many else (r for r in ())
         with contextlib.closing(parsed):
             for source in tqdm(sources, desc="ingest", unit="source"):
                 if source.hub is None:
-                    records = next(parsed, None)
+                    spilled = next(parsed, None)
+                    records = None if spilled is None else _unspill(spilled)
                     per_source[source.uri] = _read_source(
                         source, seen_ids, writer, rejects, records
                     )
@@ -285,14 +291,43 @@ def ingest(
     return {**metrics, "hub_taken": taken} if taken else metrics
 
 
-def _file_records(cfg: IngestConfig, uri: str) -> list[tuple[int, Any]]:
-    """In a worker: one file's (index, record or error string) pairs, as `_records` yields them."""
-    return list(_records(uri, SUFFIXES[Path(uri).suffix], cfg))
+SCRATCH = ".ingest-scratch"
+"""The folder inside the output where workers spill the records they read (removed at the end;
+on Ray, workers must see it: one machine, or a volume shared by the nodes)."""
+
+
+def _spill(scratch: str, items: Iterable[Any]) -> str:
+    """Write ``items`` one pickle each to a new file in ``scratch``; returns its path."""
+    fd, name = tempfile.mkstemp(suffix=".pkl", dir=scratch)
+    with os.fdopen(fd, "wb") as f:
+        for item in items:
+            pickle.dump(item, f, protocol=pickle.HIGHEST_PROTOCOL)
+    return name
+
+
+def _unspill(path: str) -> Iterator[Any]:
+    """A spilled file's items, one at a time; the file is removed once read."""
+    try:
+        with open(path, "rb") as f:
+            while True:
+                try:
+                    yield pickle.load(f)
+                except EOFError:
+                    return
+    finally:
+        os.unlink(path)
+
+
+def _file_records(job: tuple[str, IngestConfig], uri: str) -> str:
+    """In a worker: one file's (index, record or error string) pairs, as `_records` yields them,
+    spilled to the scratch folder (the driver holds one record at a time, not a file)."""
+    scratch, cfg = job
+    return _spill(scratch, _records(uri, SUFFIXES[Path(uri).suffix], cfg))
 
 
 @contextlib.contextmanager
-def _worker_map() -> Iterator[Callable | None]:
-    """``stream(fn, job, items)``: ``fn(job, item)`` per item on Ray (connected, by
+def _worker_map(out_dir: Path) -> Iterator[Callable | None]:
+    """``stream(fn, job, items)``: ``fn((scratch, job), item)`` per item on Ray (connected, by
     `distributed_dedup.data_map`'s rule) or on ``LLMFLOW_DATA_WORKERS`` processes, results in
     order with a bounded number in flight; None where this process reads everything itself."""
     from llmflow.tasks.curation.distributed_dedup import data_map, local_map
@@ -304,16 +339,24 @@ def _worker_map() -> Iterator[Callable | None]:
     )
 
     workers = data_workers()
+    scratch = out_dir / SCRATCH
     with data_map() as engine_map:
-        if engine_map is not local_map:
-            yield ray_stream
-        elif workers > 1:
-            # NOTE: one pool for the files and every Hub source (a spawned worker imports
-            # pyarrow and datasets once).
-            with process_pool(workers) as pool:
-                yield lambda fn, job, items: process_stream(fn, job, items, workers, pool)
-        else:
+        if engine_map is local_map and workers < 2:
             yield None
+            return
+        scratch.mkdir()
+        try:
+            if engine_map is not local_map:
+                yield lambda fn, job, items: ray_stream(fn, (str(scratch), job), items)
+            else:
+                # NOTE: one pool for the files and every Hub source (a spawned worker imports
+                # pyarrow and datasets once).
+                with process_pool(workers) as pool:
+                    yield lambda fn, job, items: process_stream(
+                        fn, (str(scratch), job), items, workers, pool
+                    )
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -326,14 +369,14 @@ def _hub_records(source: _Source, work: Callable | None) -> Iterator[Iterator | 
         return
     parsed = work(_shard_records, None, shards)
     try:
-        yield enumerate(itertools.chain.from_iterable(parsed))
+        yield enumerate(itertools.chain.from_iterable(_unspill(path) for path in parsed))
     finally:
         parsed.close()
 
 
-def _shard_records(_: None, dataset: Any) -> list[dict[str, Any]]:
-    """In a worker: one Hub data file's records."""
-    return hub_sources.read_all(dataset)
+def _shard_records(job: tuple[str, None], dataset: Any) -> str:
+    """In a worker: one Hub data file's records, spilled to the scratch folder."""
+    return _spill(job[0], hub_sources.read_all(dataset))
 
 
 def _read_source(

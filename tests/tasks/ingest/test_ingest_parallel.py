@@ -152,6 +152,7 @@ def test_hub_read_on_processes_is_byte_identical(
     print(f"ingest with Hub: sequential {sequential_hub[2]:.2f} s, 2 processes {seconds:.2f} s")
     assert metrics == sequential_hub[0]
     assert files == sequential_hub[1]
+    assert not any(p.name.startswith(".") for p in tmp_path.iterdir())  # the scratch is gone
 
 
 @pytest.mark.slow
