@@ -66,6 +66,7 @@ import pyarrow.parquet as pq  # noqa: E402
 from pydantic import BaseModel, Field  # noqa: E402
 
 from benchmarks.common import emit, load_average  # noqa: E402
+from llmflow.tasks.curation.config import MinhashConfig  # noqa: E402
 from llmflow.tasks.framework.step import Metrics, step  # noqa: E402
 
 WAYS = ("shard", "stage", "ray", "datatrove", "datatrove_ray")
@@ -223,12 +224,15 @@ def vmhwm_mib() -> float:
 # ---------------------------------------------------------------- our ways (one driver each)
 
 
-def curate_config(way: str, num_shards: int):
+def curate_config(way: str, partitions: int | None = None):
+    """Ours: datatrove's FineWeb chain, PII and the quality model off; ``ray``: both dedups
+    partitioned (``partitions`` each; None: the config's default)."""
     from benchmarks.bench_curation import bench_config
     from llmflow.tasks.curation.config import CurateConfig
 
-    method = "partitioned" if way == "ray" else None
-    dedup = {"method": method} if method else {}
+    dedup = {"method": "partitioned"} if way == "ray" else {}
+    if dedup and partitions:
+        dedup["partitions"] = partitions
     return CurateConfig.model_validate(
         {
             "filters": bench_config().model_dump(),
@@ -266,7 +270,9 @@ def task_runs(flow_run_id: str, at_least: int, timeout_s: float = 120) -> int:
     return last
 
 
-def run_ours(way: str, corpus: str, root: Path, noop_shards: int) -> dict:
+def run_ours(
+    way: str, corpus: str, root: Path, noop_shards: int, partitions: int | None = None
+) -> dict:
     """One of our ways: the curate subgraph on Prefect, then the no-op stage's overhead."""
     from prefect import flow
     from prefect.runtime import flow_run
@@ -287,7 +293,7 @@ def run_ours(way: str, corpus: str, root: Path, noop_shards: int) -> dict:
     )
     graph = Graph()
     num_shards = len(list(Path(corpus, "shards").glob("*.parquet")))
-    final = add_curation(graph, curate_config(way, num_shards), Existing(corpus), "bench")
+    final = add_curation(graph, curate_config(way, partitions), Existing(corpus), "bench")
     ids: dict = {}
     ray_start = _start_ray() if way == "ray" else 0.0
 
@@ -491,7 +497,7 @@ def worker_main(args) -> None:
     if args.worker.startswith("datatrove"):
         record = run_datatrove(args.worker, args.corpus, root, args.noop_shards)
     else:
-        record = run_ours(args.worker, args.corpus, root, args.noop_shards)
+        record = run_ours(args.worker, args.corpus, root, args.noop_shards, args.partitions)
     Path(args.out).write_text(json.dumps(record))
 
 
@@ -525,6 +531,9 @@ def prefect_env() -> tuple[object, dict]:
     from prefect.settings import PREFECT_API_URL
     from prefect.testing.utilities import prefect_test_harness
 
+    # NOTE: the server's telemetry service races the harness's start on SQLite ("database is
+    # locked", a harmless traceback) and cannot reach the network here anyway
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     harness = prefect_test_harness(server_startup_timeout=120)
     harness.__enter__()
     env = {**os.environ, "PREFECT_API_URL": str(PREFECT_API_URL.value())}
@@ -547,10 +556,14 @@ def main() -> None:
     parser.add_argument("--noop-shards", type=int, default=500)
     parser.add_argument(
         "--ways",
-        nargs="+",
+        nargs="*",
         choices=WAYS,
         default=list(DEFAULT_WAYS),
-        help="datatrove_ray is opt-in: it starts one Ray actor per task, seconds each here",
+        help="datatrove_ray is opt-in: it starts one Ray actor per task, seconds each here; "
+        "none given (with --stress): the stress run alone",
+    )
+    parser.add_argument(
+        "--partitions", type=int, help="ray way: exact and near dedup partitions (default 64)"
     )
     parser.add_argument("--stress", action="store_true", help="10,000-shard no-op stage (slow)")
     parser.add_argument("--stress-scales", type=int, nargs="+", default=[1000, 5000, 10000])
@@ -590,9 +603,10 @@ def main() -> None:
     harness, env = prefect_env()
     try:
         corpus_cfg = ScaleCorpus(text_dir=str(args.text_dir), gb=args.gb, num_shards=args.shards)
-        started = time.perf_counter()
-        corpus, counts = build_corpus(work / "corpus", corpus_cfg)
-        print(f"corpus: {counts} in {time.perf_counter() - started:.1f} s", flush=True)
+        started, corpus, counts = time.perf_counter(), "", {}
+        if args.ways:
+            corpus, counts = build_corpus(work / "corpus", corpus_cfg)
+            print(f"corpus: {counts} in {time.perf_counter() - started:.1f} s", flush=True)
         ways: dict[str, dict] = {}
         for way in args.ways:
             root = work / way
@@ -601,7 +615,8 @@ def main() -> None:
             load = load_average()
             ways[way] = spawn(
                 ["--worker", way, "--corpus", corpus, "--root", str(root),
-                 "--noop-shards", str(args.noop_shards)],
+                 "--noop-shards", str(args.noop_shards),
+                 *(["--partitions", str(args.partitions)] if args.partitions else [])],
                 env, args.timeout, root / "record.json",
             )  # fmt: skip
             ways[way]["load_before"] = load
@@ -629,24 +644,26 @@ def main() -> None:
         "quick": args.quick,
         "scale": {"gb": args.gb, "shards": args.shards, **counts},
         "workers": WORKERS,
+        "ray_dedup_partitions": args.partitions or MinhashConfig().partitions,
         "load_start": load_start,
     }
     ours_kept = {ways[w].get("kept_digest") for w in ("shard", "stage", "ray") if w in ways}
-    records.append(
-        emit(
-            "data_scale",
-            **common,
-            ratio={
-                f"{o}_vs_{p}": ratio(ways[p], ways[o])
-                for o in ("stage", "ray")
-                for p in ("shard", "datatrove", "datatrove_ray")
-                if o in ways and p in ways
-            },
-            ratio_means="peer wall s / ours wall s, same run (above 1: ours faster)",
-            same_kept_ours=len(ours_kept - {None}) == 1,
-            ways=ways,
+    if ways:
+        records.append(
+            emit(
+                "data_scale",
+                **common,
+                ratio={
+                    f"{o}_vs_{p}": ratio(ways[p], ways[o])
+                    for o in ("stage", "ray")
+                    for p in ("shard", "datatrove", "datatrove_ray")
+                    if o in ways and p in ways
+                },
+                ratio_means="peer wall s / ours wall s, same run (above 1: ours faster)",
+                same_kept_ours=len(ours_kept - {None}) == 1,
+                ways=ways,
+            )
         )
-    )
     for ours in ("stage", "ray"):
         for peer in ("shard", "datatrove", "datatrove_ray"):
             if ours in ways and peer in ways:
