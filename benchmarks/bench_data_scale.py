@@ -16,16 +16,17 @@ temporary Prefect server (``prefect_test_harness``) started by this script:
 - ``datatrove``: datatrove 0.10's ``LocalPipelineExecutor`` (workers=2, one task per shard):
   reader -> GopherRepetition -> GopherQuality -> C4(filter_no_terminal_punct=False) ->
   FineWebQuality -> writer + MinhashDedupSignature, then buckets, cluster, and the filter writing
-  the kept documents; ``datatrove_ray``: the same on its ``RayPipelineExecutor``, if it runs.
+  the kept documents; ``datatrove_ray`` (opt-in, one Ray actor per task): the same on its ``RayPipelineExecutor``.
 
 Ours runs the curate subgraph (``tasks.curation.recipe.add_curation``: normalize, filter,
 exact hashes, MinHash signatures, exact dedup, near dedup, finalize; the filters are datatrove's
 FineWeb chain as in ``bench_curation.py``, PII and the quality model off, as datatrove's side has
 neither). datatrove has no document-level exact dedup or normalisation here: ours does more work.
 
-Figures per way: wall time (for ``ray`` without the local cluster's start, ``ray_start_s``,
-a fixed cost: the cluster is started first and both runs below use it); per-shard orchestration overhead, twice: (wall - summed step
-compute / 2 workers) / shards, and a no-op stage over ``--noop-shards`` one-row shards
+Figures per way: wall time (for ``ray`` without the local cluster's start, ``ray_start_s``, a
+fixed cost: the cluster starts first and both runs below use it); per-shard orchestration
+overhead, twice: (wall - summed step compute / 2 workers) / shards (rough: the global stages
+run on one worker), and a no-op stage over ``--noop-shards`` one-row shards
 (``tasks.framework.stage_overhead``; datatrove: a reader-only pipeline, one task per shard);
 Prefect task runs of the way's flow run (``read_task_runs`` on the server); the driver's peak
 RSS (VmHWM) and the peak RSS of the driver plus its worker processes while near dedup ran
