@@ -41,6 +41,10 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("LLMFLOW_CACHE", Path.home() / ".cache" / "llmflow"))
 
 
+_INPUT_HASHES: dict[str, str] = {}
+"""A committed output's hash by URI (``Store.input_hash``); outputs are immutable once committed."""
+_INPUT_HASHES_MAX = 100_000
+
 class Store:
     """Outputs under one root: a local folder or any fsspec URI (``s3://bucket/prefix``)."""
 
@@ -108,10 +112,19 @@ class Store:
             return None
 
     def input_hash(self, uri: str) -> str:
-        """The hash of a complete output, read from its lineage record."""
+        """The hash of a complete output, read from its lineage record.
+
+        Remembered per process: a committed output never changes, and every shard of a mapped
+        stage reads its upstream's record, whose file manifest grows with the shards (re-reading
+        it made a stage of n shards cost O(n^2)).
+        """
         if not self.is_complete(uri):
             raise FileNotFoundError(f"input {uri} is not a complete output (no {COMMIT_MARKER})")
-        return self.read_lineage(uri)["hash"]
+        if uri not in _INPUT_HASHES:
+            if len(_INPUT_HASHES) >= _INPUT_HASHES_MAX:
+                _INPUT_HASHES.clear()
+            _INPUT_HASHES[uri] = self.read_lineage(uri)["hash"]
+        return _INPUT_HASHES[uri]
 
     # -- local views -----------------------------------------------------------------------
     def local_path(self, uri: str) -> Path:
