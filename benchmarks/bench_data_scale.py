@@ -349,11 +349,10 @@ def _start_ray() -> float:
     fixed cost, not a per-shard one."""
     import ray
 
-    from llmflow.tasks.framework.engine import _loopback_only
+    from llmflow.tasks.framework.engine import init_ray
 
     started = time.perf_counter()
-    with _loopback_only():
-        ray.init(num_cpus=WORKERS, include_dashboard=False, _node_ip_address="127.0.0.1")
+    init_ray("local", num_cpus=WORKERS)
     ray.get([ray.remote(lambda: 0).remote() for _ in range(WORKERS)])  # both workers up
     return time.perf_counter() - started
 

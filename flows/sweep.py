@@ -129,7 +129,9 @@ def sweep_inputs(config: PipelineConfig) -> tuple[str, str]:
     """The trials' data (the first curriculum stage's mixture) and held-out set, run or cached."""
     graph = recipe(config)
     data, held_out = graph.find(step="mixture")[0], graph.find(step="validation")[0]
-    outcome = PrefectExecutor(config.root, runner=config.runner).run(graph.closure([data, held_out]))
+    outcome = PrefectExecutor(config.root, runner=config.runner).run(
+        graph.closure([data, held_out])
+    )
     return outcome[data].uri, outcome[held_out].uri
 
 

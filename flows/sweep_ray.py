@@ -123,12 +123,9 @@ def connect(space: SweepSpace) -> bool:
     if env:  # the run's own settings reach the trials on every node
         options["runtime_env"] = {"env_vars": env}
     if space.ray_address is None:
-        ray.init(
-            num_cpus=space.concurrency,
-            include_dashboard=False,
-            _node_ip_address="127.0.0.1",
-            **options,
-        )
+        from llmflow.tasks.framework.engine import init_ray
+
+        init_ray(None, num_cpus=space.concurrency, **options)  # on 127.0.0.1 only
         return True
     try:
         check_reachable(space.ray_address)

@@ -144,15 +144,9 @@ def data_map(address: str | None = None, max_in_flight: int = 0) -> Iterator[Map
         return
     import ray
 
-    if address == "local":
-        ray.init(
-            num_cpus=os.cpu_count(),
-            include_dashboard=False,
-            _node_ip_address="127.0.0.1",
-            log_to_driver=False,
-        )
-    else:
-        ray.init(address=address, log_to_driver=False)
+    from llmflow.tasks.framework.engine import init_ray
+
+    init_ray(address, log_to_driver=False)
     try:
         yield ray_map(max_in_flight)
     finally:

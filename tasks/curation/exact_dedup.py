@@ -97,7 +97,9 @@ def _paragraphs(text: str, min_chars: int) -> Iterator[tuple[int, str]]:
 def _hash_file(cfg: ExactHashConfig, in_shard: Path, out_dir: Path) -> dict[str, int]:
     """Hashes every document (and paragraph, at level "paragraph") of one shard."""
     ids, hashes, para_rows = [], [], {"id": [], "paragraph": [], "hash": []}
-    for row in tqdm(iter_rows(in_shard, ("id", "text")), desc=f"hash {in_shard.stem}", leave=False, disable=None):
+    for row in tqdm(
+        iter_rows(in_shard, ("id", "text")), desc=f"hash {in_shard.stem}", leave=False, disable=None
+    ):
         ids.append(row["id"])
         hashes.append(text_hash(row["text"]))
         if cfg.level == "paragraph":

@@ -88,7 +88,9 @@ def _filter_file(cfg: FilterStepConfig, in_shard: Path, out_dir: Path) -> dict[s
     pii_counts = {"email": 0, "ip_address": 0, "phone": 0}
     budget = ErrorBudget("curate-filter", cfg.filters.max_error_share)
     with ShardWriter(out_dir / in_shard.name) as writer:
-        for row in tqdm(iter_rows(in_shard), desc=f"filter {in_shard.stem}", leave=False, disable=None):
+        for row in tqdm(
+            iter_rows(in_shard), desc=f"filter {in_shard.stem}", leave=False, disable=None
+        ):
             domain, text = row["domain"], row["text"]
             tokens = count_tokens(text)
             add_count(table, domain, "in", 1, tokens)

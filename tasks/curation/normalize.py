@@ -85,7 +85,9 @@ def normalize_shard(cfg: NormalizeConfig, shard: Path, out: Path) -> Metrics:
     rejects, cleaned, seen_ids = [], {}, set()
     budget = ErrorBudget("curate-normalize", cfg.max_error_share)
     with ShardWriter(out / shard.name) as writer:
-        for row in tqdm(iter_rows(shard), desc=f"normalize {shard.stem}", leave=False, disable=None):
+        for row in tqdm(
+            iter_rows(shard), desc=f"normalize {shard.stem}", leave=False, disable=None
+        ):
             domain = row.get("domain") or "unknown"
             raw = row.get("text")
             tokens = count_tokens(raw) if isinstance(raw, str) else 0

@@ -180,7 +180,9 @@ def _score_all(
     """Drops (id, reason, score columns) of documents scored below threshold, and a histogram."""
     drops = {"id": [], "reason": [], "score": []}
     histogram = np.zeros(10, np.int64)
-    for row in tqdm(_eligible_rows(cfg, filtered, excluded), desc="quality", leave=False, disable=None):
+    for row in tqdm(
+        _eligible_rows(cfg, filtered, excluded), desc="quality", leave=False, disable=None
+    ):
         score = model.predict(features(row["text"], cfg))
         histogram[min(9, int(score * 10))] += 1
         if score < cfg.threshold:

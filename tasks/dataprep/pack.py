@@ -140,7 +140,9 @@ def _write_shards(stream_path, perm, out_dir, dtype, row_len, rows_per_shard) ->
     stream = np.memmap(stream_path, dtype=dtype, mode="r").reshape(-1, row_len)
     shards = []
     starts = range(0, len(perm), rows_per_shard)
-    for k, begin in enumerate(tqdm(starts, desc="write shards", unit="shard", leave=False, disable=None)):
+    for k, begin in enumerate(
+        tqdm(starts, desc="write shards", unit="shard", leave=False, disable=None)
+    ):
         rows = perm[begin : begin + rows_per_shard]
         # NOTE: gather in sorted order (sequential reads), then undo the sort in memory.
         order = np.argsort(rows, kind="stable")

@@ -247,17 +247,7 @@ class RayEngine(Engine):
         self.started = False
         if not ray.is_initialized():
             check_reachable(address)
-            env = {"env_vars": worker_env(dict(os.environ))}
-            if address == "local":
-                with _loopback_only():
-                    ray.init(
-                        num_cpus=os.cpu_count(),
-                        include_dashboard=False,
-                        _node_ip_address="127.0.0.1",
-                        runtime_env=env,
-                    )
-            else:
-                ray.init(address=address, runtime_env=env)
+            init_ray(address, runtime_env={"env_vars": worker_env(dict(os.environ))})
             self.started = True
         self.ray = ray
         self.cpus = cpus
@@ -284,6 +274,24 @@ class RayEngine(Engine):
         if self.started:
             self.ray.shutdown()
             self.started = False
+
+
+def init_ray(address: str | None, num_cpus: int | None = None, **options: Any) -> None:
+    """Join the Ray cluster at ``address``, or start one (``local`` or None) on 127.0.0.1 only,
+    with ``num_cpus`` (default: this machine's cores). The data engine, the partitioned dedup,
+    the trainer's Ray launcher and the Ray sweep all start Ray here."""
+    import ray
+
+    if address not in (None, "local"):
+        ray.init(address=address, **options)
+        return
+    with _loopback_only():
+        ray.init(
+            num_cpus=num_cpus or os.cpu_count(),
+            include_dashboard=False,
+            _node_ip_address="127.0.0.1",
+            **options,
+        )
 
 
 @contextlib.contextmanager

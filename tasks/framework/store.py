@@ -45,6 +45,7 @@ _INPUT_HASHES: dict[str, str] = {}
 """A committed output's hash by URI (``Store.input_hash``); outputs are immutable once committed."""
 _INPUT_HASHES_MAX = 100_000
 
+
 class Store:
     """Outputs under one root: a local folder or any fsspec URI (``s3://bucket/prefix``)."""
 

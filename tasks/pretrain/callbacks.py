@@ -172,7 +172,10 @@ class Validator(Callback):
         rt, cfg, model = trainer.runtime, trainer.cfg, trainer.model
         # NOTE: by data-parallel rank: tensor-parallel ranks must see the same sequences
         loader = PackedLoader(
-            self.val_dir, cfg.batch.micro_batch_size, trainer.dp_rank, trainer.layout.dp,
+            self.val_dir,
+            cfg.batch.micro_batch_size,
+            trainer.dp_rank,
+            trainer.layout.dp,
             seed=cfg.seed,
         )
         model.eval()

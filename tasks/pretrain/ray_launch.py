@@ -144,18 +144,16 @@ def _train_worker(config: dict) -> None:
 
 def run_on_ray(settings: RaySettings, train_args: list[str]) -> None:
     """Connect (or start a local cluster), run the workers, raise if the run failed."""
-    import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
+
+    from llmflow.tasks.framework.engine import init_ray
 
     check_reachable(settings.address)
     env = worker_env(dict(os.environ))
     options: dict[str, Any] = {"log_to_driver": True, "runtime_env": {"env_vars": env}}
-    if settings.address == "local":
-        cpus = int(settings.workers * settings.cpus_per_worker) + 1
-        ray.init(num_cpus=cpus, include_dashboard=False, **options)
-    else:
-        ray.init(address=settings.address, **options)
+    cpus = int(settings.workers * settings.cpus_per_worker) + 1
+    init_ray(settings.address, num_cpus=cpus, **options)  # local: on 127.0.0.1 only
     use_gpu = settings.gpus_per_worker > 0
     resources = {"CPU": settings.cpus_per_worker}
     if use_gpu:

@@ -16,7 +16,13 @@ from llmflow.tasks.pretrain.parallel.config import ParallelConfig
 
 def test_dp_shard_minus_one_takes_the_rest_and_dp_is_replicate_times_shard():
     layout = ParallelConfig(dp_replicate=2, tp=2, pp=2).resolve(16)
-    assert (layout.pp, layout.dp_replicate, layout.dp_shard, layout.cp, layout.tp) == (2, 2, 2, 1, 2)
+    assert (layout.pp, layout.dp_replicate, layout.dp_shard, layout.cp, layout.tp) == (
+        2,
+        2,
+        2,
+        1,
+        2,
+    )
     assert layout.dp == 4 and layout.world_size == 16
     assert layout.shape == (2, 2, 2, 1, 2)  # TP innermost, PP outermost
 
@@ -41,7 +47,11 @@ def test_model_sequence_and_batch_checks_name_the_field_in_under_a_second():
         (dict(tp=4), dict(model=model), "tp=4 does not divide the model's num_kv_heads=2"),
         (dict(tp=8), dict(model=model), "tp=8 does not divide the model's num_heads=4"),
         (dict(pp=4), dict(model=model), "pp=4 exceeds the model's num_layers=2"),
-        (dict(cp=2), dict(seq_len=66), "cp=2: the sequence length 66 must be divisible by 2 x cp = 4"),
+        (
+            dict(cp=2),
+            dict(seq_len=66),
+            "cp=2: the sequence length 66 must be divisible by 2 x cp = 4",
+        ),
         (dict(pp=2), dict(micro_batches=1), "batch.grad_accum_steps=1"),
     ]
     for parallel, checks, needle in cases:
