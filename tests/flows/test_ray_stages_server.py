@@ -4,37 +4,40 @@ mapped stage), counted through the server's API, where one task per shard makes 
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
-from llmflow.tasks.config import load_config
 from tests.integration.conftest import prefect_server  # noqa: F401  (the session's server)
-from tests.integration.servers import flow_run_logs
+from tests.integration.servers import BIN, flow_run_logs
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
 NUM_NODES = 10  # sample, ingest, 4 mapped stages, 4 global ones (graph.until("curate"))
 
 
-def curate(root: Path, num_math_docs: int, fan_out: str, docs_per_shard: int = 1) -> str:
-    """Run the quickstart's curation; the flow run's id."""
-    from llmflow.flows.pipeline import run_pipeline
+def curate(server, root: Path, num_math_docs: int, fan_out: str, docs_per_shard: int = 1) -> str:
+    """Run the quickstart's curation as a user does (``llmflow run``, its own process, talking to
+    the server); the flow run's id.
 
-    config = load_config(
-        REPO / "configs" / "quickstart.yaml",
-        [
-            f"root={root}",
-            "until=curate",
-            f"ingest.docs_per_shard={docs_per_shard}",
-            f"sample.num_math_docs={num_math_docs}",
-            "runner.kind=threads",
-            "runner.max_workers=2",
-            f"runner.fan_out={fan_out}",
-        ],
-    )
-    run_pipeline(config)
+    NOTE: not in this process: after the session's ephemeral API, this process's Prefect event
+    worker still sent to it, and the server recorded no task run from the events.
+    """
+    overrides = [
+        f"ingest.docs_per_shard={docs_per_shard}",
+        f"sample.num_math_docs={num_math_docs}",
+        "runner.kind=threads",
+        "runner.max_workers=2",
+        f"runner.fan_out={fan_out}",
+    ]
+    sets = [arg for value in overrides for arg in ("--set", value)]
+    argv = [str(BIN / "llmflow"), "run", str(REPO / "configs" / "quickstart.yaml"),
+            "--root", str(root), "--until", "curate", *sets]  # fmt: skip
+    done = subprocess.run(argv, cwd=root.parent, env=server.env, capture_output=True,
+                          text=True, timeout=1500)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
     (lineage,) = root.glob("curate/*/lineage.json")
     return json.loads(lineage.read_text())["run"]["flow_run_id"]
 
@@ -89,7 +92,7 @@ def shards(root: Path) -> int:
 
 def test_2000_shard_curate_makes_one_task_run_per_stage(prefect_server, tmp_path):  # noqa: F811
     staged = tmp_path / "staged"
-    flow_run = curate(staged, num_math_docs=1700, fan_out="stage")
+    flow_run = curate(prefect_server, staged, num_math_docs=1700, fan_out="stage")
     assert shards(staged) >= 2000
     runs = settled_task_runs(flow_run, NUM_NODES)
     assert len(runs) == NUM_NODES, sorted(r.name for r in runs)
@@ -100,6 +103,6 @@ def test_2000_shard_curate_makes_one_task_run_per_stage(prefect_server, tmp_path
 
     # The reference: one task per shard on a smaller corpus already makes O(shards) task runs.
     per_shard = tmp_path / "per-shard"
-    flow_run = curate(per_shard, num_math_docs=0, fan_out="shard", docs_per_shard=4)
+    flow_run = curate(prefect_server, per_shard, num_math_docs=0, fan_out="shard", docs_per_shard=4)
     expected = 4 * shards(per_shard) + NUM_NODES - 4
     assert len(settled_task_runs(flow_run, expected)) == expected

@@ -3,7 +3,7 @@ CPU (gloo): one process, TP=2 (with sequence parallelism, ``parallel/tp.py``) an
 (``parallel/cp.py``), at the debug preset's architecture widened to 256 (slow: spawned ranks).
 
 Each rank builds the model (and applies TP) and its batch, reads its RSS, runs the trainer's
-forward and backward, and reports ``ru_maxrss`` less that baseline: activations, loss buffers
+forward and backward, and reports its peak RSS (VmHWM) less that baseline: activations, loss buffers
 and gradients at their fullest point, which `memory_per_gpu` predicts as ``peak_live_gb`` with
 no FSDP (weights are in the baseline; no optimizer runs). Measured here: one process 0.800 GB
 against 0.823 planned, TP=2 0.472 against 0.458, CP=2 0.593 against 0.575 per rank (3%).
@@ -35,6 +35,16 @@ TOLERANCE = 0.15
 def _rss_bytes() -> int:
     pages = int(Path("/proc/self/statm").read_text().split()[1])
     return pages * resource.getpagesize()
+
+
+def _peak_rss_bytes() -> int:
+    """This process's peak RSS (VmHWM). NOTE: not ``ru_maxrss``, which keeps the peak of the
+    process that forked this one across the exec (a spawned rank of a long pytest run started
+    at its parent's 1+ GB and measured nothing)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def _measure(rank: int, world: int, kind: str, init_file: str, out: str) -> None:
@@ -82,7 +92,7 @@ def _measure(rank: int, world: int, kind: str, init_file: str, out: str) -> None
     step(short, short.get("context"), short.get("position_ids"))
     before = _rss_bytes()
     step(batch, context, positions)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = _peak_rss_bytes()
     Path(f"{out}.{rank}").write_text(json.dumps({"step_bytes": peak - before}))
     if world > 1:
         dist.destroy_process_group()
