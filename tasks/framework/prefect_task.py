@@ -141,23 +141,7 @@ def step_task(step: Step):
         _publish(result, inputs or {}, upstream)
         return result
 
-    return _StepTask(
-        task(
-            run,
-            name=step.name,
-            description=step.doc,
-            task_run_name=f"{step.name}-{{name}}",
-            retries=step.retries,
-            retry_delay_seconds=[2, 10],
-            retry_condition_fn=_retry_transient,
-            cache_key_fn=cache_key,
-            persist_result=True,
-            # NOTE: steps log through "llmflow.*"; captured prints would also catch libraries'
-            # stdout, e.g. dill's dis.dis() while datasets hashes a function (pages of bytecode).
-            log_prints=False,
-            tags=["gpu"] if step.gpu else [],
-        )
-    )
+    return _step_task(step, run, cache_key_fn=cache_key, persist_result=True)
 
 
 class _StepTask:
@@ -205,6 +189,12 @@ def stage_task(step: Step, engine: Engine):
         _publish_stage(step.name, stage_key(root, step.name, name), results, upstream or [])
         return results
 
+    # NOTE: each shard's output is its own cache entry
+    return _step_task(step, run, cache_policy=NO_CACHE, persist_result=False)
+
+
+def _step_task(step: Step, run, **caching: Any) -> _StepTask:
+    """``run`` as the Prefect task of ``step``: its name, retries on transient errors, tags."""
     return _StepTask(
         task(
             run,
@@ -214,10 +204,11 @@ def stage_task(step: Step, engine: Engine):
             retries=step.retries,
             retry_delay_seconds=[2, 10],
             retry_condition_fn=_retry_transient,
-            cache_policy=NO_CACHE,  # NOTE: each shard's output is its own cache entry
-            persist_result=False,
+            # NOTE: steps log through "llmflow.*"; captured prints would also catch libraries'
+            # stdout, e.g. dill's dis.dis() while datasets hashes a function (pages of bytecode).
             log_prints=False,
             tags=["gpu"] if step.gpu else [],
+            **caching,
         )
     )
 
