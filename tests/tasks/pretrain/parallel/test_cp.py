@@ -8,7 +8,6 @@ rows, with documents that start inside rows and cross the ranks' chunk boundarie
 from __future__ import annotations
 
 import multiprocessing as mp
-import time
 from pathlib import Path
 
 import pytest
@@ -111,15 +110,9 @@ def _run_cp(tmp_path: Path, runs: list[tuple[str, str]], timeout: float = 120) -
     out = tmp_path / "cp.pt"
     args = (str(tmp_path / "pg"), runs, str(out))
     procs = [ctx.Process(target=_worker, args=(r, *args)) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        p.join(timeout=max(deadline - time.monotonic(), 1))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    from tests.tasks.pretrain.parallel.ranks import join_ranks
+
+    join_ranks(procs, timeout)
     return [torch.load(f"{out}.{r}") for r in (0, 1)]
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
-import time
 from pathlib import Path
 
 import pytest
@@ -57,15 +56,9 @@ def _train(tmp_path: Path, cfg, data: Path, world_size: int, name: str, timeout:
     out.mkdir()
     args = (world_size, cfg.model_dump_json(), str(data), str(out), str(tmp_path / f"{name}.pg"))
     procs = [ctx.Process(target=_worker, args=(r, *args)) for r in range(world_size)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        p.join(timeout=max(deadline - time.monotonic(), 1))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    from tests.tasks.pretrain.parallel.ranks import join_ranks
+
+    join_ranks(procs, timeout)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     losses = {row["step"]: row["loss"] for row in rows if "loss" in row}
     return losses, [torch.load(out / f"rank{r}.pt") for r in range(world_size)]

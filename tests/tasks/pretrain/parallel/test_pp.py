@@ -11,8 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -210,17 +208,9 @@ def run_two_ranks(
         "--standalone", __file__, "--schedule", schedule, "--tied", str(int(tied)),
         "--z-loss", str(z_loss), "--out", str(tmp_path), *(["--ac"] if ac else []),
     ]  # fmt: skip
-    proc = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-        start_new_session=True,
-    )  # fmt: skip
-    try:
-        output, _ = proc.communicate(timeout=DEADLINE_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and both ranks
-        output, _ = proc.communicate()
-        pytest.fail(f"pp=2 {schedule} hung past {DEADLINE_S} s:\n{output[-3000:]}")
-    assert proc.returncode == 0, output[-5000:]
+    from tests.tasks.pretrain.parallel.ranks import run_group
+
+    run_group(command, env, DEADLINE_S, f"pp=2 {schedule}")
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
 
 

@@ -11,8 +11,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -76,17 +74,9 @@ def _step_one(cfg, data: Path, out: Path, processes: int) -> list[dict]:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
         command += ["--nproc_per_node", str(processes), *worker]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-        start_new_session=True,
-    )  # fmt: skip
-    try:
-        output, _ = proc.communicate(timeout=DEADLINE_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its ranks
-        output, _ = proc.communicate()
-        pytest.fail(f"step 1 on {processes} processes hung past {DEADLINE_S} s:\n{output[-3000:]}")
-    assert proc.returncode == 0, output[-5000:]
+    from tests.tasks.pretrain.parallel.ranks import run_group
+
+    run_group(command, env, DEADLINE_S, f"step 1 on {processes} processes")
     return [torch.load(out / f"grads{r}.pt") for r in range(processes)]
 
 
