@@ -78,10 +78,6 @@ class ParallelConfig(BaseModel):
             layout.check_micro_batches(micro_batches)
         return layout
 
-    def hash_view(self) -> dict[str, object]:
-        """The fields that enter the step's hash (all of them: the layout changes float sums)."""
-        return self.model_dump()
-
 
 @dataclass(frozen=True)
 class Layout:
