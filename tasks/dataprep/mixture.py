@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from llmflow.tasks.dataprep.config import StageMixture, ValidationConfig
-from llmflow.tasks.dataprep.pack import write_packed
+from llmflow.tasks.dataprep.pack import write_packed_units
 from llmflow.tasks.framework import s3config
 from llmflow.tasks.framework.errors import BadInputError
 from llmflow.tasks.framework.step import Metrics, step
@@ -211,37 +213,76 @@ class _DomainTokens:
             else np.zeros(0, dtype)
         )
 
-    @property
-    def lengths_with_eos(self) -> np.ndarray:
-        return np.diff(self.offsets) + 1
+
+def _lengths_with_eos(tokenized_dir: Path, info: dict) -> np.ndarray:
+    """Tokens of each document of a tokenized domain, its eos included (its offsets only: the
+    driver never maps the tokens, which the pack units read)."""
+    return np.diff(np.load(Path(tokenized_dir) / info["dir"] / "offsets.npy")) + 1
+
+
+def _read_docs(domains: list[_DomainTokens], docs: np.ndarray, eos: np.ndarray) -> np.ndarray:
+    """Tokens of documents ``docs`` (rows of (domain, doc)) back to back, eos appended to each."""
+    pieces = []
+    for domain_idx, doc in docs:
+        source = domains[domain_idx]
+        pieces += [source.tokens[source.offsets[doc] : source.offsets[doc + 1]], eos]
+    return np.concatenate(pieces) if pieces else eos[:0]
 
 
 def _chunks(domains: list[_DomainTokens], order: np.ndarray, eos_id: int, dtype):
-    """(tokens, doc_lengths) for documents ``order`` (rows of (domain, doc)), eos appended."""
+    """(tokens, doc_lengths) for documents ``order`` (rows of (domain, doc)), eos appended.
+
+    The single-process stream of `write_packed`; `_pack_selection` writes the same bytes by
+    units that read the domains themselves (`_DomainSource`)."""
     eos = np.array([eos_id], dtype)
     for begin in range(0, len(order), CHUNK_DOCS):
-        pieces, lengths = [], []
-        for domain_idx, doc in order[begin : begin + CHUNK_DOCS]:
-            source = domains[domain_idx]
-            lo, hi = source.offsets[doc], source.offsets[doc + 1]
-            pieces += [source.tokens[lo:hi], eos]
-            lengths.append(hi - lo + 1)
-        yield np.concatenate(pieces), np.asarray(lengths, np.int64)
+        docs = order[begin : begin + CHUNK_DOCS]
+        lengths = [domains[d].offsets[i + 1] - domains[d].offsets[i] + 1 for d, i in docs]
+        yield _read_docs(domains, docs, eos), np.asarray(lengths, np.int64)
 
 
-def _pack_selection(cfg, tokenized_dir, meta, split, counts_by_domain, out_dir, extra_meta):
-    """Shuffle the selected document instances and pack them into ``out_dir``."""
-    names = sorted(counts_by_domain)
-    domains = [_DomainTokens(tokenized_dir, meta[split][d], meta["dtype"]) for d in names]
+@dataclass(frozen=True)
+class _DomainSource:
+    """The tokenized domains a pack unit reads by path (`pack.DocumentSource`)."""
+
+    tokenized_dir: str
+    infos: tuple[dict, ...]
+    dtype: str
+    eos_id: int
+
+    def open(self):
+        domains = [_DomainTokens(Path(self.tokenized_dir), i, self.dtype) for i in self.infos]
+        eos = np.array([self.eos_id], self.dtype)
+        return partial(_read_docs, domains, eos=eos)
+
+
+def _selection_order(seed: int, counts: list[np.ndarray]) -> np.ndarray:
+    """Every selected document instance as a (domain, doc) row, shuffled with ``seed``."""
     order = np.concatenate(
         [
             np.stack([np.full(int(c.sum()), k), np.repeat(np.arange(len(c)), c)], axis=1)
-            for k, c in enumerate(counts_by_domain[d] for d in names)
+            for k, c in enumerate(counts)
         ]
     )
-    order = order[np.random.default_rng([cfg.seed, 1]).permutation(len(order))]
-    return write_packed(
-        _chunks(domains, order, meta["eos_id"], np.dtype(meta["dtype"])),
+    return order[np.random.default_rng([seed, 1]).permutation(len(order))]
+
+
+def _pack_selection(cfg, tokenized_dir, meta, split, counts_by_domain, out_dir, extra_meta):
+    """Shuffle the selected document instances and pack them into ``out_dir`` (units that read
+    the domains by path, see `tasks.dataprep.pack`)."""
+    names = sorted(counts_by_domain)
+    infos = tuple(meta[split][d] for d in names)
+    order = _selection_order(cfg.seed, [counts_by_domain[d] for d in names])
+    lengths = np.empty(len(order), np.int64)
+    for k, info in enumerate(infos):
+        of_domain = order[:, 0] == k
+        domain_lengths = _lengths_with_eos(tokenized_dir, info)
+        lengths[of_domain] = domain_lengths[order[of_domain, 1]]
+    source = _DomainSource(str(tokenized_dir), infos, meta["dtype"], meta["eos_id"])
+    return write_packed_units(
+        source,
+        order,
+        lengths,
         out_dir,
         seq_len=cfg.seq_len,
         vocab_size=meta["vocab_size"],
@@ -287,9 +328,7 @@ def build_mixture(
     rng = np.random.default_rng([cfg.seed, 0])
     counts = {}
     for domain in sorted(targets):
-        lengths = _DomainTokens(
-            tokenized_dir, meta["train"][domain], meta["dtype"]
-        ).lengths_with_eos
+        lengths = _lengths_with_eos(tokenized_dir, meta["train"][domain])
         counts[domain] = select_documents(lengths, targets[domain], rng)
     report = _mixture_report(tokenized_dir, meta, counts, available)
     extra = {
@@ -310,9 +349,7 @@ def build_mixture(
 def _mixture_report(tokenized_dir, meta, counts, available) -> dict:
     used = {}
     for domain, c in counts.items():
-        lengths = _DomainTokens(
-            tokenized_dir, meta["train"][domain], meta["dtype"]
-        ).lengths_with_eos
+        lengths = _lengths_with_eos(tokenized_dir, meta["train"][domain])
         used[domain] = int((c * lengths).sum())
     total = sum(used.values())
     return {

@@ -20,18 +20,41 @@ Documents are written as ``tokens + [eos]`` back to back; the stream is cut into
 tokens and the last row is filled with ``pad_id`` (labels there are ignored by the loader, which
 finds them by ``padding`` above).
 Rows are then permuted with the seed, so one long document never fills a batch.
+
+Units (execution only: the bytes are the same however they run): `write_packed_units` packs
+documents that workers read themselves (a `DocumentSource`, by path on a shared filesystem). The
+driver knows every document's length up front, so it preallocates ``stream.tmp`` and cuts the
+documents into ranges of about `UNIT_TOKENS` tokens (at most `UNITS_PER_WORKER` per worker); a
+unit writes its range's tokens at their prefix-sum offset, a chunk of documents at a time. The
+shards are cut into runs of files the same way, and a unit gathers its run's rows from the
+stream. Units run on `engine_map`: Ray tasks when this process is connected to Ray (the rule
+of `distributed_dedup.data_map`), else ``LLMFLOW_DATA_WORKERS`` spawned processes, else this
+process one unit after another. The driver holds the lengths, the row index and the permutation,
+never the token stream; ``meta.json`` is written last, after every unit succeeded.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
+from itertools import pairwise
 from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
 from tqdm import tqdm
 
 INDEX_FILES = {"doc_offsets": "doc_offsets.bin", "doc_starts": "doc_starts.bin"}
+UNIT_TOKENS = 8 * 2**20
+"""Tokens a unit writes or gathers at least (16 MiB of uint16), so that a unit's start (a Ray
+task, a pickled job, a source opened again) stays small beside its work."""
+UNITS_PER_WORKER = 8
+"""At most this many units per worker, so that unequal units even out."""
+CHUNK_DOCS = 4096
+"""Documents a stream unit reads and writes at once: its memory is one chunk, not its range."""
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -106,6 +129,141 @@ def write_packed(
     num_rows = -(-num_tokens // row_len)
     with open(stream_path, "ab") as f:
         np.full(num_rows * row_len - num_tokens, pad_id, dtype).tofile(f)
+    from llmflow.tasks.curation.distributed_dedup import local_map
+
+    pack = _Pack(out_dir, stream_path, dtype, row_len, rows_per_shard)
+    return _finish(
+        pack, doc_lengths, local_map, 1, seq_len, vocab_size, eos_id, pad_id, seed, extra_meta
+    )
+
+
+class DocumentSource(Protocol):
+    """Documents a unit reads itself (picklable: it travels to the unit's worker)."""
+
+    def open(self) -> Callable[[np.ndarray], np.ndarray]:
+        """A reader: ``docs`` (a slice of the packed order) -> their tokens back to back, in
+        that order, each document as long as its length in the driver's ``doc_lengths``."""
+        ...
+
+
+def write_packed_units(
+    source: DocumentSource,
+    docs: np.ndarray,
+    doc_lengths: np.ndarray,
+    out_dir: Path,
+    *,
+    seq_len: int,
+    vocab_size: int,
+    eos_id: int,
+    pad_id: int,
+    seed: int,
+    rows_per_shard: int,
+    extra_meta: dict | None = None,
+) -> dict:
+    """`write_packed` of the documents ``docs`` read by units on `engine_map` (module docstring).
+
+    Args:
+        source: Reads documents in the units.
+        docs: The documents in packed order, as ``source``'s reader takes them (one row each).
+        doc_lengths: Tokens of each document of ``docs`` (its eos included).
+        out_dir, seq_len, vocab_size, eos_id, pad_id, seed, rows_per_shard, extra_meta: As in
+            `write_packed`, whose bytes this writes.
+
+    Returns:
+        The ``meta.json`` contents.
+    """
+    out_dir = Path(out_dir)
+    dtype, row_len = token_dtype(vocab_size), seq_len + 1
+    doc_lengths = np.asarray(doc_lengths, np.int64)
+    if len(docs) != len(doc_lengths):
+        raise ValueError(f"{len(docs)} documents but {len(doc_lengths)} lengths")
+    num_tokens = int(doc_lengths.sum())
+    if num_tokens == 0:
+        raise ValueError("nothing to pack: the selected documents hold no tokens")
+    pack = _Pack(out_dir, out_dir / "stream.tmp", dtype, row_len, rows_per_shard)
+    try:
+        with engine_map() as (map_fn, workers):
+            _write_stream_units(source, docs, doc_lengths, pack, pad_id, map_fn, workers)
+            return _finish(
+                pack,
+                doc_lengths,
+                map_fn,
+                workers,
+                seq_len,
+                vocab_size,
+                eos_id,
+                pad_id,
+                seed,
+                extra_meta,
+            )
+    finally:
+        pack.stream_path.unlink(missing_ok=True)  # NOTE: a failed unit leaves no meta.json
+
+
+def _write_stream_units(source, docs, doc_lengths, pack: _Pack, pad_id: int, map_fn, workers):
+    """The stream of `_write_stream`, padded to whole rows, at ``pack.stream_path``: the file is
+    preallocated and each unit writes its documents at their prefix-sum offset."""
+    dtype, row_len = pack.dtype, pack.row_len
+    ends = np.cumsum(doc_lengths)
+    num_tokens = int(ends[-1])
+    num_rows = -(-num_tokens // row_len)
+    with open(pack.stream_path, "wb") as f:
+        f.truncate(num_rows * row_len * dtype.itemsize)
+        f.seek(num_tokens * dtype.itemsize)
+        f.write(np.full(num_rows * row_len - num_tokens, pad_id, dtype).tobytes())
+    starts = ends - doc_lengths
+    cuts = _cuts(starts, num_tokens, workers)
+    units = [(docs[b:e], int(starts[b])) for b, e in pairwise(cuts)]
+    written = map_fn(partial(_write_stream_unit, source, pack), units)
+    expected = [int(ends[e - 1] - starts[b]) for b, e in pairwise(cuts)]
+    if written != expected:  # a source that disagrees with the lengths would shift every row
+        raise ValueError(
+            f"the stream units wrote {written} tokens where the document lengths give {expected}"
+        )
+
+
+@dataclass(frozen=True)
+class _Pack:
+    """Where and how a unit writes: the output folder, the stream and the rows' layout."""
+
+    out_dir: Path
+    stream_path: Path
+    dtype: np.dtype
+    row_len: int
+    rows_per_shard: int
+
+
+def _cuts(starts: np.ndarray, total: int, workers: int) -> list[int]:
+    """Boundaries of units over items starting at ``starts`` (sorted, from 0) of ``total``
+    tokens: about equal token ranges of `UNIT_TOKENS` or more, at most `UNITS_PER_WORKER` per
+    worker, every unit non-empty. Returns ``[0, ..., len(starts)]``."""
+    units = max(1, min(-(-total // UNIT_TOKENS), UNITS_PER_WORKER * max(1, workers)))
+    targets = np.arange(1, units, dtype=np.int64) * total // units
+    inner = np.searchsorted(starts, targets, side="left")
+    return sorted({0, len(starts), *(int(i) for i in inner if 0 < i < len(starts))})
+
+
+def _write_stream_unit(source: DocumentSource, pack: _Pack, unit: tuple[np.ndarray, int]) -> int:
+    """Write documents ``unit[0]`` at token ``unit[1]`` of the stream; return tokens written."""
+    docs, offset = unit
+    read = source.open()
+    written = 0
+    with open(pack.stream_path, "r+b") as f:
+        f.seek(offset * pack.dtype.itemsize)
+        for begin in range(0, len(docs), CHUNK_DOCS):
+            tokens = np.ascontiguousarray(read(docs[begin : begin + CHUNK_DOCS]), pack.dtype)
+            f.write(memoryview(tokens).cast("B"))
+            written += len(tokens)
+    return written
+
+
+def _finish(
+    pack: _Pack, doc_lengths, map_fn, workers, seq_len, vocab_size, eos_id, pad_id, seed, extra_meta
+) -> dict:
+    """Index, permute and shard the padded stream, then write ``meta.json`` (last)."""
+    out_dir, dtype, row_len = pack.out_dir, pack.dtype, pack.row_len
+    num_tokens = int(doc_lengths.sum())
+    num_rows = -(-num_tokens // row_len)
     offsets, starts = _row_index(doc_lengths, num_rows, row_len)
     perm = np.random.default_rng(seed).permutation(num_rows)
     pad_start = num_tokens - (num_rows - 1) * row_len  # in 1..row_len; row_len: no padding
@@ -115,8 +273,8 @@ def write_packed(
     offsets, starts = _permute_index(offsets, starts, perm)
     offsets.tofile(out_dir / INDEX_FILES["doc_offsets"])
     starts.tofile(out_dir / INDEX_FILES["doc_starts"])
-    shards = _write_shards(stream_path, perm, out_dir, dtype, row_len, rows_per_shard)
-    stream_path.unlink()
+    shards = _write_shards(pack, perm, map_fn, workers)
+    pack.stream_path.unlink()
     meta = {
         "seq_len": seq_len,
         "dtype": dtype.name,
@@ -135,24 +293,68 @@ def write_packed(
     return meta
 
 
-def _write_shards(stream_path, perm, out_dir, dtype, row_len, rows_per_shard) -> list[dict]:
-    """Gather rows of the unshuffled stream in ``perm`` order into shard files."""
-    stream = np.memmap(stream_path, dtype=dtype, mode="r").reshape(-1, row_len)
+def _write_shards(pack: _Pack, perm: np.ndarray, map_fn, workers: int) -> list[dict]:
+    """Gather rows of the unshuffled stream in ``perm`` order into shard files, runs of shards
+    as units on ``map_fn``."""
+    firsts = np.arange(0, len(perm), pack.rows_per_shard, dtype=np.int64)
+    cuts = _cuts(firsts * pack.row_len, len(perm) * pack.row_len, workers)
+    units = [
+        (int(b), perm[firsts[b] : firsts[e - 1] + pack.rows_per_shard]) for b, e in pairwise(cuts)
+    ]
+    return [shard for run in map_fn(partial(_write_shard_run, pack), units) for shard in run]
+
+
+def _write_shard_run(pack: _Pack, unit: tuple[int, np.ndarray]) -> list[dict]:
+    """Write shard files ``unit[0]``, ... with the stream's rows ``unit[1]``, in that order."""
+    first, rows_of_run = unit
+    stream = np.memmap(pack.stream_path, dtype=pack.dtype, mode="r").reshape(-1, pack.row_len)
     shards = []
-    starts = range(0, len(perm), rows_per_shard)
+    starts = range(0, len(rows_of_run), pack.rows_per_shard)
     for k, begin in enumerate(
-        tqdm(starts, desc="write shards", unit="shard", leave=False, disable=None)
+        tqdm(starts, desc="write shards", unit="shard", leave=False, disable=None), first
     ):
-        rows = perm[begin : begin + rows_per_shard]
+        rows = rows_of_run[begin : begin + pack.rows_per_shard]
         # NOTE: gather in sorted order (sequential reads), then undo the sort in memory.
         order = np.argsort(rows, kind="stable")
-        block = np.empty((len(rows), row_len), dtype)
+        block = np.empty((len(rows), pack.row_len), pack.dtype)
         block[order] = stream[rows[order]]
         name = f"shard_{k:05d}.bin"
-        block.tofile(out_dir / name)
+        block.tofile(pack.out_dir / name)
         shards.append({"file": name, "num_sequences": int(len(rows))})
     del stream
     return shards
+
+
+@contextmanager
+def engine_map() -> Iterator[tuple[Callable[[Callable[[Any], Any], Sequence[Any]], list], int]]:
+    """``(map_fn, workers)`` the units run on, as tokenize decides: Ray tasks when connected
+    (`distributed_dedup.data_map`), else ``LLMFLOW_DATA_WORKERS`` (> 1) spawned processes, else
+    this process (1 worker)."""
+    # NOTE: imported here: tokenize imports this module.
+    from llmflow.tasks.curation.distributed_dedup import data_map, local_map
+    from llmflow.tasks.dataprep.tokenize import data_workers, process_pool
+
+    workers = data_workers()
+    with data_map() as map_fn:
+        if map_fn is not local_map:
+            import ray
+
+            yield map_fn, max(1, int(ray.cluster_resources().get("CPU", 1)))
+        elif workers < 2:
+            yield local_map, 1
+        else:
+            with process_pool(workers) as pool:
+                yield partial(_pool_map, pool, workers), workers
+
+
+def _pool_map(pool, workers: int, fn: Callable[[Any], Any], items: Sequence[Any]) -> list:
+    from llmflow.tasks.dataprep.tokenize import process_stream
+
+    return list(process_stream(_apply, fn, items, workers, pool))
+
+
+def _apply(fn: Callable[[Any], Any], item: Any) -> Any:
+    return fn(item)
 
 
 def read_meta(data_dir: Path) -> dict:
