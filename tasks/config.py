@@ -76,9 +76,15 @@ class RayEngineConfig(BaseModel):
         ),
     )
     max_in_flight: int | None = Field(
-        None, ge=1, description="Shards submitted at once (None: twice the cluster's CPUs)."
+        None, ge=1, description="Ray tasks submitted at once (None: twice the cluster's CPUs)."
     )
     cpus_per_shard: float = Field(1.0, gt=0, description="CPUs each shard's Ray task reserves.")
+    shards_per_task: int | None = Field(
+        None,
+        ge=1,
+        description="Shards one Ray task runs, one after another, each committed as it ends "
+        "(None: about eight tasks per CPU, at most 32 shards each).",
+    )
 
 
 class RunnerConfig(BaseModel):

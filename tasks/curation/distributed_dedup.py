@@ -73,26 +73,32 @@ def local_map(fn: Callable[[Any], Any], items: Sequence[Any]) -> list:
     return [fn(item) for item in items]
 
 
-def _call(fn: Callable[[Any], Any], item: Any) -> Any:
-    return fn(item)
+def _call(fn: Callable[[Any], Any], items: Sequence[Any]) -> list:
+    return [fn(item) for item in items]
+
+
+TASKS_PER_CPU = 8
+"""``ray_map`` cuts its items into about this many Ray tasks per CPU (a task costs a few ms)."""
 
 
 def ray_map(max_in_flight: int = 0, num_cpus: float = 1.0) -> MapFn:
     """A map on Ray tasks of the cluster this process is connected to, at most `max_in_flight`
     submitted at once (0: twice the cluster's CPUs), so a million units never sit in Ray's
-    queue at once. Results come back in the items' order."""
+    queue at once. Consecutive items share a task (about eight tasks per CPU), since a Ray task
+    costs more than a small item. Results come back in the items' order."""
 
     def run(fn: Callable[[Any], Any], items: Sequence[Any]) -> list:
         import ray
 
-        limit = max_in_flight or max(1, 2 * int(ray.cluster_resources().get("CPU", 1)))
+        cpus = max(1, int(ray.cluster_resources().get("CPU", 1) / num_cpus))
+        limit = max_in_flight or max(1, 2 * cpus)
+        size = max(1, -(-len(items) // (TASKS_PER_CPU * cpus)))
         remote = ray.remote(num_cpus=num_cpus, max_retries=2)(_call)
         fn_ref = ray.put(fn)
         results: list = [None] * len(items)
         pending: dict[Any, int] = {}
-        queue = iter(enumerate(items))
-        for index, item in queue:
-            pending[remote.remote(fn_ref, item)] = index
+        for start in range(0, len(items), size):
+            pending[remote.remote(fn_ref, items[start : start + size])] = start
             while len(pending) >= limit:
                 _collect(ray, pending, results)
         while pending:
@@ -105,7 +111,9 @@ def ray_map(max_in_flight: int = 0, num_cpus: float = 1.0) -> MapFn:
 def _collect(ray: Any, pending: dict, results: list) -> None:
     done, _ = ray.wait(list(pending), num_returns=1)
     for ref in done:
-        results[pending.pop(ref)] = ray.get(ref)
+        start = pending.pop(ref)
+        values = ray.get(ref)
+        results[start : start + len(values)] = values
 
 
 def process_map(max_workers: int = 2, fresh_workers: bool = False) -> MapFn:
@@ -267,29 +275,47 @@ def _with_positions(path: str, file_index: int, columns: tuple[str, ...]) -> pa.
     return table.append_column("pos", pa.array(pos, pa.int64()))
 
 
-def _source_task(job: _Job, task: tuple[int, str]) -> int:
-    """One source file: positions, minus excluded ids; then to id partitions or straight on."""
-    index, path = task
-    table = _with_positions(path, index, job.columns)
+UNIT_BYTES = 32 << 20
+"""Source files are read in units of up to this many bytes of Parquet (at least one file): a
+unit writes one piece per partition, so 100,000 small shards don't make 100,000 x P files."""
+
+
+def _units(paths: Sequence[Path], unit_bytes: int = UNIT_BYTES) -> list[list[tuple[int, str]]]:
+    """Consecutive (index, path) runs of at most `unit_bytes` of files each."""
+    units: list[list[tuple[int, str]]] = []
+    size = unit_bytes
+    for index, path in enumerate(paths):
+        length = os.path.getsize(path)
+        if size + length > unit_bytes:
+            units.append([])
+            size = 0
+        units[-1].append((index, str(path)))
+        size += length
+    return units
+
+
+def _source_task(job: _Job, unit: list[tuple[int, str]]) -> int:
+    """Source files: positions, minus excluded ids; then to id partitions or straight on."""
+    table = pa.concat_tables([_with_positions(path, i, job.columns) for i, path in unit])
     if job.exclude:
         excluded = pc.is_in(table.column("id"), value_set=pa.array(job.exclude, pa.string()))
         table = table.filter(pc.invert(excluded))
+    first = unit[0][0]
     if not job.with_alive:
-        return job.emit(table, index)
+        return job.emit(table, first)
     part = _id_partitions(table.column("id"), job.partitions)
-    _write_pieces(table, part, job.root / "rows", index, job.partitions)
+    _write_pieces(table, part, job.root / "rows", first, job.partitions)
     return table.num_rows
 
 
-def _alive_task(job: _Job, task: tuple[int, str]) -> int:
-    """One alive (filtered) shard's ids, to id partitions."""
-    index, path = task
-    ids = pq.read_table(path, columns=["id"])
+def _alive_task(job: _Job, unit: list[tuple[int, str]]) -> int:
+    """Alive (filtered) shards' ids, to id partitions."""
+    ids = pa.concat_tables([pq.read_table(path, columns=["id"]) for _, path in unit])
     _write_pieces(
         ids,
         _id_partitions(ids.column("id"), job.partitions),
         job.root / "alive",
-        index,
+        unit[0][0],
         job.partitions,
     )
     return ids.num_rows
@@ -309,12 +335,10 @@ def _survivors(
     job: _Job, sources: list[Path], alive_shards: list[Path] | None, map_fn: MapFn
 ) -> int:
     """Runs the survivors stage; returns how many rows survived (and were emitted)."""
-    tasks = [(i, str(p)) for i, p in enumerate(sources)]
-    counts = map_fn(partial(_source_task, job), tasks)
+    counts = map_fn(partial(_source_task, job), _units(sources))
     if not job.with_alive:
         return sum(counts)
-    alive_tasks = [(i, str(p)) for i, p in enumerate(alive_shards or [])]
-    map_fn(partial(_alive_task, job), alive_tasks)
+    map_fn(partial(_alive_task, job), _units(alive_shards or []))
     return sum(map_fn(partial(_join_task, job), list(range(job.partitions))))
 
 

@@ -103,6 +103,51 @@ def test_rerun_after_a_failure_keeps_committed_shards(tmp_path):
     assert len(values(root)) == 30
 
 
+class BatchedThreads(ThreadEngine):
+    """A thread engine that submits shards in units of ``size``, as the Ray engine does."""
+
+    def __init__(self, size: int):
+        super().__init__(1)
+        self.size, self.units = size, []
+
+    def batch_size(self, shards: int) -> int:
+        return self.size
+
+    def submit(self, step, config, root, batch, run_info):
+        self.units.append([name for name, _ in batch])
+        return super().submit(step, config, root, batch, run_info)
+
+
+def test_batched_units_give_every_shard_its_own_output_in_order(tmp_path):
+    graph, node = graph_of(11)
+    engine = BatchedThreads(4)
+    try:
+        mapped = Executor(str(tmp_path / "b"), engine=engine).run(graph)[node]
+    finally:
+        engine.close()
+    reference = Executor(str(tmp_path / "seq")).run(graph)[node]
+    assert [len(u) for u in engine.units] == [4, 4, 3]
+    assert [r.hash for r in mapped.results] == [r.hash for r in reference.results]
+    assert values(tmp_path / "b") == values(tmp_path / "seq")
+
+
+def test_a_failure_inside_a_unit_commits_the_shards_before_it_and_starts_none_after(tmp_path):
+    """Units of 4, shard 5 bad: shards 0-4 commit (unit 0, and 4 in unit 1), shard 6-7 of its
+    unit never start, and no unit is submitted after the failure (at most one more in flight)."""
+    graph, _ = graph_of(40, fail_at=5)
+    engine = BatchedThreads(4)
+    root = tmp_path / "store"
+    try:
+        with pytest.raises(BadInputError, match="shard 5 is bad"):
+            Executor(str(root), engine=engine).run(graph)
+    finally:
+        engine.close()
+    done = sorted(int(p.parent.name.split("-")[2]) for p in root.glob("engine-double/*/_COMMITTED"))
+    assert done[:5] == [0, 1, 2, 3, 4]
+    assert 6 not in done and 7 not in done
+    assert len(engine.units) <= 3 and set(done) <= {0, 1, 2, 3, 4, 8, 9, 10, 11}
+
+
 def test_process_engine_runs_shards_in_other_processes(tmp_path):
     graph, node = graph_of(6)
     engine = ProcessEngine(2)
