@@ -191,7 +191,7 @@ def _write_paragraph_drops(para: list[dict], out: Path) -> None:
     pq.write_table(table, out / "paragraph_drops.parquet")
 
 
-@step("curate-exact-dedup", version=1)
+@step("curate-exact-dedup", version=1, data_engine=True)
 def exact_dedup(
     cfg: ExactDedupConfig, hashes: list[Path], out: Path, filtered: list[Path] | None = None
 ) -> Metrics:

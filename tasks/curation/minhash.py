@@ -259,7 +259,7 @@ def _write_drops(drops: list[tuple[str, str]], out: Path) -> None:
     write_drops(out, [d[0] for d in drops], "near_duplicate", duplicate_of=duplicate_of)
 
 
-@step("curate-near-dedup", version=1)
+@step("curate-near-dedup", version=1, data_engine=True)
 def near_dedup(
     cfg: MinhashConfig,
     signatures: list[Path],

@@ -173,7 +173,7 @@ def _vocabulary(tokenizer: Tokenizer, folder: Path) -> tuple[int, dict[str, int 
     return tokenizer.get_vocab_size(), _special_ids(tokenizer)
 
 
-@step("tokenize", execution=("encode_batch_size", "read_batch_rows"))
+@step("tokenize", execution=("encode_batch_size", "read_batch_rows"), data_engine=True)
 def tokenize_corpus(cfg: TokenizeConfig, corpus: Path, tokenizer: Path, out: Path) -> Metrics:
     """Tokenize every curated document once, split into train and held-out validation.
 

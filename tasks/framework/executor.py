@@ -223,6 +223,8 @@ class PrefectExecutor(Executor):
         return self._tasks[id(step)]
 
     def call(self, step: Step, config: Any, name: str, inputs: dict[str, Any]) -> StepResult:
+        if step.data_engine and self.runner is not None and self.runner.kind == "ray":
+            self.engine_started()  # the step maps its own units on the cluster (ingest's files)
         upstream = self._upstream([inputs])
         return self.task(step)(
             config, inputs=inputs, root=self.store.root, name=name, upstream=upstream
@@ -246,15 +248,21 @@ class PrefectExecutor(Executor):
         ]
         return [_unwrap(f.result()) for f in futures]
 
+    def engine_started(self) -> Any:
+        """The runner's engine, started at its first use (a Ray cluster starts here)."""
+        from llmflow.tasks.framework.engine import make_engine
+
+        if self._engine is None:
+            self._engine = make_engine(self.runner)
+        return self._engine
+
     def _map_stage(
         self, step: Step, config: Any, per_shard: list[tuple[str, dict]], stage: str
     ) -> list[StepResult]:
         """One Prefect task for the stage; its shards on the runner's engine."""
-        from llmflow.tasks.framework.engine import make_engine
         from llmflow.tasks.framework.prefect_task import stage_key, stage_task
 
-        if self._engine is None:
-            self._engine = make_engine(self.runner)
+        self.engine_started()
         if id(step) not in self._stage_tasks:
             self._stage_tasks[id(step)] = stage_task(step, self._engine)
         upstream = self._upstream([inputs for _, inputs in per_shard])

@@ -127,6 +127,7 @@ class Step:
     retries: int = 2
     gpu: bool = False
     execution: tuple[str, ...] = ()
+    data_engine: bool = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Metrics | None:
         return self.fn(*args, **kwargs)
@@ -285,6 +286,7 @@ def step(
     retries: int = 2,
     gpu: bool = False,
     execution: tuple[str, ...] = (),
+    data_engine: bool = False,
 ):
     """Declare ``fn(cfg: XConfig, <inputs>, out: Path) -> Metrics`` as the step ``name``.
 
@@ -296,6 +298,9 @@ def step(
         execution: Config fields (dotted paths) the function reads although the hash leaves
             them out (``versioned: False``: worker counts, log intervals). They must not change
             the output; the read audit fails on any other read outside the hash.
+        data_engine: The function spreads its own work over the data engine when this process
+            is connected to one (``distributed_dedup.data_map``): under ``runner.kind: ray`` the
+            executor starts the cluster before it runs, not only before a mapped stage.
     """
 
     def declare(fn: Callable[..., Metrics | None]) -> Step:
@@ -308,6 +313,8 @@ def step(
             raise TypeError(f"step {name!r}: the first parameter must be a pydantic config")
         named = [p for p in params[1:] if p.name != OUT]
         inputs = tuple(_input_spec(p.name, hints.get(p.name), p.default) for p in named)
-        return Step(name, version, fn, config_type, inputs, retries, gpu, tuple(execution))
+        return Step(
+            name, version, fn, config_type, inputs, retries, gpu, tuple(execution), data_engine
+        )
 
     return declare

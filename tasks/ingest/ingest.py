@@ -487,7 +487,7 @@ def _check(record: Any, cfg: IngestConfig) -> str | None:
     return None
 
 
-@step("ingest", version=2, execution=("excerpt_chars",))
+@step("ingest", version=2, execution=("excerpt_chars",), data_engine=True)
 def ingest_sources(
     cfg: IngestConfig, out: Path, sample: Path | None = None, files: RawFiles | None = None
 ) -> Metrics:

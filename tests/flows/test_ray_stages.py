@@ -132,6 +132,7 @@ def test_a_ray_worker_killed_mid_stage_rerun_redoes_only_unfinished_shards(
     local_ray.shutdown()
     local_ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1")
     engine = RayEngine(max_in_flight=4)
+    assert engine.batch_size(total) > 1  # shard 10 dies inside a Ray task of several shards
     try:
         with pytest.raises(local_ray.exceptions.RayError):
             Executor(str(root), engine=engine).run(graph)

@@ -195,8 +195,9 @@ def test_pipeline_under_ray_runner_tokenizes_on_ray_with_the_same_addresses(
     prefect_harness, tmp_path, monkeypatch
 ):
     """The quickstart until the mixture on the threads runner, then on ``runner.kind=ray`` (the
-    engine starts a local cluster, so tokenize finds Ray connected): tokenize runs its files as
-    Ray tasks, and tokenize's and the mixture's addresses and files are the threads run's."""
+    executor starts a local cluster before ingest, the first step that maps its own units):
+    ingest reads and tokenize encodes their files as Ray tasks, and ingest's, tokenize's and the
+    mixture's addresses and files are the threads run's."""
     import shutil
 
     import llmflow.tasks.dataprep.tokenize as tokenize_module
@@ -205,11 +206,11 @@ def test_pipeline_under_ray_runner_tokenizes_on_ray_with_the_same_addresses(
 
     pytest.importorskip("ray")
     monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
-    streamed: list[int] = []
+    streamed: list[tuple[str, int]] = []
     original = tokenize_module.ray_stream
 
     def counting(fn, job, items, max_in_flight=0):
-        streamed.append(len(items))
+        streamed.append((fn.__name__, len(items)))
         return original(fn, job, items, max_in_flight)
 
     monkeypatch.setattr(tokenize_module, "ray_stream", counting)
@@ -227,8 +228,11 @@ def test_pipeline_under_ray_runner_tokenizes_on_ray_with_the_same_addresses(
         # file's path.
         shutil.move(root, tmp_path / kind)
     print(f"pipeline until mixture: {walls}, load {os.getloadavg()[0]:.1f}")
-    threads = _committed(tmp_path / "threads", ("tokenize", "mixture"))
-    on_ray = _committed(tmp_path / "ray", ("tokenize", "mixture"))
-    assert {k.split("/")[0] for k in threads} == {"tokenize", "mixture"}
+    steps = ("ingest", "tokenize", "mixture")
+    threads = _committed(tmp_path / "threads", steps)
+    on_ray = _committed(tmp_path / "ray", steps)
+    assert {k.split("/")[0] for k in threads} == set(steps)
     assert on_ray == threads
-    assert streamed and streamed[0] >= 5  # tokenize's files went to Ray tasks
+    files = dict(streamed)
+    assert files.get("_file_records", 0) >= 2  # ingest's files went to Ray tasks
+    assert files.get("_encode_file", 0) >= 5  # and tokenize's
