@@ -11,6 +11,7 @@ temporary Prefect server (``prefect_test_harness``) started by this script:
 - ``shard``: ``runner.fan_out=shard`` on threads, one Prefect task per shard (the old path),
   exact dedup with the Bloom filter, near dedup with the single-process union-find;
 - ``stage``: ``runner.fan_out=stage`` on a thread pool, one Prefect task per stage, same dedup;
+- ``processes`` (opt-in): the same on a pool of 2 spawned processes (``runner.kind=processes``);
 - ``ray``: ``runner.kind=ray`` on a local Ray cluster (127.0.0.1, 2 CPUs), one Prefect task per
   stage, exact and near dedup ``method=partitioned`` (Ray tasks);
 - ``datatrove``: datatrove 0.10's ``LocalPipelineExecutor`` (workers=2, one task per shard):
@@ -70,8 +71,9 @@ from benchmarks.common import emit, load_average  # noqa: E402
 from llmflow.tasks.curation.config import MinhashConfig  # noqa: E402
 from llmflow.tasks.framework.step import Metrics, step  # noqa: E402
 
-WAYS = ("shard", "stage", "ray", "datatrove", "datatrove_ray")
+WAYS = ("shard", "stage", "ray", "datatrove", "processes", "datatrove_ray")
 DEFAULT_WAYS = WAYS[:4]
+OURS = ("shard", "stage", "processes", "ray")
 WORKERS = 2
 SHARED_TEXT = ROOT.parent / "shared" / "data" / "text"
 WORDS = ["alpha", "bravo", "delta", "omega", "zeta"]  # near-copy edits, as the sample plants
@@ -285,7 +287,7 @@ def run_ours(
     from llmflow.tasks.framework.graph import Existing, Graph
     from llmflow.tasks.framework.stage_overhead import measure
 
-    kind = "ray" if way == "ray" else "threads"
+    kind = way if way in ("ray", "processes") else "threads"
     runner = RunnerConfig(
         kind=kind,
         max_workers=WORKERS,
@@ -647,35 +649,38 @@ def main() -> None:
         "ray_dedup_partitions": args.partitions or MinhashConfig().partitions,
         "load_start": load_start,
     }
-    ours_kept = {ways[w].get("kept_digest") for w in ("shard", "stage", "ray") if w in ways}
+    ours_kept = {ways[w].get("kept_digest") for w in OURS if w in ways}
+    pairs = [
+        (o, p)
+        for o, peers in (
+            ("stage", ("shard", "datatrove", "datatrove_ray")),
+            ("processes", ("shard", "datatrove")),
+            ("ray", ("shard", "stage", "processes", "datatrove", "datatrove_ray")),
+        )
+        for p in peers
+        if o in ways and p in ways
+    ]
     if ways:
         records.append(
             emit(
                 "data_scale",
                 **common,
-                ratio={
-                    f"{o}_vs_{p}": ratio(ways[p], ways[o])
-                    for o in ("stage", "ray")
-                    for p in ("shard", "datatrove", "datatrove_ray")
-                    if o in ways and p in ways
-                },
+                ratio={f"{o}_vs_{p}": ratio(ways[p], ways[o]) for o, p in pairs},
                 ratio_means="peer wall s / ours wall s, same run (above 1: ours faster)",
                 same_kept_ours=len(ours_kept - {None}) == 1,
                 ways=ways,
             )
         )
-    for ours in ("stage", "ray"):
-        for peer in ("shard", "datatrove", "datatrove_ray"):
-            if ours in ways and peer in ways:
-                records.append(
-                    emit(
-                        f"data_scale.{ours}_vs_{peer}",
-                        **common,
-                        ratio=ratio(ways[peer], ways[ours]),
-                        ours=ways[ours],
-                        peer=ways[peer],
-                    )
-                )
+    for ours, peer in pairs:
+        records.append(
+            emit(
+                f"data_scale.{ours}_vs_{peer}",
+                **common,
+                ratio=ratio(ways[peer], ways[ours]),
+                ours=ways[ours],
+                peer=ways[peer],
+            )
+        )
     if stress:
         peaks = [s.get("driver_peak_rss_mib") for s in stress]
         records.append(
