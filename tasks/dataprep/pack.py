@@ -118,6 +118,8 @@ def write_packed(
     Returns:
         The ``meta.json`` contents.
     """
+    from llmflow.tasks.curation.distributed_dedup import local_map
+
     out_dir = Path(out_dir)
     dtype, row_len = token_dtype(vocab_size), seq_len + 1
     stream_path = out_dir / "stream.tmp"
@@ -129,12 +131,9 @@ def write_packed(
     num_rows = -(-num_tokens // row_len)
     with open(stream_path, "ab") as f:
         np.full(num_rows * row_len - num_tokens, pad_id, dtype).tofile(f)
-    from llmflow.tasks.curation.distributed_dedup import local_map
-
     pack = _Pack(out_dir, stream_path, dtype, row_len, rows_per_shard)
-    return _finish(
-        pack, doc_lengths, local_map, 1, seq_len, vocab_size, eos_id, pad_id, seed, extra_meta
-    )
+    head = _head(seq_len, dtype, vocab_size, eos_id, pad_id)
+    return _finish(pack, doc_lengths, seed, head, extra_meta, local_map, 1)
 
 
 class DocumentSource(Protocol):
@@ -181,21 +180,11 @@ def write_packed_units(
     if num_tokens == 0:
         raise ValueError("nothing to pack: the selected documents hold no tokens")
     pack = _Pack(out_dir, out_dir / "stream.tmp", dtype, row_len, rows_per_shard)
+    head = _head(seq_len, dtype, vocab_size, eos_id, pad_id)
     try:
         with engine_map() as (map_fn, workers):
             _write_stream_units(source, docs, doc_lengths, pack, pad_id, map_fn, workers)
-            return _finish(
-                pack,
-                doc_lengths,
-                map_fn,
-                workers,
-                seq_len,
-                vocab_size,
-                eos_id,
-                pad_id,
-                seed,
-                extra_meta,
-            )
+            return _finish(pack, doc_lengths, seed, head, extra_meta, map_fn, workers)
     finally:
         pack.stream_path.unlink(missing_ok=True)  # NOTE: a failed unit leaves no meta.json
 
@@ -257,11 +246,21 @@ def _write_stream_unit(source: DocumentSource, pack: _Pack, unit: tuple[np.ndarr
     return written
 
 
-def _finish(
-    pack: _Pack, doc_lengths, map_fn, workers, seq_len, vocab_size, eos_id, pad_id, seed, extra_meta
-) -> dict:
-    """Index, permute and shard the padded stream, then write ``meta.json`` (last)."""
-    out_dir, dtype, row_len = pack.out_dir, pack.dtype, pack.row_len
+def _head(seq_len: int, dtype: np.dtype, vocab_size: int, eos_id: int, pad_id: int) -> dict:
+    """The first keys of ``meta.json``, in their order."""
+    return {
+        "seq_len": seq_len,
+        "dtype": dtype.name,
+        "vocab_size": vocab_size,
+        "eos_id": eos_id,
+        "pad_id": pad_id,
+    }
+
+
+def _finish(pack: _Pack, doc_lengths, seed, head: dict, extra_meta, map_fn, workers) -> dict:
+    """Index, permute and shard the padded stream, then write ``meta.json`` (last): ``head``
+    (seq_len, dtype, vocab_size, eos_id, pad_id), the layout, ``extra_meta``."""
+    out_dir, row_len = pack.out_dir, pack.row_len
     num_tokens = int(doc_lengths.sum())
     num_rows = -(-num_tokens // row_len)
     offsets, starts = _row_index(doc_lengths, num_rows, row_len)
@@ -276,11 +275,7 @@ def _finish(
     shards = _write_shards(pack, perm, map_fn, workers)
     pack.stream_path.unlink()
     meta = {
-        "seq_len": seq_len,
-        "dtype": dtype.name,
-        "vocab_size": vocab_size,
-        "eos_id": eos_id,
-        "pad_id": pad_id,
+        **head,
         "num_sequences": int(num_rows),
         "num_tokens": num_tokens,
         "num_documents": int(len(doc_lengths)),
@@ -350,6 +345,8 @@ def engine_map() -> Iterator[tuple[Callable[[Callable[[Any], Any], Sequence[Any]
 def _pool_map(pool, workers: int, fn: Callable[[Any], Any], items: Sequence[Any]) -> list:
     from llmflow.tasks.dataprep.tokenize import process_stream
 
+    if len(items) < 2:  # NOTE: the pool spawns on demand: a small pack starts no process
+        return [fn(item) for item in items]
     return list(process_stream(_apply, fn, items, workers, pool))
 
 
