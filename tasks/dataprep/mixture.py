@@ -428,14 +428,14 @@ def _headline(metrics: dict) -> Metrics:
 
 
 # version 2: meta.json records where the padding is (the loader masks it by position)
-@step("mixture", version=2)
+@step("mixture", version=2, data_engine=True)
 def mixture(cfg: StageMixture, tokenized: Path, out: Path) -> Metrics:
     """Pack one stage's mixture: domain weights, token budget, offline sequence shuffle."""
     return _headline(build_mixture(cfg, tokenized, out))
 
 
 # version 2: meta.json records where the padding is (the loader masks it by position)
-@step("validation", version=2)
+@step("validation", version=2, data_engine=True)
 def validation(cfg: ValidationConfig, tokenized: Path, out: Path) -> Metrics:
     """Pack the held-out documents for in-training validation loss."""
     return _headline(build_validation(cfg, tokenized, out))
