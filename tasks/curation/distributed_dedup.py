@@ -278,15 +278,20 @@ def _with_positions(path: str, file_index: int, columns: tuple[str, ...]) -> pa.
 UNIT_BYTES = 32 << 20
 """Source files are read in units of up to this many bytes of Parquet (at least one file): a
 unit writes one piece per partition, so 100,000 small shards don't make 100,000 x P files."""
+MIN_UNITS = 64
+"""Units are smaller where the sources hold less than ``MIN_UNITS x UNIT_BYTES``, so that a
+small stage still spreads over the workers."""
 
 
-def _units(paths: Sequence[Path], unit_bytes: int = UNIT_BYTES) -> list[list[tuple[int, str]]]:
-    """Consecutive (index, path) runs of at most `unit_bytes` of files each."""
+def _units(paths: Sequence[Path]) -> list[list[tuple[int, str]]]:
+    """Consecutive (index, path) runs of about equal bytes: at most `UNIT_BYTES` each, and about
+    `MIN_UNITS` of them when the files hold less."""
+    sizes = [os.path.getsize(p) for p in paths]
+    limit = max(1, min(UNIT_BYTES, -(-sum(sizes) // MIN_UNITS)))
     units: list[list[tuple[int, str]]] = []
-    size = unit_bytes
-    for index, path in enumerate(paths):
-        length = os.path.getsize(path)
-        if size + length > unit_bytes:
+    size = limit
+    for index, (path, length) in enumerate(zip(paths, sizes, strict=True)):
+        if size + length > limit:
             units.append([])
             size = 0
         units[-1].append((index, str(path)))
