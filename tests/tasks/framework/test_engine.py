@@ -55,14 +55,18 @@ def values(root: Path) -> dict[str, int]:
     }
 
 
+def run_closing(engine, root: Path, graph: Graph):
+    """The graph's outcome on ``engine`` under ``root``; the engine closed even on failure."""
+    try:
+        return Executor(str(root), engine=engine).run(graph)
+    finally:
+        engine.close()
+
+
 def test_thread_engine_gives_the_sequential_walks_outputs(tmp_path):
     graph, node = graph_of(12)
     reference = Executor(str(tmp_path / "seq")).run(graph)[node]
-    engine = ThreadEngine(2)
-    try:
-        mapped = Executor(str(tmp_path / "thr"), engine=engine).run(graph)[node]
-    finally:
-        engine.close()
+    mapped = run_closing(ThreadEngine(2), tmp_path / "thr", graph)[node]
     assert isinstance(mapped, Mapped) and mapped.labels == reference.labels
     assert [r.hash for r in mapped.results] == [r.hash for r in reference.results]
     assert (
@@ -75,11 +79,8 @@ def test_a_failing_shard_stops_new_shards_and_those_in_flight_commit(tmp_path):
     graph, _ = graph_of(40, fail_at=5)
     engine = ThreadEngine(1)  # two in flight: after shard 5 fails, at most shard 6 finishes
     root = tmp_path / "store"
-    try:
-        with pytest.raises(BadInputError, match="shard 5 is bad"):
-            Executor(str(root), engine=engine).run(graph)
-    finally:
-        engine.close()
+    with pytest.raises(BadInputError, match="shard 5 is bad"):
+        run_closing(engine, root, graph)
     done = sorted(p.parent.name for p in root.glob("engine-double/*/_COMMITTED"))
     assert [name.split("-")[2] for name in done][:5] == [f"{i:06d}" for i in range(5)]
     assert len(done) in (5, 6)
@@ -121,10 +122,7 @@ class BatchedThreads(ThreadEngine):
 def test_batched_units_give_every_shard_its_own_output_in_order(tmp_path):
     graph, node = graph_of(11)
     engine = BatchedThreads(4)
-    try:
-        mapped = Executor(str(tmp_path / "b"), engine=engine).run(graph)[node]
-    finally:
-        engine.close()
+    mapped = run_closing(engine, tmp_path / "b", graph)[node]
     reference = Executor(str(tmp_path / "seq")).run(graph)[node]
     assert [len(u) for u in engine.units] == [4, 4, 3]
     assert [r.hash for r in mapped.results] == [r.hash for r in reference.results]
@@ -137,11 +135,8 @@ def test_a_failure_inside_a_unit_commits_the_shards_before_it_and_starts_none_af
     graph, _ = graph_of(40, fail_at=5)
     engine = BatchedThreads(4)
     root = tmp_path / "store"
-    try:
-        with pytest.raises(BadInputError, match="shard 5 is bad"):
-            Executor(str(root), engine=engine).run(graph)
-    finally:
-        engine.close()
+    with pytest.raises(BadInputError, match="shard 5 is bad"):
+        run_closing(engine, root, graph)
     done = sorted(int(p.parent.name.split("-")[2]) for p in root.glob("engine-double/*/_COMMITTED"))
     assert done[:5] == [0, 1, 2, 3, 4]
     assert 6 not in done and 7 not in done
@@ -150,11 +145,7 @@ def test_a_failure_inside_a_unit_commits_the_shards_before_it_and_starts_none_af
 
 def test_process_engine_runs_shards_in_other_processes(tmp_path):
     graph, node = graph_of(6)
-    engine = ProcessEngine(2)
-    try:
-        mapped = Executor(str(tmp_path / "p"), engine=engine).run(graph)[node]
-    finally:
-        engine.close()
+    mapped = run_closing(ProcessEngine(2), tmp_path / "p", graph)[node]
     reference = Executor(str(tmp_path / "seq")).run(graph)[node]
     assert [r.hash for r in mapped.results] == [r.hash for r in reference.results]
     pids = {json.loads(p.read_text())["pid"] for p in (tmp_path / "p").glob("*/*/value.json")}
