@@ -121,6 +121,11 @@ def benchmarks(data: Path) -> list[Bench]:
                Goal("ways.ray.noop_ms_per_shard", "<=", 20, "Ray stage overhead, ms per shard"),
                Goal("ways.stage.noop_ms_per_shard", "<=", 20,
                     "threads stage overhead, ms per shard")], True, timeout_s=3600),
+        Bench("stage_layout", "bench_stage_layout.py", ["--shards", "2000", "10000", "--rounds", "3"],
+              ["--quick"],
+              [Goal("ratio.outputs", ">=", 1000, "outputs a 2,000-shard stage leaves, old / new"),
+               Goal("ratio.stage_s", ">=", 0.9, "stage wall time, old layout / stage layout")],
+              timeout_s=3600),
     ]  # fmt: skip
 
 

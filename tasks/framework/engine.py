@@ -2,10 +2,11 @@
 
 A mapped stage (``curate-normalize`` over 2,000 shards) is one Prefect task; inside it the
 engine runs the step once per shard, through the store exactly as the local path does
-(``Step.run``: the same function, the same content-addressed output per shard, its own
-``_COMMITTED`` marker and lineage). A shard whose output is committed is skipped, so a re-run of
-the stage (a Prefect retry, or a re-run after a killed worker) redoes only the shards without a
-marker. After the first failing shard no new shard starts; those in flight finish and commit.
+(``Step.run_shard``: the same function, each shard committed on its own under the stage output,
+``{stage}/shards/{label}/``, with its own ``_COMMITTED`` marker holding its lineage row). A shard
+already committed is skipped, so a re-run of the stage (a Prefect retry, or a re-run after a
+killed worker) redoes only the shards without a marker. After the first failing shard no new
+shard starts; those in flight finish and commit.
 
 Progress (shards done of total) goes to the log every tenth of the stage or every few seconds,
 never once per shard, and to an optional callback (the Prefect progress artifact).
@@ -42,14 +43,15 @@ ShardCall = tuple[str, dict[str, Any]]
 
 
 def run_shard(
-    step: Step, config: Any, root: str, name: str, inputs: dict, run_info: dict
+    step: Step, config: Any, root: str, stage: str, name: str, inputs: dict
 ) -> StepResult:
-    """One shard through the store: the worker side of every engine."""
+    """One shard of the stage output at ``stage``, through the store: the worker side of every
+    engine."""
     fault = json.loads(os.environ.get(FAULT_ENV) or "{}")
     if fault.get("kill_shard") == name and not Path(fault["once"]).exists():
         Path(fault["once"]).write_text(str(os.getpid()))
         os.kill(os.getpid(), signal.SIGKILL)
-    result = step.run(Store(root), config, name, inputs, run_info)
+    result = step.run_shard(Store(root), config, stage, name, inputs)
     if fault.get("log") and not result.cached:
         with open(fault["log"], "a") as f:
             f.write(f"{step.name} {name}\n")
@@ -108,14 +110,14 @@ class Engine:
         step: Step,
         config: Any,
         root: str,
+        stage: str,
         shards: list[ShardCall],
-        run_info: dict[str, Any] | None = None,
         progress: Progress | None = None,
     ) -> list[StepResult]:
-        """Every shard's result, in order; raises after the in-flight shards finish if any
-        failed (a ``BadInputError`` first, since a retry would fail the same way)."""
+        """Every shard's result, in order, each committed into the stage output at ``stage``;
+        raises after the in-flight shards finish if any failed (a ``BadInputError`` first,
+        since a retry would fail the same way)."""
         self.prepare(step, config)
-        run_info = run_info or {}
         results: list[StepResult | None] = [None] * len(shards)
         failures: dict[int, BaseException] = {}
         pending: dict[Any, list[int]] = {}
@@ -127,7 +129,7 @@ class Engine:
                 if indices is None:
                     break
                 batch = [shards[i] for i in indices]
-                pending[self.submit(step, config, root, batch, run_info)] = indices
+                pending[self.submit(step, config, root, stage, batch)] = indices
             if not pending:
                 break
             for handle, values in self.wait(list(pending)):
@@ -149,7 +151,7 @@ class Engine:
     def prepare(self, step: Step, config: Any) -> None:
         """Before a stage's first shard (ship the step to the workers once)."""
 
-    def submit(self, step, config, root, batch: list[ShardCall], run_info) -> Any:
+    def submit(self, step, config, root, stage: str, batch: list[ShardCall]) -> Any:
         """Start one unit: ``run_batch`` over ``batch``; a handle for ``wait``."""
         raise NotImplementedError
 
@@ -168,14 +170,14 @@ def _batches(total: int, size: int) -> Iterator[list[int]]:
 
 
 def run_batch(
-    step: Step, config: Any, root: str, batch: list[ShardCall], run_info: dict
+    step: Step, config: Any, root: str, stage: str, batch: list[ShardCall]
 ) -> list[StepResult | BaseException | None]:
     """A unit's shards one after another, each through the store (its own output and marker):
     per shard its result, or its error; after the first error no further shard starts (None)."""
     out: list[StepResult | BaseException | None] = [None] * len(batch)
     for i, (name, inputs) in enumerate(batch):
         try:
-            out[i] = run_shard(step, config, root, name, inputs, run_info)
+            out[i] = run_shard(step, config, root, stage, name, inputs)
         except Exception as err:
             out[i] = err
             break
@@ -215,8 +217,8 @@ class ThreadEngine(Engine):
         self.pool = cf.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="shard")
         self.limit = 2 * self.pool._max_workers
 
-    def submit(self, step, config, root, batch, run_info):
-        return self.pool.submit(run_batch, step, config, root, batch, run_info)
+    def submit(self, step, config, root, stage, batch):
+        return self.pool.submit(run_batch, step, config, root, stage, batch)
 
     def wait(self, handles):
         return _futures_wait(handles)
@@ -240,8 +242,8 @@ class ProcessEngine(Engine):
 
         self.payload = cloudpickle.dumps((step, config))
 
-    def submit(self, step, config, root, batch, run_info):
-        return self.pool.submit(_pickled_batch, self.payload, root, batch, run_info)
+    def submit(self, step, config, root, stage, batch):
+        return self.pool.submit(_pickled_batch, self.payload, root, stage, batch)
 
     def wait(self, handles):
         return _futures_wait(handles)
@@ -257,9 +259,9 @@ def _unpickle(payload: bytes) -> tuple[Step, Any]:
     return cloudpickle.loads(payload)
 
 
-def _pickled_batch(payload: bytes, root, batch, run_info) -> list:
+def _pickled_batch(payload: bytes, root, stage, batch) -> list:
     step, config = _unpickle(payload)
-    return run_batch(step, config, root, batch, run_info)
+    return run_batch(step, config, root, stage, batch)
 
 
 class RayEngine(Engine):
@@ -312,9 +314,9 @@ class RayEngine(Engine):
     def prepare(self, step, config):
         self.refs = (self.ray.put(step), self.ray.put(config))
 
-    def submit(self, step, config, root, batch, run_info):
+    def submit(self, step, config, root, stage, batch):
         step_ref, config_ref = self.refs
-        return self.remote.remote(step_ref, config_ref, root, batch, run_info)
+        return self.remote.remote(step_ref, config_ref, root, stage, batch)
 
     def wait(self, handles):
         ready, _ = self.ray.wait(handles, num_returns=1)

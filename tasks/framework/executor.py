@@ -1,8 +1,9 @@
 """One executor for any graph of steps: in-process (tests, benchmarks) or on Prefect.
 
 Each node runs through its step's store address, so a node whose output exists is skipped (and
-shows as Cached in Prefect, whose cache key is the same content hash). A mapped node fans out
-over the shards of its input, each shard its own output; one failing shard retries alone. On
+shows as Cached in Prefect, whose cache key is the same content hash). A mapped node is one
+stage output whose address is known before its shards run; it fans out over the shards of its
+input, each shard committed on its own inside it; one failing shard retries alone. On
 Prefect, a mapped node given a ``RunnerConfig`` is one task for the whole stage, its shards on
 an engine (threads, processes, Ray: ``engine.py``), so a run of 10,000 shards makes O(stages)
 task runs; without one (or with ``fan_out: shard``) each shard is its own task on the flow's
@@ -14,37 +15,16 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from llmflow.tasks.framework.audit import unhashed_reads
 from llmflow.tasks.framework.errors import BadInputError
 from llmflow.tasks.framework.graph import Existing, Graph, Node, Raw
-from llmflow.tasks.framework.step import RawFiles, Shard, Step, StepResult
+from llmflow.tasks.framework.step import Mapped, RawFiles, Shard, Step, StepResult
 from llmflow.tasks.framework.store import Store
 
 log = logging.getLogger("llmflow.executor")
-
-
-@dataclass
-class Mapped:
-    """The outputs of a mapped node, one per shard, with the shards' labels."""
-
-    labels: list[str]
-    results: list[StepResult]
-    seconds: float | None = None  # the stage's wall time (None: the shards' seconds summed)
-
-    def summary(self, label: str) -> StepResult:
-        """One row for all shards: the last output, cached only if every shard was, and the
-        stage's wall time (summed shard seconds overstate a parallel stage many times over)."""
-        return replace(
-            self.results[-1],
-            step=f"{label} ({len(self.results)} shards)",
-            cached=all(r.cached for r in self.results),
-            seconds=self.seconds
-            if self.seconds is not None
-            else sum(r.seconds for r in self.results),
-        )
 
 
 @dataclass
@@ -103,16 +83,39 @@ class Executor:
             return self.call(node.step, node.config, node.name, inputs)
         source = node.inputs[node.map_over]
         if isinstance(source, Node) and isinstance(done[source], Mapped):
-            labels, elements = done[source].labels, inputs[node.map_over]
+            upstream = done[source]
+            labels, elements, whole = upstream.labels, inputs[node.map_over], upstream.uri
         else:
-            labels, elements = self._shards(inputs[node.map_over])
+            whole = inputs[node.map_over]
+            labels, elements = self._shards(whole)
         per_shard = [
-            (f"{node.name}-{label}", {**inputs, node.map_over: element})
+            (label, {**inputs, node.map_over: element})
             for label, element in zip(labels, elements, strict=True)
         ]
-        started = time.perf_counter()
-        results = self.map(node.step, node.config, per_shard, stage=node.name)
-        return Mapped(labels, results, time.perf_counter() - started)
+        stage_inputs = {**inputs, node.map_over: whole}
+        return self.stage(node.step, node.config, node.name, stage_inputs, node.map_over, per_shard)
+
+    def stage(
+        self,
+        step: Step,
+        config: Any,
+        name: str,
+        inputs: dict[str, Any],
+        mapped: str,
+        per_shard: list[tuple[str, dict]],
+    ) -> Mapped:
+        """A mapped step's stage output (``Step.run_stage``), its shards run by ``map``."""
+
+        def run_shards(uri: str, shards: list[tuple[str, dict]]) -> list[StepResult]:
+            return self.map(step, config, uri, shards)
+
+        return step.run_stage(
+            self.store, config, name, inputs, mapped, per_shard, run_shards, self.run_info()
+        )
+
+    def run_info(self) -> dict[str, Any]:
+        """Extra lineage fields of the outputs this executor commits itself (a stage's)."""
+        return {}
 
     def _resolve(self, value: Any, done: dict[Node, Any]) -> Any:
         """An input as the step takes it: a URI, a list of URIs, or raw files."""
@@ -145,15 +148,19 @@ class Executor:
         return {name: bad for name, bad in found.items() if bad}
 
     def map(
-        self, step: Step, config: Any, per_shard: list[tuple[str, dict]], stage: str = ""
+        self, step: Step, config: Any, stage: str, per_shard: list[tuple[str, dict]]
     ) -> list[StepResult]:
-        """Run one step once per shard (``stage``: the mapped node's output label)."""
+        """Run one step once per shard into the stage output at ``stage``."""
         if self.engine is not None and self.reads is None:
             from llmflow.tasks.framework.engine import Progress
 
-            progress = Progress(f"{step.name} {stage}", len(per_shard))
-            return self.engine.run_stage(step, config, self.store.root, per_shard, None, progress)
-        return [self.call(step, config, name, inputs) for name, inputs in per_shard]
+            progress = Progress(f"{step.name} {Store.address_of(stage)[1]}", len(per_shard))
+            return self.engine.run_stage(step, config, self.store.root, stage, per_shard, progress)
+        reads = None if self.reads is None else self.reads.setdefault(step.name, set())
+        return [
+            step.run_shard(self.store, config, stage, label, inputs, reads=reads)
+            for label, inputs in per_shard
+        ]
 
 
 def _as_list(value: Any) -> list[Any]:
@@ -175,6 +182,9 @@ class CachedOnly(Executor):
         if not self.store.is_complete(uri):
             raise NotCached(uri)
         return step._cached(self.store, uri, digest, started)
+
+    def map(self, step: Step, config: Any, stage: str, per_shard: list) -> list[StepResult]:
+        raise NotCached(stage)  # only reached when the stage output is not complete
 
 
 def all_cached(graph: Graph, root: str) -> Outcome | None:
@@ -205,7 +215,7 @@ class PrefectExecutor(Executor):
         self.runner = runner if staged else None
         self._engine = None
         self._stage_tasks: dict[int, Callable] = {}
-        self._stages: dict[str, str] = {}  # a shard's output URI -> its stage's asset
+        self._shard_tasks: dict[int, Callable] = {}
 
     def run(self, graph: Graph) -> Outcome:
         try:
@@ -230,21 +240,58 @@ class PrefectExecutor(Executor):
             config, inputs=inputs, root=self.store.root, name=name, upstream=upstream
         )
 
+    def run_info(self) -> dict[str, Any]:
+        from llmflow.tasks.framework.prefect_task import run_info
+
+        return run_info()
+
     def _upstream(self, inputs: list[dict[str, Any]]) -> list[str]:
-        """The assets the inputs come from: a mapped stage's shards as that one stage."""
+        """The assets the inputs come from: a stage output's shards as that one stage."""
         from llmflow.tasks.framework.prefect_task import input_uris
 
-        uris = (u for one in inputs for u in input_uris(one))
-        return list(dict.fromkeys(self._stages.get(u, u) for u in uris))
+        return list(dict.fromkeys(u for one in inputs for u in input_uris(one)))
+
+    def stage(
+        self,
+        step: Step,
+        config: Any,
+        name: str,
+        inputs: dict[str, Any],
+        mapped: str,
+        per_shard: list[tuple[str, dict]],
+    ) -> Mapped:
+        """With a runner: ONE Prefect task for the stage, its shards on the runner's engine.
+        Without: the stage in the flow, each shard a task on the flow's task runner."""
+        if self.runner is None:
+            return super().stage(step, config, name, inputs, mapped, per_shard)
+        from llmflow.tasks.framework.prefect_task import stage_task
+
+        self.engine_started()
+        if id(step) not in self._stage_tasks:
+            self._stage_tasks[id(step)] = stage_task(step, self._engine)
+        return self._stage_tasks[id(step)](
+            config,
+            inputs=inputs,
+            mapped=mapped,
+            shards=per_shard,
+            root=self.store.root,
+            name=name,
+            upstream=self._upstream([inputs]),
+        )
 
     def map(
-        self, step: Step, config: Any, per_shard: list[tuple[str, dict]], stage: str = ""
+        self, step: Step, config: Any, stage: str, per_shard: list[tuple[str, dict]]
     ) -> list[StepResult]:
-        if self.runner is not None:
-            return self._map_stage(step, config, per_shard, stage)
+        """Each shard its own Prefect task (``fan_out: shard``), on the flow's task runner."""
+        from llmflow.tasks.framework.prefect_task import shard_task
+
+        if id(step) not in self._shard_tasks:
+            self._shard_tasks[id(step)] = shard_task(step)
         futures = [
-            self.task(step).submit(config, inputs=inputs, root=self.store.root, name=name)
-            for name, inputs in per_shard
+            self._shard_tasks[id(step)].submit(
+                config, stage=stage, label=label, inputs=inputs, root=self.store.root
+            )
+            for label, inputs in per_shard
         ]
         return [_unwrap(f.result()) for f in futures]
 
@@ -255,23 +302,6 @@ class PrefectExecutor(Executor):
         if self._engine is None:
             self._engine = make_engine(self.runner)
         return self._engine
-
-    def _map_stage(
-        self, step: Step, config: Any, per_shard: list[tuple[str, dict]], stage: str
-    ) -> list[StepResult]:
-        """One Prefect task for the stage; its shards on the runner's engine."""
-        from llmflow.tasks.framework.prefect_task import stage_key, stage_task
-
-        self.engine_started()
-        if id(step) not in self._stage_tasks:
-            self._stage_tasks[id(step)] = stage_task(step, self._engine)
-        upstream = self._upstream([inputs for _, inputs in per_shard])
-        results = self._stage_tasks[id(step)](
-            config, shards=per_shard, root=self.store.root, name=stage, upstream=upstream
-        )
-        key = stage_key(self.store.root, step.name, stage)
-        self._stages.update((r.uri, key) for r in results)
-        return results
 
 
 def _unwrap(value: Any) -> StepResult:

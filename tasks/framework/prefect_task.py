@@ -5,9 +5,10 @@ deleted output is rebuilt rather than served stale). When the store already hold
 the task finishes in a ``Cached`` state. Retries cover transient failures (I/O, a killed worker),
 never bad input. Each materialized output emits a Prefect asset event with its upstream outputs.
 
-``stage_task`` makes a mapped step one task for the whole stage: its shards run on an engine
-(``engine.py``), and the stage is one asset, linked as one (a Prefect event takes at most 100
-related resources: a global step over 2,000 shards links their stage, not each shard).
+``stage_task`` makes a mapped step one task for the whole stage output: its shards run on an
+engine (``engine.py``), and the stage is one asset, linked as one (a Prefect event takes at most
+100 related resources: a global step over 2,000 shards links their stage, not each shard).
+``shard_task`` is one shard of a stage output as its own task (``runner.fan_out: shard``).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from prefect.states import Completed, State
 
 from llmflow.tasks.framework.engine import Engine, Progress, ShardCall
 from llmflow.tasks.framework.errors import BadInputError
-from llmflow.tasks.framework.step import Shard, Step, StepResult
+from llmflow.tasks.framework.step import Mapped, Shard, Step, StepResult
 from llmflow.tasks.framework.store import Store
 
 MAX_RELATED = 100  # Prefect rejects an event with more related resources
@@ -54,7 +55,7 @@ def _retry_transient(task_obj, task_run, state) -> bool:
     return True
 
 
-def _run_info() -> dict[str, Any]:
+def run_info() -> dict[str, Any]:
     flow_ctx, task_ctx = FlowRunContext.get(), TaskRunContext.get()
     return {
         "orchestrator": "prefect",
@@ -65,13 +66,16 @@ def _run_info() -> dict[str, Any]:
 
 
 def input_uris(inputs: dict[str, Any]) -> list[str]:
-    """The upstream outputs among a step's inputs (a shard's output is its upstream's)."""
+    """The upstream outputs among a step's inputs, once each (a shard is its stage output)."""
     upstream = []
     for value in inputs.values():
         for item in value if isinstance(value, list) else [value]:
-            if isinstance(item, (str, Shard)):
-                upstream.append(item.uri if isinstance(item, Shard) else item)
-    return upstream
+            if isinstance(item, Shard):
+                upstream.append(item.uri)
+            elif isinstance(item, str):
+                shard = Store.split_shard(item)
+                upstream.append(item if shard is None else shard[0])
+    return list(dict.fromkeys(upstream))
 
 
 def _related(upstream: list[str]) -> list[dict[str, str]]:
@@ -135,7 +139,7 @@ def step_task(step: Step):
         name: str = "run",
         upstream: list[str] | None = None,
     ):
-        result = step.run(Store(root), config, name, inputs, _run_info())
+        result = step.run(Store(root), config, name, inputs, run_info())
         if result.cached:
             return Completed(message=f"output exists: {result.uri}", name="Cached", data=result)
         _publish(result, inputs or {}, upstream)
@@ -160,47 +164,65 @@ class _StepTask:
         return getattr(self.task, name)
 
 
-def stage_key(root: str, step: str, name: str) -> str:
-    """The asset of a mapped stage: its shards' outputs, ``{root}/{step}/{name}-<shard>-<hash>``."""
-    return f"{root}/{step}/{name}"
-
-
 def stage_task(step: Step, engine: Engine):
-    """Wrap a mapped step as ONE Prefect task that runs all its shards on ``engine``.
+    """Wrap a mapped step as ONE Prefect task for its whole stage output, shards on ``engine``.
 
-    Called as ``t(config, shards=[(name, inputs), ...], root=..., name=..., upstream=[...])``;
-    gives every shard's ``StepResult`` in order. The task is ``Cached`` when every shard was.
-    A retry redoes only the shards without a commit marker.
+    Called as ``t(config, inputs={...}, mapped=NAME, shards=[(label, inputs), ...], root=...,
+    name=..., upstream=[...])``; gives the stage's ``Mapped`` (every shard's result in order).
+    The task is ``Cached`` when the stage output was complete. A retry redoes only the shards
+    without a commit marker, then commits the stage.
     """
 
     def run(
         config: Any,
+        inputs: dict[str, Any],
+        mapped: str,
         shards: list[ShardCall],
         root: str = "./runs",
         name: str = "run",
         upstream: list[str] | None = None,
     ):
         label = f"{step.name} {name}"
-        progress = Progress(label, len(shards), _progress_artifact(step.name, name, len(shards)))
-        results = engine.run_stage(step, config, root, shards, _run_info(), progress)
-        if all(r.cached for r in results):
-            message = f"all {len(results)} shards exist under {stage_key(root, step.name, name)}"
-            return Completed(message=message, name="Cached", data=results)
-        _publish_stage(step.name, stage_key(root, step.name, name), results, upstream or [])
-        return results
+        report = _progress_artifact(step.name, name, len(shards))
 
-    # NOTE: each shard's output is its own cache entry
+        def run_shards(stage: str, todo: list[ShardCall]) -> list[StepResult]:
+            progress = Progress(label, len(todo), report)
+            return engine.run_stage(step, config, root, stage, todo, progress)
+
+        store = Store(root)
+        result = step.run_stage(store, config, name, inputs, mapped, shards, run_shards, run_info())
+        if all(r.cached for r in result.results) and store.is_complete(result.uri):
+            message = f"all {len(result.results)} shards exist in {result.uri}"
+            return Completed(message=message, name="Cached", data=result)
+        _publish_stage(step.name, result, upstream or [])
+        return result
+
+    # NOTE: the stage output is checked in the store first thing: no Prefect cache key needed
     return _step_task(step, run, cache_policy=NO_CACHE, persist_result=False)
 
 
-def _step_task(step: Step, run, **caching: Any) -> _StepTask:
+def shard_task(step: Step):
+    """One shard of a stage output as its own Prefect task (``runner.fan_out: shard``):
+    ``t.submit(config, stage=URI, label=..., inputs={...}, root=...)``."""
+
+    def run(config: Any, stage: str, label: str, inputs: dict[str, Any], root: str = "./runs"):
+        result = step.run_shard(Store(root), config, stage, label, inputs)
+        if result.cached:
+            return Completed(message=f"shard exists: {result.uri}", name="Cached", data=result)
+        _publish_artifacts(result.artifacts)
+        return result
+
+    return _step_task(step, run, cache_policy=NO_CACHE, persist_result=False, label="label")
+
+
+def _step_task(step: Step, run, label: str = "name", **caching: Any) -> _StepTask:
     """``run`` as the Prefect task of ``step``: its name, retries on transient errors, tags."""
     return _StepTask(
         task(
             run,
             name=step.name,
             description=step.doc,
-            task_run_name=f"{step.name}-{{name}}",
+            task_run_name=f"{step.name}-{{{label}}}",
             retries=step.retries,
             retry_delay_seconds=[2, 10],
             retry_condition_fn=_retry_transient,
@@ -226,15 +248,15 @@ def _progress_artifact(step: str, name: str, total: int) -> Callable[[float], No
     return report
 
 
-def _publish_stage(step: str, key: str, results: list[StepResult], upstream: list[str]) -> None:
-    """One asset event for the stage (its shards' hashes folded in), and each artifact key once."""
-    digest = hashlib.sha256("".join(r.hash for r in results).encode()).hexdigest()[:16]
+def _publish_stage(step: str, stage: Mapped, upstream: list[str]) -> None:
+    """One asset event for the stage output, and each artifact key once."""
+    results = stage.results
     emit_event(
         event="prefect.asset.materialization.succeeded",
-        resource={"prefect.resource.id": asset_key(key), "prefect.resource.name": step},
+        resource={"prefect.resource.id": asset_key(stage.uri), "prefect.resource.name": step},
         related=_related(upstream),
         payload={
-            "hash": digest,
+            "hash": stage.hash,
             "num_shards": len(results),
             "num_cached": sum(r.cached for r in results),
         },

@@ -25,7 +25,7 @@ import types
 import typing
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +36,7 @@ from llmflow.tasks.framework.audit import recording
 from llmflow.tasks.framework.concurrency import gpu_slot
 from llmflow.tasks.framework.errors import BadInputError
 from llmflow.tasks.framework.hashing import relative_names, step_hash
-from llmflow.tasks.framework.store import Store, now
+from llmflow.tasks.framework.store import SHARDS_DIR, Store, now
 
 Metrics = dict[str, Any]
 OUT = "out"
@@ -67,6 +67,37 @@ class StepResult:
     seconds: float
     metrics: dict[str, Any] = field(default_factory=dict)
     artifacts: list[dict[str, Any]] = field(default_factory=list)
+    row: dict[str, Any] | None = None  # a shard's lineage row (its stage's record gathers them)
+
+
+@dataclass
+class Mapped:
+    """A mapped step's stage output: its shards' results, in the upstream's order.
+
+    ``uri`` and ``hash`` are the stage output's (``{root}/{step}/{name}-{hash}``); each shard's
+    result has the URI ``{uri}/shards/{label}`` and the hash ``{hash}/{label}``.
+    """
+
+    labels: list[str]
+    results: list[StepResult]
+    seconds: float | None = None  # the stage's wall time (None: the shards' seconds summed)
+    uri: str = ""
+    hash: str = ""
+
+    def summary(self, label: str) -> StepResult:
+        """One row for all shards: the stage's output, cached only if every shard was, and the
+        stage's wall time (summed shard seconds overstate a parallel stage many times over)."""
+        last = self.results[-1] if self.results else StepResult(label, self.uri, self.hash, True, 0)
+        return replace(
+            last,
+            step=f"{label} ({len(self.results)} shards)",
+            uri=self.uri or last.uri,
+            hash=self.hash or last.hash,
+            cached=all(r.cached for r in self.results),
+            seconds=self.seconds
+            if self.seconds is not None
+            else sum(r.seconds for r in self.results),
+        )
 
 
 @dataclass
@@ -211,6 +242,130 @@ class Step:
         metrics = store.read_lineage(uri).get("metrics", {})
         return StepResult(self.name, uri, digest, True, time.perf_counter() - started, metrics)
 
+    def run_stage(
+        self,
+        store: Store,
+        config: BaseModel,
+        name: str,
+        inputs: dict[str, Any],
+        mapped: str,
+        shards: list[tuple[str, dict[str, Any]]],
+        run_shards: Callable[[str, list[tuple[str, dict[str, Any]]]], list[StepResult]],
+        run_info: dict[str, Any] | None = None,
+    ) -> Mapped:
+        """A mapped step's stage output: skipped if complete, else every shard, then the commit.
+
+        Args:
+            store: Where outputs live.
+            config: The step's config.
+            name: The stage output's label.
+            inputs: The stage's inputs, the mapped one as its whole upstream output (a stage
+                output, or an output whose ``shards/*.parquet`` are the shards): they make the
+                stage's address, known before any shard runs.
+            mapped: The name of the mapped input.
+            shards: (label, inputs) of each shard, its mapped input one element.
+            run_shards: Runs ``shards`` into the stage at the given URI (``run_shard`` each, on
+                an engine or one by one) and gives their results in order.
+            run_info: Extra lineage fields (the Prefect flow-run id).
+        """
+        inputs = {k: v for k, v in inputs.items() if v is not None}
+        started = time.perf_counter()
+        uri, digest, hashes = self.address(store, config, name, inputs)
+        if store.is_complete(uri):
+            return self.cached_stage(store, uri, digest, started)
+        started_at = now()
+        results = run_shards(uri, shards)
+        rows = [r.row or store.shard_row(r.uri) for r in results]
+        files = {
+            f"{SHARDS_DIR}/{row['label']}/{rel}": entry
+            for row in rows
+            for rel, entry in row.get(lineage.FILES_KEY, {}).items()
+        }
+        record = lineage.record(
+            step=self.name,
+            name=name,
+            digest=digest,
+            uri=uri,
+            version=str(self.version),
+            config=config,
+            inputs=_lineage_inputs(inputs, hashes, mapped),
+            run=run_info or {},
+            started_at=started_at,
+            metrics={"num_shards": len(rows), "cached_shards": sum(r.cached for r in results)},
+        )
+        record["shards"] = [{k: v for k, v in r.items() if k != lineage.FILES_KEY} for r in rows]
+        record[lineage.FILES_KEY] = files
+        store.commit_stage(uri, record)
+        seconds = time.perf_counter() - started
+        return Mapped([label for label, _ in shards], results, seconds, uri, digest)
+
+    def cached_stage(self, store: Store, uri: str, digest: str, started: float) -> Mapped:
+        """A complete stage output as its shards' cached results (read from its record)."""
+        rows = store.read_lineage(uri).get("shards", [])
+        results = [
+            StepResult(
+                self.name,
+                Store.shard_uri(uri, row["label"]),
+                f"{digest}/{row['label']}",
+                True,
+                0.0,
+                row.get("metrics", {}),
+            )
+            for row in rows
+        ]
+        labels = [row["label"] for row in rows]
+        return Mapped(labels, results, time.perf_counter() - started, uri, digest)
+
+    def run_shard(
+        self,
+        store: Store,
+        config: BaseModel,
+        stage: str,
+        label: str,
+        inputs: dict[str, Any],
+        reads: set[str] | None = None,
+    ) -> StepResult:
+        """One shard of the stage output at ``stage``, through the store: skipped if its marker
+        exists, else computed in its own locked working directory and committed on its own."""
+        inputs = {k: v for k, v in inputs.items() if v is not None}
+        started = time.perf_counter()
+        uri = Store.shard_uri(stage, label)
+        digest = f"{Store.address_of(stage)[2]}/{label}"
+        if store.is_complete(uri):
+            return self._cached_shard(store, uri, digest, started)
+        with store.shard_workdir(stage, label) as work:
+            if store.is_complete(uri):  # another run finished it while we waited for the lock
+                return self._cached_shard(store, uri, digest, started)
+            running = _Running(self.name)
+            started_at = now()
+            with _running(running):
+                local = {k: _local(store, v) for k, v in inputs.items()}
+                seen = config if reads is None else recording(config, reads)
+                metrics = self.fn(seen, **local, **{OUT: work}) or {}
+            row = {
+                "label": label,
+                "inputs": {k: _input_uri(v) for k, v in inputs.items() if not isinstance(v, list)},
+                "host": lineage.host_info()["hostname"],
+                "started_at": started_at,
+                "ended_at": now(),
+                "metrics": metrics,
+            }
+            row = store.commit_shard(work, uri, row)
+        seconds = time.perf_counter() - started
+        return StepResult(self.name, uri, digest, False, seconds, metrics, running.artifacts, row)
+
+    def _cached_shard(self, store: Store, uri: str, digest: str, started: float) -> StepResult:
+        row = store.shard_row(uri)
+        return StepResult(
+            self.name,
+            uri,
+            digest,
+            True,
+            time.perf_counter() - started,
+            row.get("metrics", {}),
+            row=row,
+        )
+
 
 @dataclass(frozen=True)
 class Shard:
@@ -247,20 +402,43 @@ def _local(store: Store, value: Any) -> Any:
     return store.local_path(value)
 
 
-def _lineage_inputs(inputs: dict[str, Any], hashes: dict[str, Any]) -> dict[str, list[dict]]:
-    """The lineage record's upstream outputs and raw sources."""
+def _input_uri(value: Any) -> Any:
+    """An input as a shard's lineage row names it: a URI, or an upstream output's file."""
+    if isinstance(value, Shard):
+        return {"uri": value.uri, "file": f"shards/{value.name}"}
+    return list(value) if isinstance(value, RawFiles) else value
+
+
+def _lineage_inputs(
+    inputs: dict[str, Any], hashes: dict[str, Any], mapped: str | None = None
+) -> dict[str, list[dict]]:
+    """The lineage record's upstream outputs and raw sources. Shards of one stage output are
+    that stage, listed once with their count (2,000 shards are one upstream, not 2,000)."""
     upstream, sources = [], []
     for key, value in inputs.items():
         if isinstance(value, RawFiles):
             sources += [lineage.source_record(uri) for uri in value]
         elif isinstance(value, list):
-            upstream += [
-                {"name": key, "uri": u, "hash": h} for u, h in zip(value, hashes[key], strict=True)
-            ]
+            upstream += _grouped(key, value, hashes[key])
         else:
             uri = value.uri if isinstance(value, Shard) else value
-            upstream.append({"name": key, "uri": uri, "hash": hashes[key]})
+            entry = {"name": key, "uri": uri, "hash": hashes[key]}
+            upstream.append({**entry, "mapped": True} if key == mapped else entry)
     return {"inputs": upstream, "sources": sources}
+
+
+def _grouped(key: str, uris: list[str], hashes: list[str]) -> list[dict[str, Any]]:
+    entries: dict[str, dict[str, Any]] = {}
+    for uri, digest in zip(uris, hashes, strict=True):
+        shard = Store.split_shard(uri)
+        if shard is None:
+            entries[uri] = {"name": key, "uri": uri, "hash": digest}
+            continue
+        stage = entries.setdefault(
+            shard[0], {"name": key, "uri": shard[0], "hash": digest.rsplit("/", 1)[0], "shards": 0}
+        )
+        stage["shards"] += 1
+    return list(entries.values())
 
 
 def _input_spec(name: str, annotation: Any, default: Any) -> InputSpec:

@@ -5,6 +5,12 @@ its inputs' hashes and its code version. An output is complete once ``_COMMITTED
 that marker is written last (locally the whole directory appears by one atomic rename), so a
 crash never leaves an output that looks complete. A complete output is never recomputed.
 
+A mapped step's output is one **stage output** at the same kind of address, its shards under
+``shards/{label}/``. Each shard commits on its own (its files, then its ``_COMMITTED``, which
+holds the shard's lineage row: inputs, times, metrics, files), so a re-run of the stage redoes
+only the shards without one; the stage's ``lineage.json`` (one record, a row per shard, every
+file's checksum) and its ``_COMMITTED`` come last, once every shard is in.
+
 Work happens in a *partial* directory whose path is fixed by the hash, so a retried or restarted
 step finds the previous attempt's state (a trainer resumes from its checkpoints there). Local
 partial directories are guarded by a file lock, so concurrent runs of one step don't interleave.
@@ -33,6 +39,7 @@ from llmflow.tasks.framework import lineage, s3config
 
 COMMIT_MARKER = "_COMMITTED"
 PARTIAL_DIR = ".partial"
+SHARDS_DIR = "shards"  # a stage output's shards: {stage}/shards/{label}/
 log = logging.getLogger("llmflow.store")
 
 
@@ -67,6 +74,23 @@ class Store:
         name, _, digest = folder.rpartition("-")
         return step, name, digest
 
+    @staticmethod
+    def shard_uri(stage_uri: str, label: str) -> str:
+        """Where one shard of a stage output lives."""
+        return f"{stage_uri}/{SHARDS_DIR}/{label}"
+
+    @staticmethod
+    def split_shard(uri: str) -> tuple[str, str] | None:
+        """(stage URI, shard label) of a shard's URI; None for any other output.
+
+        A step's output is ``{root}/{step}/{name}-{hash}`` and no step is named ``shards``, so
+        only a shard of a stage output has ``shards`` as its second-to-last component.
+        """
+        parts = uri.rstrip("/").rsplit("/", 2)
+        if len(parts) == 3 and parts[1] == SHARDS_DIR:
+            return parts[0], parts[2]
+        return None
+
     def listdir(self, uri: str, folder: str) -> list[str]:
         """Names of the files in one folder of an output, read remotely (nothing downloaded).
 
@@ -98,14 +122,50 @@ class Store:
             self.fs.invalidate_cache(path)
 
     def read_lineage(self, uri: str) -> dict[str, Any]:
+        """An output's lineage record; for a shard of a stage, the stage's record with that
+        shard's row (its inputs, times, metrics and files) in place of the stage's own."""
+        shard = self.split_shard(uri)
+        if shard is not None:
+            return self._shard_lineage(uri, *shard)
         with self.fs.open(f"{uri.rstrip('/')}/{lineage.LINEAGE_FILE}", "r") as f:
             return json.load(f)
 
+    def shard_row(self, uri: str) -> dict[str, Any]:
+        """A committed shard's lineage row, kept in its commit marker."""
+        with self.fs.open(f"{uri.rstrip('/')}/{COMMIT_MARKER}", "r") as f:
+            return json.load(f)
+
+    def _shard_lineage(self, uri: str, stage: str, label: str) -> dict[str, Any]:
+        row = self.shard_row(uri)
+        try:
+            record = self.read_lineage(stage)
+        except FileNotFoundError:  # the stage is still running: the row alone
+            record = {"step": self.address_of(stage)[0], "hash": self.address_of(stage)[2]}
+        record = {k: v for k, v in record.items() if k not in ("shards", lineage.FILES_KEY)}
+        read = row.get("inputs", {})
+        inputs = [  # the mapped input as the upstream shard this one read, when it is one
+            {**i, "uri": read[i["name"]]}
+            if i.get("mapped") and isinstance(read.get(i["name"]), str)
+            else i
+            for i in record.get("inputs", [])
+        ]
+        return {
+            **record,
+            **row,
+            "inputs": inputs,
+            "uri": uri,
+            "stage": stage,
+            "hash": f"{record['hash']}/{label}",
+        }
+
     def _manifest(self, uri: str) -> dict[str, dict[str, Any]] | None:
-        """The files (with sizes) a committed output's lineage records; None before commit-time
-        manifests existed or for an output that is not committed."""
+        """The files (with sizes) a committed output's lineage records (a shard's: its commit
+        marker's row); None before commit-time manifests existed or for an output that is not
+        committed."""
         if not self.is_complete(uri):
             return None
+        if self.split_shard(uri) is not None:
+            return self.shard_row(uri).get(lineage.FILES_KEY)
         self._forget_listings(f"{uri}/{lineage.LINEAGE_FILE}")
         try:
             return self.read_lineage(uri).get(lineage.FILES_KEY)
@@ -121,6 +181,9 @@ class Store:
         """
         if not self.is_complete(uri):
             raise FileNotFoundError(f"input {uri} is not a complete output (no {COMMIT_MARKER})")
+        shard = self.split_shard(uri)
+        if shard is not None:  # a shard of a complete stage: the stage's hash and its label
+            return f"{self.input_hash(shard[0])}/{shard[1]}"
         if uri not in _INPUT_HASHES:
             if len(_INPUT_HASHES) >= _INPUT_HASHES_MAX:
                 _INPUT_HASHES.clear()
@@ -156,7 +219,9 @@ class Store:
 
         The commit marker comes last, so a copy missing any file is never taken as complete.
         """
-        names = sorted(manifest) + [lineage.LINEAGE_FILE]
+        names = sorted(manifest)
+        if self.split_shard(uri) is None:  # a shard's lineage is its marker's row
+            names.append(lineage.LINEAGE_FILE)
         for rel in names:
             (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
         try:
@@ -186,24 +251,21 @@ class Store:
             work = Path(self.partial_uri(step, name, digest))
         else:
             work = self.cache_dir / "partial" / step / f"{name}-{digest}"
-        work.parent.mkdir(parents=True, exist_ok=True)
-        lock_path = work.with_name(work.name + ".lock")
-        with open(lock_path, "w") as lock_file:
-            fcntl.flock(lock_file, fcntl.LOCK_EX)
-            try:
-                work.mkdir(exist_ok=True)
-                if not self.is_local:
-                    self._pull_partial(step, name, digest, work)
-                yield work
-            except Exception as exc:
-                full = disk_error(exc)
-                if full is None or isinstance(exc, NoSpaceError):
-                    raise
-                what = f"step {step!r} output {name}-{digest}"
-                message = no_space_message(full, work, what)
-                raise NoSpaceError(full.errno, message) from exc
-            finally:
-                fcntl.flock(lock_file, fcntl.LOCK_UN)
+        pull = None if self.is_local else lambda: self._pull_partial(step, name, digest, work)
+        with _locked(work, f"step {step!r} output {name}-{digest}", pull):
+            yield work
+
+    @contextlib.contextmanager
+    def shard_workdir(self, stage_uri: str, label: str) -> Iterator[Path]:
+        """The fixed, locked working directory of one shard of a stage output (beside the
+        stage, never inside it: the stage folder holds committed shards only)."""
+        step, name, digest = self.address_of(stage_uri)
+        if self.is_local:
+            work = Path(self.partial_uri(step, name, digest)) / label
+        else:
+            work = self.cache_dir / "partial" / step / f"{name}-{digest}" / label
+        with _locked(work, f"step {step!r} output {name}-{digest} shard {label}", None):
+            yield work
 
     def _pull_partial(self, step: str, name: str, digest: str, work: Path) -> None:
         remote = self.partial_uri(step, name, digest)
@@ -263,6 +325,46 @@ class Store:
         shutil.rmtree(work, ignore_errors=True)
         _sync_state_path(work).unlink(missing_ok=True)
 
+    def commit_shard(self, work: Path, uri: str, row: dict[str, Any]) -> dict[str, Any]:
+        """Publish one finished shard at ``uri`` (inside its stage output); its marker, which
+        holds ``row`` with the shard's file manifest, comes last. Gives that row."""
+        row = {**row, lineage.FILES_KEY: lineage.file_manifest(work, skip=(COMMIT_MARKER,))}
+        text = lineage.dumps(row)
+        if self.is_local:
+            (work / COMMIT_MARKER).write_text(text)
+            final = Path(uri)
+            final.parent.mkdir(parents=True, exist_ok=True)
+            if final.exists():  # an incomplete leftover: never trusted, replaced
+                shutil.rmtree(final)
+            os.rename(work, final)
+            return row
+        if self.fs.exists(uri):
+            self.fs.rm(uri, recursive=True)
+        self.fs.put(f"{work}/", f"{uri}/", recursive=True)
+        with self.fs.open(f"{uri}/{COMMIT_MARKER}", "w") as f:
+            f.write(text)
+        shutil.rmtree(work, ignore_errors=True)
+        return row
+
+    def commit_stage(self, uri: str, record: dict[str, Any]) -> None:
+        """Mark a stage output complete: its ``lineage.json`` (``record``, with a row per shard
+        and every shard file's checksum), then its ``_COMMITTED``. Every shard is already in."""
+        text = lineage.dumps(record)
+        if self.is_local:
+            final = Path(uri)
+            final.mkdir(parents=True, exist_ok=True)
+            tmp = final / f".{lineage.LINEAGE_FILE}.{os.getpid()}"
+            tmp.write_text(text)
+            os.replace(tmp, final / lineage.LINEAGE_FILE)
+            (final / COMMIT_MARKER).write_text(now())
+            step, name, digest = self.address_of(uri)
+            shutil.rmtree(self.partial_uri(step, name, digest), ignore_errors=True)
+            return
+        with self.fs.open(f"{uri}/{lineage.LINEAGE_FILE}", "w") as f:
+            f.write(text)
+        with self.fs.open(f"{uri}/{COMMIT_MARKER}", "w") as f:
+            f.write(now())
+
     def list_outputs(self, step: str) -> list[str]:
         """Complete outputs of one step, newest first."""
         base = f"{self.root}/{step}"
@@ -276,6 +378,27 @@ class Store:
             if not name.startswith(".") and self.is_complete(uri):
                 found.append(uri)
         return sorted(found, key=lambda u: self.read_lineage(u).get("ended_at", ""), reverse=True)
+
+
+@contextlib.contextmanager
+def _locked(work: Path, what: str, pull: Any) -> Iterator[Path]:
+    """``work`` created and held under its ``.lock`` file; a full disk named in the error."""
+    work.parent.mkdir(parents=True, exist_ok=True)
+    lock_path = work.with_name(work.name + ".lock")
+    with open(lock_path, "w") as lock_file:
+        fcntl.flock(lock_file, fcntl.LOCK_EX)
+        try:
+            work.mkdir(exist_ok=True)
+            if pull is not None:
+                pull()
+            yield work
+        except Exception as exc:
+            full = disk_error(exc)
+            if full is None or isinstance(exc, NoSpaceError):
+                raise
+            raise NoSpaceError(full.errno, no_space_message(full, work, what)) from exc
+        finally:
+            fcntl.flock(lock_file, fcntl.LOCK_UN)
 
 
 class NoSpaceError(OSError):

@@ -87,7 +87,7 @@ def progress_artifacts(flow_run_id: str) -> list:
 
 
 def shards(root: Path) -> int:
-    return len(list(root.glob("curate-normalize/*/_COMMITTED")))
+    return len(list(root.glob("curate-normalize/*/shards/*/_COMMITTED")))
 
 
 def test_2000_shard_curate_makes_one_task_run_per_stage(prefect_server, tmp_path):  # noqa: F811

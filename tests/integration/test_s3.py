@@ -197,3 +197,50 @@ def test_listdir_lists_one_folder_of_a_remote_output(s3_env: S3, tmp_path: Path)
         )
     assert store.listdir(uri, "shards") == ["shard-00000.parquet", "shard-00001.parquet"]
     assert not (tmp_path / "inputs").exists()  # listed remotely, nothing downloaded
+
+
+def test_a_stage_output_on_s3_is_one_folder_resumed_shard_by_shard(
+    s3_env: S3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """A mapped stage on S3: its shards under one output, each with its own marker; a failed
+    stage has no marker of its own, and a re-run on another machine (an empty cache) computes
+    only the shards without one, reading the committed ones through their markers' manifests."""
+    from llmflow.tasks.framework.errors import BadInputError
+    from llmflow.tasks.framework.executor import Executor
+    from tests.tasks.framework.test_stage_output import FAILING, graph_of
+
+    root = f"s3://{s3_env.bucket}/stages"
+    graph, nodes = graph_of(6)
+    monkeypatch.setenv("LLMFLOW_CACHE", str(tmp_path / "machine-a"))
+    FAILING.add(4)
+    try:
+        with pytest.raises(BadInputError, match="shard 4 refused"):
+            Executor(root).run(graph)
+    finally:
+        FAILING.clear()
+    keys = s3_env.keys("stages/stage-square/")
+    (folder,) = {k.split("/")[2] for k in keys if not k.split("/")[2].startswith(".")}
+    markers = sorted(k for k in keys if k.endswith("/_COMMITTED"))
+    assert markers == [
+        f"stages/stage-square/{folder}/shards/part-{i:06d}/_COMMITTED" for i in range(4)
+    ]
+    assert not any(k.endswith("lineage.json") for k in keys)  # no stage record yet
+
+    monkeypatch.setenv("LLMFLOW_CACHE", str(tmp_path / "machine-b"))
+    outcome = Executor(root).run(graph)
+    squared = outcome[nodes["squared"]]
+    assert squared.uri == f"{root}/stage-square/{folder}"
+    assert [r.cached for r in squared.results] == [True] * 4 + [False] * 2
+    keys = s3_env.keys(f"stages/stage-square/{folder}/")
+    assert [k for k in keys if k.endswith("lineage.json")] == [
+        f"stages/stage-square/{folder}/lineage.json"
+    ]
+    assert f"stages/stage-square/{folder}/_COMMITTED" in keys
+    assert sum(k.endswith("/_COMMITTED") for k in keys) == 7  # 6 shards and the stage
+    record = json.loads(
+        s3_env.client()
+        .get_object(Bucket=s3_env.bucket, Key=f"stages/stage-square/{folder}/lineage.json")["Body"]
+        .read()
+    )
+    assert [row["metrics"]["value"] for row in record["shards"]] == [i * i for i in range(6)]
+    assert outcome[nodes["total"]].metrics == {"total": sum(i * i + 1 for i in range(6))}

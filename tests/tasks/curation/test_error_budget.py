@@ -44,8 +44,8 @@ def test_a_document_a_filter_raises_on_is_removed_with_the_filter_named(
 ):
     graph, _ = curation_graph(records(100, marked=1), num_shards=1)
     Executor(str(tmp_path)).run(graph)
-    (uri,) = Store(str(tmp_path)).list_outputs("curate-filter")
-    folder = Store(str(tmp_path)).local_path(uri)
+    (uri,) = Store(str(tmp_path)).list_outputs("curate-filter")  # the stage output
+    (folder,) = Store(str(tmp_path)).local_path(uri).glob("shards/*")  # its one shard
     (stats,) = [json.loads(p.read_text()) for p in folder.glob("*.stats.json")]
     assert stats["domains"]["prose"]["removed:gopher_quality:error:ZeroDivisionError"]["docs"] == 1
     removed = [json.loads(line) for p in folder.glob("*.removed.jsonl") for line in p.open()]

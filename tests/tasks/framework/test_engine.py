@@ -51,7 +51,7 @@ def graph_of(num_shards: int, fail_at: int = -1) -> tuple[Graph, object]:
 def values(root: Path) -> dict[str, int]:
     return {
         p.parent.name: json.loads(p.read_text())["value"]
-        for p in root.glob("engine-double/*/value.json")
+        for p in root.glob("engine-double/*/shards/*/value.json")
     }
 
 
@@ -81,8 +81,8 @@ def test_a_failing_shard_stops_new_shards_and_those_in_flight_commit(tmp_path):
     root = tmp_path / "store"
     with pytest.raises(BadInputError, match="shard 5 is bad"):
         run_closing(engine, root, graph)
-    done = sorted(p.parent.name for p in root.glob("engine-double/*/_COMMITTED"))
-    assert [name.split("-")[2] for name in done][:5] == [f"{i:06d}" for i in range(5)]
+    done = sorted(p.parent.name for p in root.glob("engine-double/*/shards/*/_COMMITTED"))
+    assert [name.split("-")[1] for name in done][:5] == [f"{i:06d}" for i in range(5)]
     assert len(done) in (5, 6)
 
 
@@ -93,8 +93,10 @@ def test_rerun_after_a_failure_keeps_committed_shards(tmp_path):
     engine = ThreadEngine(1)
     try:
         Executor(str(root), engine=engine).run(graph)
-        committed = sorted(root.glob("engine-double/*/_COMMITTED"))
-        for marker in committed[10:]:  # as if the stage died after 10 shards
+        (stage_marker,) = root.glob("engine-double/*/_COMMITTED")
+        stage_marker.unlink()  # as if the stage died after 10 shards
+        committed = sorted(root.glob("engine-double/*/shards/*/_COMMITTED"))
+        for marker in committed[10:]:
             marker.unlink()
         mapped = Executor(str(root), engine=engine).run(graph)[node]
     finally:
@@ -114,9 +116,9 @@ class BatchedThreads(ThreadEngine):
     def batch_size(self, shards: int) -> int:
         return self.size
 
-    def submit(self, step, config, root, batch, run_info):
+    def submit(self, step, config, root, stage, batch):
         self.units.append([name for name, _ in batch])
-        return super().submit(step, config, root, batch, run_info)
+        return super().submit(step, config, root, stage, batch)
 
 
 def test_batched_units_give_every_shard_its_own_output_in_order(tmp_path):
@@ -137,7 +139,8 @@ def test_a_failure_inside_a_unit_commits_the_shards_before_it_and_starts_none_af
     root = tmp_path / "store"
     with pytest.raises(BadInputError, match="shard 5 is bad"):
         run_closing(engine, root, graph)
-    done = sorted(int(p.parent.name.split("-")[2]) for p in root.glob("engine-double/*/_COMMITTED"))
+    markers = root.glob("engine-double/*/shards/*/_COMMITTED")
+    done = sorted(int(p.parent.name.split("-")[1]) for p in markers)
     assert done[:5] == [0, 1, 2, 3, 4]
     assert 6 not in done and 7 not in done
     assert len(engine.units) <= 3 and set(done) <= {0, 1, 2, 3, 4, 8, 9, 10, 11}
@@ -148,7 +151,7 @@ def test_process_engine_runs_shards_in_other_processes(tmp_path):
     mapped = run_closing(ProcessEngine(2), tmp_path / "p", graph)[node]
     reference = Executor(str(tmp_path / "seq")).run(graph)[node]
     assert [r.hash for r in mapped.results] == [r.hash for r in reference.results]
-    pids = {json.loads(p.read_text())["pid"] for p in (tmp_path / "p").glob("*/*/value.json")}
+    pids = {json.loads(p.read_text())["pid"] for p in (tmp_path / "p").glob("*/*/shards/*/value.json")}
     assert pids and os.getpid() not in pids
 
 

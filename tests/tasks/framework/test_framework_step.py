@@ -96,7 +96,9 @@ def test_mapped_graph_runs_caches_and_reruns_only_what_changed(tmp_path):
     assert [r.cached for r in changed.rows()] == [True, False, False]
     assert changed[changed_total := list(changed.results)[2]].metrics == {"total": 2}
     record = json.loads((Path(changed[changed_total].uri) / "lineage.json").read_text())
-    assert [i["name"] for i in record["inputs"]] == ["counts", "counts"]
+    stage = changed[list(changed.results)[1]]
+    # the two shards read are one upstream: their stage output, with its hash and shard count
+    assert record["inputs"] == [{"name": "counts", "uri": stage.uri, "hash": stage.hash, "shards": 2}]
 
 
 def test_graph_checks_input_names_before_anything_runs():
