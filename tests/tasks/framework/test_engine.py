@@ -151,7 +151,9 @@ def test_process_engine_runs_shards_in_other_processes(tmp_path):
     mapped = run_closing(ProcessEngine(2), tmp_path / "p", graph)[node]
     reference = Executor(str(tmp_path / "seq")).run(graph)[node]
     assert [r.hash for r in mapped.results] == [r.hash for r in reference.results]
-    pids = {json.loads(p.read_text())["pid"] for p in (tmp_path / "p").glob("*/*/shards/*/value.json")}
+    pids = {
+        json.loads(p.read_text())["pid"] for p in (tmp_path / "p").glob("*/*/shards/*/value.json")
+    }
     assert pids and os.getpid() not in pids
 
 

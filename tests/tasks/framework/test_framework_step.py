@@ -98,7 +98,9 @@ def test_mapped_graph_runs_caches_and_reruns_only_what_changed(tmp_path):
     record = json.loads((Path(changed[changed_total].uri) / "lineage.json").read_text())
     stage = changed[list(changed.results)[1]]
     # the two shards read are one upstream: their stage output, with its hash and shard count
-    assert record["inputs"] == [{"name": "counts", "uri": stage.uri, "hash": stage.hash, "shards": 2}]
+    assert record["inputs"] == [
+        {"name": "counts", "uri": stage.uri, "hash": stage.hash, "shards": 2}
+    ]
 
 
 def test_graph_checks_input_names_before_anything_runs():
