@@ -338,7 +338,8 @@ class Step:
                 return self._cached_shard(store, uri, digest, started)
             running = _Running(self.name)
             started_at = now()
-            with _running(running):
+            slot = gpu_slot() if self.gpu else contextlib.nullcontext()
+            with slot, _running(running):
                 local = {k: _local(store, v) for k, v in inputs.items()}
                 seen = config if reads is None else recording(config, reads)
                 metrics = self.fn(seen, **local, **{OUT: work}) or {}
