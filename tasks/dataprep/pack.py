@@ -27,25 +27,26 @@ driver knows every document's length up front, so it preallocates ``stream.tmp``
 documents into ranges of about `UNIT_TOKENS` tokens (at most `UNITS_PER_WORKER` per worker); a
 unit writes its range's tokens at their prefix-sum offset, a chunk of documents at a time. The
 shards are cut into runs of files the same way, and a unit gathers its run's rows from the
-stream. Units run on `engine_map`: Ray tasks when this process is connected to Ray (the rule
-of `distributed_dedup.data_map`), else ``LLMFLOW_DATA_WORKERS`` spawned processes, else this
-process one unit after another. The driver holds the lengths, the row index and the permutation,
+stream. Units run on `units.data_units`: Ray tasks when this process is connected to Ray, else
+``LLMFLOW_DATA_WORKERS`` spawned processes, else this process one unit after another (the rule
+ingest and tokenize follow too). The driver holds the lengths, the row index and the permutation,
 never the token stream; ``meta.json`` is written last, after every unit succeeded.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
 from itertools import pairwise
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 from tqdm import tqdm
+
+from llmflow.tasks.dataprep.units import data_units
 
 INDEX_FILES = {"doc_offsets": "doc_offsets.bin", "doc_starts": "doc_starts.bin"}
 UNIT_TOKENS = 8 * 2**20
@@ -159,7 +160,8 @@ def write_packed_units(
     rows_per_shard: int,
     extra_meta: dict | None = None,
 ) -> dict:
-    """`write_packed` of the documents ``docs`` read by units on `engine_map` (module docstring).
+    """`write_packed` of the documents ``docs`` read by units on `units.data_units` (module
+    docstring).
 
     Args:
         source: Reads documents in the units.
@@ -182,7 +184,8 @@ def write_packed_units(
     pack = _Pack(out_dir, out_dir / "stream.tmp", dtype, row_len, rows_per_shard)
     head = _head(seq_len, dtype, vocab_size, eos_id, pad_id)
     try:
-        with engine_map() as (map_fn, workers):
+        with data_units() as units:
+            map_fn, workers = units.map, units.workers
             _write_stream_units(source, docs, doc_lengths, pack, pad_id, map_fn, workers)
             return _finish(pack, doc_lengths, seed, head, extra_meta, map_fn, workers)
     finally:
@@ -318,40 +321,6 @@ def _write_shard_run(pack: _Pack, unit: tuple[int, np.ndarray]) -> list[dict]:
         shards.append({"file": name, "num_sequences": int(len(rows))})
     del stream
     return shards
-
-
-@contextmanager
-def engine_map() -> Iterator[tuple[Callable[[Callable[[Any], Any], Sequence[Any]], list], int]]:
-    """``(map_fn, workers)`` the units run on, as tokenize decides: Ray tasks when connected
-    (`distributed_dedup.data_map`), else ``LLMFLOW_DATA_WORKERS`` (> 1) spawned processes, else
-    this process (1 worker)."""
-    # NOTE: imported here: tokenize imports this module.
-    from llmflow.tasks.curation.distributed_dedup import data_map, local_map
-    from llmflow.tasks.dataprep.tokenize import data_workers, process_pool
-
-    workers = data_workers()
-    with data_map() as map_fn:
-        if map_fn is not local_map:
-            import ray
-
-            yield map_fn, max(1, int(ray.cluster_resources().get("CPU", 1)))
-        elif workers < 2:
-            yield local_map, 1
-        else:
-            with process_pool(workers) as pool:
-                yield partial(_pool_map, pool, workers), workers
-
-
-def _pool_map(pool, workers: int, fn: Callable[[Any], Any], items: Sequence[Any]) -> list:
-    from llmflow.tasks.dataprep.tokenize import process_stream
-
-    if len(items) < 2:  # NOTE: the pool spawns on demand: a small pack starts no process
-        return [fn(item) for item in items]
-    return list(process_stream(_apply, fn, items, workers, pool))
-
-
-def _apply(fn: Callable[[Any], Any], item: Any) -> Any:
-    return fn(item)
 
 
 def read_meta(data_dir: Path) -> dict:

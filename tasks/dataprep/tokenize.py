@@ -13,9 +13,9 @@ Output directory (read by `tasks.dataprep.mixture`):
 
 Parallel encoding (execution only: the output is the same bytes, the address unchanged): when
 this process is connected to Ray (the data engine connected it under ``runner.kind=ray``, or
-``LLMFLOW_RAY_ADDRESS`` names a cluster: `distributed_dedup.data_map` decides), each corpus file is
-encoded by a Ray task; else ``LLMFLOW_DATA_WORKERS=N`` (N > 1) encodes files on N spawned
-processes; else this process encodes batch by batch. A worker returns each of its file's record
+``LLMFLOW_RAY_ADDRESS`` names a cluster), each corpus file is encoded by a Ray task; else
+``LLMFLOW_DATA_WORKERS=N`` (N > 1) encodes files on N spawned processes; else this process
+encodes batch by batch (`units.data_units`, the rule ingest and the mixture follow too). A worker returns each of its file's record
 batches encoded (ids, domains, sources, tokens end to end with each document's length, the
 hold-out mask, the held-out rows, the rejects) and this process writes them in file and batch
 order, exactly the writes of the sequential path (the held-out Parquet gets the same row
@@ -25,16 +25,11 @@ encoded files, never the corpus.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-import multiprocessing
-import os
 import re
 import time
-from collections import deque
 from collections.abc import Iterator
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,6 +42,7 @@ from tqdm import tqdm
 from llmflow.tasks.dataprep.bytelevel import ByteLevelEncoder
 from llmflow.tasks.dataprep.config import TokenizeConfig
 from llmflow.tasks.dataprep.pack import token_dtype
+from llmflow.tasks.dataprep.units import data_units
 from llmflow.tasks.framework.errors import BadInputError
 from llmflow.tasks.framework.step import Metrics, step
 from llmflow.tasks.tokenizer.config import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN
@@ -60,14 +56,6 @@ from llmflow.tasks.tokenizer.corpus import (
 )
 
 SPLITS = ("train", "validation")
-WORKERS_ENV = "LLMFLOW_DATA_WORKERS"
-"""Processes that encode (tokenize) or read (ingest) files when Ray is not connected; unset,
-0 or 1: this process alone. Execution only: the output is byte-identical either way.
-
-NOTE: off by default. Measured on 2 shared cores (load 6-9), 40 files of 745 documents (12.7M
-tokens): this process 7-14.5 s, 2 spawned processes 10.3-13.3 s (each spawn imports the stack
-and builds its own pre-token cache), Ray's 2 warm workers 5.0-6.8 s (after ``ray.init``). The
-sequential path already shares a batch of 1 MiB or more with a forked helper process."""
 VOCAB_META = "vocab_meta.json"
 """An imported model's vocabulary size and special ids, beside its tokenizer (``import_model``)."""
 
@@ -330,81 +318,17 @@ def _encode_file(job: _Job, path: str) -> list[_Batch]:
     ]
 
 
-def data_workers() -> int:
-    """``LLMFLOW_DATA_WORKERS`` as a number (0 when unset); a bad value names the variable."""
-    value = os.environ.get(WORKERS_ENV, "").strip() or "0"
-    if not value.isdigit():
-        raise BadInputError(
-            f"{WORKERS_ENV}={value!r} must be a whole number of processes (0: none)"
-        )
-    return int(value)
-
-
 def _encoded_batches(
     cfg: TokenizeConfig, encoder: _Encoder, bpe: Tokenizer, files: list[Path], dtype: np.dtype
 ) -> Iterator[_Batch]:
-    """Every record batch of every file encoded, in file and batch order: on Ray when connected,
-    else on ``LLMFLOW_DATA_WORKERS`` processes, else here."""
-    from llmflow.tasks.curation.distributed_dedup import data_map, local_map
-
-    workers = data_workers()
-    with data_map() as engine_map:
-        if engine_map is local_map and (workers < 2 or len(files) < 2):
+    """Every record batch of every file encoded, in file and batch order: a file per unit on
+    the data units' engine (`units.data_units`: Ray, or processes), else batch by batch here."""
+    with data_units() as units:
+        if not units.parallel or (units.kind == "processes" and len(files) < 2):
             for batch in iter_batches(files, cfg.read_batch_rows):
                 yield _encode_batch(cfg, encoder, batch, dtype)
             return
         text = bpe.to_str()
         job = _Job(text, hashlib.sha256(text.encode()).hexdigest(), cfg, dtype.str)
-        paths = [str(f) for f in files]
-        if engine_map is local_map:
-            results = process_stream(_encode_file, job, paths, workers)
-        else:
-            results = ray_stream(_encode_file, job, paths)
-        for encoded in results:
+        for encoded in units.stream(_encode_file, job, [str(f) for f in files]):
             yield from encoded
-
-
-def process_pool(workers: int) -> ProcessPoolExecutor:
-    """``workers`` spawned processes (forking a process that runs Prefect's threads is unsafe)."""
-    return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
-
-
-def process_stream(fn, job, items: list, workers: int, pool=None) -> Iterator:
-    """``fn(job, item)`` for every item on ``workers`` spawned processes (``pool``'s, else a
-    pool of its own), results in the items' order, at most ``2 x workers`` submitted at once."""
-    with contextlib.nullcontext(pool) if pool is not None else process_pool(workers) as pool:
-        pending: deque = deque()
-        try:
-            for item in items:
-                pending.append(pool.submit(fn, job, item))
-                if len(pending) >= 2 * workers:
-                    yield pending.popleft().result()
-            while pending:
-                yield pending.popleft().result()
-        finally:
-            for future in pending:
-                future.cancel()
-
-
-def ray_stream(fn, job, items: list, max_in_flight: int = 0) -> Iterator:
-    """``fn(job, item)`` for every item as Ray tasks on the cluster this process is connected
-    to, results in the items' order, at most ``max_in_flight`` submitted at once (0: twice the
-    cluster's CPUs)."""
-    import ray
-
-    limit = max_in_flight or max(2, 2 * int(ray.cluster_resources().get("CPU", 1)))
-    remote = ray.remote(num_cpus=1, max_retries=2)(fn)
-    job_ref = ray.put(job)
-    pending: deque = deque()
-    try:
-        for item in items:
-            pending.append(remote.remote(job_ref, item))
-            if len(pending) >= limit:
-                yield ray.get(pending.popleft())
-        while pending:
-            yield ray.get(pending.popleft())
-    finally:
-        for ref in pending:
-            ray.cancel(ref)
-        if pending:  # NOTE: cancelled tasks end before the caller removes what they write to
-            ray.wait(list(pending), num_returns=len(pending), timeout=60)

@@ -89,7 +89,9 @@ def _run_mapped(kind: str, root: Path) -> tuple[int, set[int]]:
         return outcome.results[_last(outcome)].metrics["total"]
 
     value = run()
-    pids = {json.loads(p.read_text())["pid"] for p in root.glob("runner-square/*/sum.json")}
+    pids = {
+        json.loads(p.read_text())["pid"] for p in root.glob("runner-square/*/shards/*/sum.json")
+    }
     return value, pids
 
 
@@ -101,7 +103,7 @@ def _last(outcome):
 def test_process_pool_runs_each_shard_in_a_worker_process(prefect_harness, tmp_path):
     value, pids = _run_mapped("processes", tmp_path)
     assert value == sum(n * n for n in NUMBERS)
-    assert len(list(tmp_path.glob("runner-square/*/sum.json"))) == 3
+    assert len(list(tmp_path.glob("runner-square/*/shards/*/sum.json"))) == 3
     assert pids and os.getpid() not in pids
 
 

@@ -26,7 +26,7 @@ from llmflow.tasks.dataprep import pack as pack_module
 from llmflow.tasks.dataprep.config import StageMixture, ValidationConfig
 from llmflow.tasks.dataprep.mixture import build_mixture, build_validation
 from llmflow.tasks.dataprep.pack import read_all_rows, token_dtype, write_packed
-from llmflow.tasks.dataprep.tokenize import WORKERS_ENV
+from llmflow.tasks.dataprep.units import WORKERS_ENV
 
 MIX = StageMixture(
     weights={"prose": 2.0, "code": 1.0, "math": 1.0},

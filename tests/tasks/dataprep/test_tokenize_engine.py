@@ -18,13 +18,8 @@ import pytest
 
 from llmflow.tasks.dataprep.config import StageMixture, TokenizeConfig
 from llmflow.tasks.dataprep.mixture import build_mixture
-from llmflow.tasks.dataprep.tokenize import (
-    WORKERS_ENV,
-    data_workers,
-    process_stream,
-    ray_stream,
-    tokenize_corpus,
-)
+from llmflow.tasks.dataprep.tokenize import tokenize_corpus
+from llmflow.tasks.dataprep.units import WORKERS_ENV, data_workers, process_stream, ray_stream
 from llmflow.tasks.framework.errors import BadInputError
 from llmflow.tasks.ingest.ingest import IngestConfig, ingest, list_files
 from llmflow.tasks.ingest.sample import SampleConfig, make_sample
@@ -200,20 +195,20 @@ def test_pipeline_under_ray_runner_tokenizes_on_ray_with_the_same_addresses(
     mixture's addresses and files are the threads run's."""
     import shutil
 
-    import llmflow.tasks.dataprep.tokenize as tokenize_module
+    import llmflow.tasks.dataprep.units as units_module
     from llmflow.flows.pipeline import run_pipeline
     from llmflow.tasks.config import load_config
 
     pytest.importorskip("ray")
     monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
     streamed: list[tuple[str, int]] = []
-    original = tokenize_module.ray_stream
+    original = units_module.ray_stream
 
     def counting(fn, job, items, max_in_flight=0):
         streamed.append((fn.__name__, len(items)))
         return original(fn, job, items, max_in_flight)
 
-    monkeypatch.setattr(tokenize_module, "ray_stream", counting)
+    monkeypatch.setattr(units_module, "ray_stream", counting)
     repo = Path(__file__).resolve().parents[3]
     root, walls = tmp_path / "run", {}
     for kind in ("threads", "ray"):

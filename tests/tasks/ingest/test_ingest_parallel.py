@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from llmflow.tasks.dataprep.tokenize import WORKERS_ENV
+from llmflow.tasks.dataprep.units import WORKERS_ENV
 from llmflow.tasks.ingest import hub
 from llmflow.tasks.ingest.ingest import IngestConfig, ingest, list_files
 from llmflow.tasks.ingest.sample import SampleConfig, make_sample
