@@ -216,11 +216,7 @@ class Step:
                 self.name, on_checkpoint=lambda: store.sync_partial(self.name, name, digest, work)
             )
             started_at = now()
-            slot = gpu_slot() if self.gpu else contextlib.nullcontext()
-            with slot, _running(running):
-                local = {k: _local(store, v) for k, v in inputs.items()}
-                seen = config if reads is None else recording(config, reads)
-                metrics = self.fn(seen, **local, **{OUT: work}) or {}
+            metrics = self._call(store, config, inputs, work, running, reads)
             record = lineage.record(
                 step=self.name,
                 name=name,
@@ -237,6 +233,23 @@ class Step:
             store.commit(work, uri, self.name, name, digest)
         seconds = time.perf_counter() - started
         return StepResult(self.name, uri, digest, False, seconds, metrics, running.artifacts)
+
+    def _call(
+        self,
+        store: Store,
+        config: BaseModel,
+        inputs: dict[str, Any],
+        work: Path,
+        running: _Running,
+        reads: set[str] | None,
+    ) -> Metrics:
+        """The function itself on local views of its inputs, filling ``work`` (a gpu step holds
+        its slot); its metrics."""
+        slot = gpu_slot() if self.gpu else contextlib.nullcontext()
+        with slot, _running(running):
+            local = {k: _local(store, v) for k, v in inputs.items()}
+            seen = config if reads is None else recording(config, reads)
+            return self.fn(seen, **local, **{OUT: work}) or {}
 
     def _cached(self, store: Store, uri: str, digest: str, started: float) -> StepResult:
         metrics = store.read_lineage(uri).get("metrics", {})
@@ -338,11 +351,7 @@ class Step:
                 return self._cached_shard(store, uri, digest, started)
             running = _Running(self.name)
             started_at = now()
-            slot = gpu_slot() if self.gpu else contextlib.nullcontext()
-            with slot, _running(running):
-                local = {k: _local(store, v) for k, v in inputs.items()}
-                seen = config if reads is None else recording(config, reads)
-                metrics = self.fn(seen, **local, **{OUT: work}) or {}
+            metrics = self._call(store, config, inputs, work, running, reads)
             row = {
                 "label": label,
                 "inputs": {k: _input_uri(v) for k, v in inputs.items() if not isinstance(v, list)},
