@@ -189,9 +189,10 @@ def stage_task(step: Step, engine: Engine):
             progress = Progress(label, len(todo), report)
             return engine.run_stage(step, config, root, stage, todo, progress)
 
-        store = Store(root)
-        result = step.run_stage(store, config, name, inputs, mapped, shards, run_shards, run_info())
-        if all(r.cached for r in result.results) and store.is_complete(result.uri):
+        result = step.run_stage(
+            Store(root), config, name, inputs, mapped, shards, run_shards, run_info()
+        )
+        if all(r.cached for r in result.results):  # run_stage committed the stage
             message = f"all {len(result.results)} shards exist in {result.uri}"
             return Completed(message=message, name="Cached", data=result)
         _publish_stage(step.name, result, upstream or [])

@@ -244,13 +244,16 @@ class Store:
     def partial_uri(self, step: str, name: str, digest: str) -> str:
         return f"{self.root}/{step}/{PARTIAL_DIR}/{name}-{digest}"
 
+    def _work_path(self, step: str, name: str, digest: str) -> Path:
+        """An output's working directory: its partial folder, in the local cache if remote."""
+        if self.is_local:
+            return Path(self.partial_uri(step, name, digest))
+        return self.cache_dir / "partial" / step / f"{name}-{digest}"
+
     @contextlib.contextmanager
     def workdir(self, step: str, name: str, digest: str) -> Iterator[Path]:
         """The fixed working directory of one output, locked against concurrent writers."""
-        if self.is_local:
-            work = Path(self.partial_uri(step, name, digest))
-        else:
-            work = self.cache_dir / "partial" / step / f"{name}-{digest}"
+        work = self._work_path(step, name, digest)
         pull = None if self.is_local else lambda: self._pull_partial(step, name, digest, work)
         with _locked(work, f"step {step!r} output {name}-{digest}", pull):
             yield work
@@ -260,10 +263,7 @@ class Store:
         """The fixed, locked working directory of one shard of a stage output (beside the
         stage, never inside it: the stage folder holds committed shards only)."""
         step, name, digest = self.address_of(stage_uri)
-        if self.is_local:
-            work = Path(self.partial_uri(step, name, digest)) / label
-        else:
-            work = self.cache_dir / "partial" / step / f"{name}-{digest}" / label
+        work = self._work_path(step, name, digest) / label
         with _locked(work, f"step {step!r} output {name}-{digest} shard {label}", None):
             yield work
 
@@ -307,9 +307,27 @@ class Store:
         ``llmflow verify`` checks).
         """
         lineage.add_file_manifest(work, skip=(COMMIT_MARKER,))
+        self._publish(work, uri, now())
+        if not self.is_local:
+            partial = self.partial_uri(step, name, digest)
+            if self.fs.exists(partial):
+                self.fs.rm(partial, recursive=True)
+            _sync_state_path(work).unlink(missing_ok=True)
+
+    def commit_shard(self, work: Path, uri: str, row: dict[str, Any]) -> dict[str, Any]:
+        """Publish one finished shard at ``uri`` (inside its stage output); its marker, which
+        holds ``row`` with the shard's file manifest, comes last. Gives that row."""
+        row = {**row, lineage.FILES_KEY: lineage.file_manifest(work, skip=(COMMIT_MARKER,))}
+        self._publish(work, uri, lineage.dumps(row))
+        return row
+
+    def _publish(self, work: Path, uri: str, marker: str) -> None:
+        """``work``'s files at ``uri``, then ``marker`` as its ``_COMMITTED`` (locally the whole
+        folder appears by one rename); an incomplete leftover at ``uri`` is replaced."""
         if self.is_local:
-            (work / COMMIT_MARKER).write_text(now())
+            (work / COMMIT_MARKER).write_text(marker)
             final = Path(uri)
+            final.parent.mkdir(parents=True, exist_ok=True)
             if final.exists():  # an incomplete leftover: never trusted, replaced
                 shutil.rmtree(final)
             os.rename(work, final)
@@ -318,33 +336,8 @@ class Store:
             self.fs.rm(uri, recursive=True)
         self.fs.put(f"{work}/", f"{uri}/", recursive=True)
         with self.fs.open(f"{uri}/{COMMIT_MARKER}", "w") as f:
-            f.write(now())
-        partial = self.partial_uri(step, name, digest)
-        if self.fs.exists(partial):
-            self.fs.rm(partial, recursive=True)
+            f.write(marker)
         shutil.rmtree(work, ignore_errors=True)
-        _sync_state_path(work).unlink(missing_ok=True)
-
-    def commit_shard(self, work: Path, uri: str, row: dict[str, Any]) -> dict[str, Any]:
-        """Publish one finished shard at ``uri`` (inside its stage output); its marker, which
-        holds ``row`` with the shard's file manifest, comes last. Gives that row."""
-        row = {**row, lineage.FILES_KEY: lineage.file_manifest(work, skip=(COMMIT_MARKER,))}
-        text = lineage.dumps(row)
-        if self.is_local:
-            (work / COMMIT_MARKER).write_text(text)
-            final = Path(uri)
-            final.parent.mkdir(parents=True, exist_ok=True)
-            if final.exists():  # an incomplete leftover: never trusted, replaced
-                shutil.rmtree(final)
-            os.rename(work, final)
-            return row
-        if self.fs.exists(uri):
-            self.fs.rm(uri, recursive=True)
-        self.fs.put(f"{work}/", f"{uri}/", recursive=True)
-        with self.fs.open(f"{uri}/{COMMIT_MARKER}", "w") as f:
-            f.write(text)
-        shutil.rmtree(work, ignore_errors=True)
-        return row
 
     def commit_stage(self, uri: str, record: dict[str, Any]) -> None:
         """Mark a stage output complete: its ``lineage.json`` (``record``, with a row per shard
