@@ -20,7 +20,7 @@ import multiprocessing
 import os
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,7 +107,8 @@ def process_pool(workers: int) -> ProcessPoolExecutor:
 
 def process_stream(fn, job, items: Sequence[Any], workers: int, pool=None) -> Iterator:
     """``fn(job, item)`` for every item on ``workers`` spawned processes (``pool``'s, else a
-    pool of its own), results in the items' order, at most ``2 x workers`` submitted at once."""
+    pool of its own), results in the items' order, at most ``2 x workers`` submitted at once.
+    Closed early (or failing), it cancels the units not started and waits for the running ones."""
     with contextlib.nullcontext(pool) if pool is not None else process_pool(workers) as pool:
         pending: deque = deque()
         try:
@@ -120,6 +121,9 @@ def process_stream(fn, job, items: Sequence[Any], workers: int, pool=None) -> It
         finally:
             for future in pending:
                 future.cancel()
+            # NOTE: a running unit cannot be cancelled: it ends before the caller removes
+            # what it writes to (ingest's scratch folder), as on Ray
+            wait(pending)
 
 
 def ray_stream(fn, job, items: Sequence[Any], max_in_flight: int = 0) -> Iterator:
