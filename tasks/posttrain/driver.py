@@ -172,10 +172,17 @@ def train_resuming(trainer: Trainer) -> tuple[int, float]:
 
     Returns:
         The optimizer steps done and the mean training loss over all of them. (transformers'
-        ``training_loss`` covers only the steps of this call; the loss summed before the
-        checkpoint is carried in its marker.)
+        loss total restarts at 0 with every ``train()`` call, so each checkpoint's marker holds
+        the sum over every step before it: the sum carried from the checkpoint this run resumed
+        from plus this run's share, however many runs came before.)
     """
     from transformers import TrainerCallback
+
+    start = last_checkpoint(Path(trainer.args.output_dir))
+    carried = {"step": 0, "loss_sum": 0.0}
+    if start is not None:
+        carried = json.loads((start / CHECKPOINT_MARKER).read_text())
+        logger.info("resuming from %s (step %d)", start.name, carried["step"])
 
     class MarkCheckpoints(TrainerCallback):
         # NOTE: on_save runs after the Trainer has written and rotated the checkpoint, so the
@@ -183,18 +190,13 @@ def train_resuming(trainer: Trainer) -> tuple[int, float]:
         def on_save(self, args, state, control, **kwargs):
             if state.is_world_process_zero:
                 path = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-                loss_sum = _loss_sum(trainer)
+                loss_sum = carried["loss_sum"] + _loss_sum(trainer)
                 _write_atomic(
                     path / CHECKPOINT_MARKER, {"step": state.global_step, "loss_sum": loss_sum}
                 )
             checkpoint_saved()  # on S3 the partial folder is mirrored for a retry elsewhere
 
     trainer.add_callback(MarkCheckpoints())
-    start = last_checkpoint(Path(trainer.args.output_dir))
-    carried = {"step": 0, "loss_sum": 0.0}
-    if start is not None:
-        carried = json.loads((start / CHECKPOINT_MARKER).read_text())
-        logger.info("resuming from %s (step %d)", start.name, carried["step"])
     result = trainer.train(resume_from_checkpoint=str(start) if start else None)
     steps_now = result.global_step - carried["step"]
     loss_sum = carried["loss_sum"] + result.training_loss * steps_now

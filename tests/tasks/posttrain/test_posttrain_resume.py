@@ -217,3 +217,58 @@ def test_the_checkpoint_interval_leaves_the_address_alone():
     assert args["save_strategy"] == "no"
     with pytest.raises(ValueError, match="checkpoint_interval"):
         SFTStepConfig(checkpoint_interval=0)
+
+
+class _Interrupted(Exception):
+    """Stands for a kill: raised once the checkpoint of a given step is complete."""
+
+
+def _interrupting_trainer(method_cls, at: list[int]):
+    """``method_cls.trainer`` that stops the run at the start of the step after ``at[0]``'s
+    checkpoint (then ``at[1]``'s on the next run, ...), as a kill right after a save would."""
+    from transformers import TrainerCallback
+
+    build = method_cls.trainer
+
+    class Interrupt(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if at and state.global_step == at[0]:
+                at.pop(0)
+                raise _Interrupted(state.global_step)
+
+    def trainer(self, cfg, model_dir, out, data):
+        built = build(self, cfg, model_dir, out, data)
+        built.add_callback(Interrupt())
+        return built
+
+    return trainer
+
+
+@pytest.mark.slow
+def test_sft_train_loss_survives_two_interruptions(
+    tmp_path, tiny_model_output, caplog, monkeypatch
+):
+    """Stopped at steps 15 and 25 of 30, the run reports the uninterrupted run's mean loss: each
+    segment's loss sum adds to the one carried in the checkpoint it resumed from (logged every 2
+    steps, so a checkpoint at an odd step also carries loss not yet logged)."""
+    from llmflow.tasks.posttrain.sft import SFTMethod, sft
+
+    cfg = dict(STEPS, max_steps=30, learning_rate=1e-3, logging_steps=2, checkpoint_interval=5)
+    straight = tmp_path / "straight"
+    straight.mkdir()
+    reference = sft(SFTStepConfig(**{**cfg, "checkpoint_interval": None}), tiny_model_output,
+                    straight)  # fmt: skip
+    at = [15, 25]
+    monkeypatch.setattr(SFTMethod, "trainer", _interrupting_trainer(SFTMethod, at))
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    for step in (15, 25):
+        with pytest.raises(_Interrupted):
+            sft(SFTStepConfig(**cfg), tiny_model_output, killed)
+        assert last_checkpoint(killed / "trainer") == killed / "trainer" / f"checkpoint-{step}"
+    with caplog.at_level(logging.INFO, logger="llmflow.posttrain"):
+        resumed = sft(SFTStepConfig(**cfg), tiny_model_output, killed)
+    assert "resuming from checkpoint-25" in caplog.text and at == []
+    _assert_same_weights(killed, straight)
+    assert resumed["num_steps"] == reference["num_steps"] == 30
+    assert resumed["train_loss"] == pytest.approx(reference["train_loss"], rel=1e-6)
