@@ -316,28 +316,53 @@ class Store:
 
     def commit_shard(self, work: Path, uri: str, row: dict[str, Any]) -> dict[str, Any]:
         """Publish one finished shard at ``uri`` (inside its stage output); its marker, which
-        holds ``row`` with the shard's file manifest, comes last. Gives that row."""
+        holds ``row`` with the shard's file manifest, comes last. Gives the committed shard's
+        row: another writer's, when it committed this shard first (``work`` is then dropped)."""
         row = {**row, lineage.FILES_KEY: lineage.file_manifest(work, skip=(COMMIT_MARKER,))}
-        self._publish(work, uri, lineage.dumps(row))
-        return row
+        return row if self._publish(work, uri, lineage.dumps(row)) else self.shard_row(uri)
 
-    def _publish(self, work: Path, uri: str, marker: str) -> None:
+    def _publish(self, work: Path, uri: str, marker: str) -> bool:
         """``work``'s files at ``uri``, then ``marker`` as its ``_COMMITTED`` (locally the whole
-        folder appears by one rename); an incomplete leftover at ``uri`` is replaced."""
+        folder appears by one rename); an incomplete leftover at ``uri`` is replaced.
+
+        A committed output is never removed or rewritten: when another writer committed ``uri``
+        first, its files stay, ``work`` is dropped and this gives False.
+        """
         if self.is_local:
-            (work / COMMIT_MARKER).write_text(marker)
-            final = Path(uri)
-            final.parent.mkdir(parents=True, exist_ok=True)
-            if final.exists():  # an incomplete leftover: never trusted, replaced
-                shutil.rmtree(final)
-            os.rename(work, final)
-            return
-        if self.fs.exists(uri):
+            return self._publish_local(work, Path(uri), marker)
+        if self.is_complete(uri):
+            return self._keep_committed(work, uri)
+        if self.fs.exists(uri):  # an incomplete leftover: never trusted, replaced
             self.fs.rm(uri, recursive=True)
         self.fs.put(f"{work}/", f"{uri}/", recursive=True)
+        # NOTE: S3 has no rename: a writer that uploaded while another committed must not put
+        # its marker over the other's (whose row holds the checksums a stage records). Two
+        # uploads at the same moment on two hosts can still interleave their files; one host
+        # serializes its writers of one output under the workdir lock.
+        if self.is_complete(uri):
+            return self._keep_committed(work, uri)
         with self.fs.open(f"{uri}/{COMMIT_MARKER}", "w") as f:
             f.write(marker)
         shutil.rmtree(work, ignore_errors=True)
+        return True
+
+    def _publish_local(self, work: Path, final: Path, marker: str) -> bool:
+        (work / COMMIT_MARKER).write_text(marker)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        if final.exists() and not (final / COMMIT_MARKER).exists():
+            _discard_leftover(final)
+        try:
+            os.rename(work, final)  # fails onto a non-empty folder: one writer wins
+        except OSError:
+            if not (final / COMMIT_MARKER).exists():
+                raise
+            return self._keep_committed(work, str(final))
+        return True
+
+    def _keep_committed(self, work: Path, uri: str) -> bool:
+        log.info("%s was committed by another writer; keeping it, dropping %s", uri, work)
+        shutil.rmtree(work, ignore_errors=True)
+        return False
 
     def commit_stage(self, uri: str, record: dict[str, Any]) -> None:
         """Mark a stage output complete: its ``lineage.json`` (``record``, with a row per shard
@@ -371,6 +396,21 @@ class Store:
             if not name.startswith(".") and self.is_complete(uri):
                 found.append(uri)
         return sorted(found, key=lambda u: self.read_lineage(u).get("ended_at", ""), reverse=True)
+
+
+def _discard_leftover(final: Path) -> None:
+    """Remove an incomplete folder at ``final``: first renamed aside (one atomic step), so a
+    writer that committed there meanwhile gets its folder back instead of losing it."""
+    aside = final.with_name(f".{final.name}.leftover{os.getpid()}")
+    try:
+        os.rename(final, aside)
+    except FileNotFoundError:  # another writer moved it first
+        return
+    if (aside / COMMIT_MARKER).exists():  # committed between the check and the rename
+        with contextlib.suppress(OSError):
+            os.rename(aside, final)
+            return
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 @contextlib.contextmanager
