@@ -169,8 +169,9 @@ def stage_task(step: Step, engine: Engine):
 
     Called as ``t(config, inputs={...}, mapped=NAME, shards=[(label, inputs), ...], root=...,
     name=..., upstream=[...])``; gives the stage's ``Mapped`` (every shard's result in order).
-    The task is ``Cached`` when the stage output was complete. A retry redoes only the shards
-    without a commit marker, then commits the stage.
+    The task is ``Cached`` when the stage output was complete; a stage committed now is
+    Completed with its asset event, even when all its shards were in already. A retry redoes
+    only the shards without a commit marker, then commits the stage.
     """
 
     def run(
@@ -184,16 +185,21 @@ def stage_task(step: Step, engine: Engine):
     ):
         label = f"{step.name} {name}"
         report = _progress_artifact(step.name, name, len(shards))
+        ran: list[str] = []
 
         def run_shards(stage: str, todo: list[ShardCall]) -> list[StepResult]:
+            ran.append(stage)
             progress = Progress(label, len(todo), report)
             return engine.run_stage(step, config, root, stage, todo, progress)
 
         result = step.run_stage(
             Store(root), config, name, inputs, mapped, shards, run_shards, run_info()
         )
-        if all(r.cached for r in result.results):  # run_stage committed the stage
-            message = f"all {len(result.results)} shards exist in {result.uri}"
+        # NOTE: run_stage runs the shards only for a stage output that was not complete, and
+        # then commits it. Every shard may have been in already (a crash between the last
+        # shard's commit and the stage's): the stage output is still new, and its asset too.
+        if not ran:
+            message = f"stage output exists: {result.uri}"
             return Completed(message=message, name="Cached", data=result)
         _publish_stage(step.name, result, upstream or [])
         return result
