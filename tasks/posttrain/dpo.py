@@ -246,6 +246,7 @@ class DPOMethod(PosttrainMethod):
     as the frozen reference, held-out rewards and preference accuracy."""
 
     name = "dpo"
+    progress_keys = ("rewards/accuracies", "rewards/margins")
 
     def data(self, cfg, model_dir, out, data_path, exclude) -> PosttrainData:
         data_file = resolve_dpo_data(cfg, out, data_path)
@@ -290,7 +291,7 @@ def dpo(
         cfg: The step config.
         model: The SFT model output; its ``hf/`` is the policy's start and the reference.
         out: Existing local folder; receives ``hf/``, ``rejects.jsonl``, ``metrics.json``,
-            ``progress.json``.
+            ``progress.json``, ``train_log.jsonl``.
         data: The user's preference file (overrides ``cfg.data``); None: ``cfg.data``.
         data_check: The data's ``decontaminate-posttrain`` output (``remove`` mode: records
             holding eval items are dropped, listed in the rejects).

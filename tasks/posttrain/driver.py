@@ -6,6 +6,9 @@ model. `run_posttrain` is the body the steps share:
 
     data -> rejects.jsonl -> trainer -> held-out "before" -> train (resuming) -> "after" -> hf/
 
+Progress is the pipeline's own lines (``progress.py``); the Trainer's logged dicts go to
+``train_log.jsonl`` in the output, not to the console.
+
 Checkpoints are TRL/transformers' own (``save_steps``, ``resume_from_checkpoint``), written every
 ``cfg.checkpoint_interval`` optimizer steps into ``trainer/`` of the step's output folder. The
 store makes that folder the output's fixed ``.partial`` folder (``tasks/framework/store.py``), so
@@ -41,6 +44,7 @@ from llmflow.tasks.posttrain.common import (
     write_rejects,
 )
 from llmflow.tasks.posttrain.formats import Record
+from llmflow.tasks.posttrain.progress import report_progress, summary_line
 
 if TYPE_CHECKING:
     from transformers import Trainer
@@ -78,6 +82,8 @@ class PosttrainMethod(ABC):
     """One post-training method: its data, its TRL trainer, its held-out metrics."""
 
     name: str
+    progress_keys: tuple[str, ...] = ()
+    """Logged metrics shown in the progress lines after loss, grad_norm and lr."""
 
     @abstractmethod
     def data(
@@ -128,6 +134,7 @@ def run_posttrain(
         usable = records.train + records.heldout
         require_examples(usable, records.what, records.source, records.rejects)
     trainer = method.trainer(cfg, model_dir, out, records)
+    report_progress(trainer, method.name, out, method.progress_keys)
     before = method.heldout(trainer, cfg, model_dir, records, "before")
     num_steps, train_loss = train_resuming(trainer)
     after = method.heldout(trainer, cfg, model_dir, records, "after")
@@ -138,7 +145,7 @@ def run_posttrain(
     metrics.update(method.finish(cfg, out, records, before, after))
     finish_step(trainer, out, metrics)
     method.report(metrics, before, after)
-    logger.info("%s done: %s", method.name, metrics)
+    logger.info(summary_line(method.name, metrics))
     return metrics
 
 

@@ -382,6 +382,7 @@ class GRPOMethod(PosttrainMethod):
     answers (and the KL to the start model after training), a leaderboard entry."""
 
     name = "grpo"
+    progress_keys = ("reward", "reward_std", "kl")
 
     def data(self, cfg, model_dir, out, data_path, exclude) -> PosttrainData:
         data_file = resolve_grpo_data(cfg, data_path)
@@ -431,7 +432,8 @@ def grpo(
         cfg: The step config.
         model: The start model output (SFT or DPO); also the KL reference.
         out: Existing local folder; receives ``hf/``, ``metrics.json``, ``rejects.jsonl``,
-            ``reward_failures.jsonl``, ``leaderboard_metrics.json``, ``progress.json``.
+            ``reward_failures.jsonl``, ``leaderboard_metrics.json``, ``progress.json``,
+            ``train_log.jsonl``.
         data: The user's prompt file (overrides ``cfg.data``); None: ``cfg.data``.
         data_check: The data's ``decontaminate-posttrain`` output (``remove`` mode: prompts
             holding eval items are dropped, listed in the rejects).

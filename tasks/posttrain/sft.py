@@ -100,6 +100,7 @@ class SFTMethod(PosttrainMethod):
     """SFT: chat examples, TRL's SFTTrainer, the held-out loss."""
 
     name = "sft"
+    progress_keys = ("mean_token_accuracy",)
 
     def data(self, cfg, model_dir, out, data_path, exclude) -> PosttrainData:
         data_file = resolve_sft_data(cfg, out, data_path)
@@ -138,7 +139,7 @@ def sft(
         model: A model output (export, sft, dpo) whose ``hf/`` holds the model and a tokenizer
             with a chat template.
         out: Existing local folder; receives ``hf/``, ``rejects.jsonl``, ``metrics.json``,
-            ``progress.json``.
+            ``progress.json``, ``train_log.jsonl``.
         data: The user's data file (overrides ``cfg.data``); None: ``cfg.data``.
         data_check: The data's ``decontaminate-posttrain`` output; in ``remove`` mode the
             records holding eval items are dropped (listed in the rejects).

@@ -29,8 +29,16 @@ from collections.abc import Iterator
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     RowwiseParallel,
@@ -155,11 +163,8 @@ def permuted(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
 
 
 def to_canonical(tensor: Tensor, order: Tensor) -> Tensor:
-    """A tensor-parallel-ordered DTensor (or full tensor) as one in canonical row order.
-
-    NOTE: the whole tensor is gathered on every rank (one parameter at a time, at save time);
-    the result is replicated over the same mesh, which DCP writes once.
-    """
+    """A tensor-parallel-ordered DTensor (or full tensor) as one in canonical row order, whole
+    on every rank (a collective for a DTensor)."""
     if not isinstance(tensor, DTensor):
         return _reorder(tensor, order)
     full = _reorder(tensor.full_tensor(), order)
@@ -185,33 +190,161 @@ def _reorder(full: Tensor, order: Tensor) -> Tensor:
     return out
 
 
+class CanonicalRows:
+    """This rank's rows of a tensor-parallel-ordered tensor, placed at their canonical rows.
+
+    The rank's local shard holds rows ``[start, start + n)`` of the tensor in tensor-parallel
+    order; in canonical order they are a few runs of consecutive rows (its q, k and v heads; its
+    gate and up features). DCP writes each run as one chunk of the canonical tensor and reads
+    overlapping chunks straight into the run's rows: no rank ever gathers or copies the tensor
+    (see :class:`CanonicalSavePlanner`, :class:`CanonicalLoadPlanner`). On disk it is the same
+    canonical tensor whatever the layout, so any layout reads it back.
+
+    NOTE: the runs are views of the live tensor; an asynchronous save's stager deep-copies this
+    object like any other, which copies ``local`` to host memory.
+    """
+
+    def __init__(self, tensor: Tensor, order: Tensor) -> None:
+        self.global_size = tensor.shape
+        if isinstance(tensor, DTensor):
+            sizes, offsets = compute_local_shape_and_global_offset(
+                tensor.shape, tensor.device_mesh, tensor.placements
+            )
+            local = tensor.to_local()
+        else:
+            sizes, offsets, local = tuple(tensor.shape), (0,) * tensor.ndim, tensor
+        if tuple(local.shape) != tuple(sizes):
+            raise ValueError(f"local shard {tuple(local.shape)} is not the expected {sizes}")
+        self.local = local.detach()
+        self.inner_offsets = tuple(offsets[1:])  # NOTE: rows are the only dimension reordered
+        # (canonical first row, local first row, rows) of each run of consecutive rows
+        canonical = order[offsets[0] : offsets[0] + sizes[0]].tolist()
+        self.runs: list[tuple[int, int, int]] = []
+        for row, target in enumerate(canonical):
+            last = self.runs[-1] if self.runs else None
+            if last is not None and target == last[0] + last[2]:
+                self.runs[-1] = (last[0], last[1], last[2] + 1)
+            else:
+                self.runs.append((target, row, 1))
+
+    def size(self) -> torch.Size:
+        """The whole tensor's shape (DCP checks it against the checkpoint's on load)."""
+        return torch.Size(self.global_size)
+
+    def _chunk(self, run: tuple[int, int, int]) -> ChunkStorageMetadata:
+        offsets = torch.Size((run[0], *self.inner_offsets))
+        sizes = torch.Size((run[2], *self.local.shape[1:]))
+        return ChunkStorageMetadata(offsets=offsets, sizes=sizes)
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [self._chunk(run) for run in self.runs]
+
+    def __create_write_items__(self, fqn: str, _: object) -> list[WriteItem]:
+        properties = TensorProperties.create_from_tensor(self.local)
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, chunk.offsets),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(chunk=chunk, properties=properties, size=self.size()),
+            )
+            for chunk in self.__create_chunk_list__()
+        ]
+
+    def rows(self, index: MetadataIndex) -> Tensor:
+        """The local rows (a view) of the chunk at ``index.offset``."""
+        for run in self.runs:
+            if run[0] == index.offset[0]:
+                return self.local[run[1] : run[1] + run[2]]
+        raise ValueError(f"{index.fqn}: no rows at canonical offset {tuple(index.offset)}")
+
+
+class CanonicalSavePlanner(DefaultSavePlanner):
+    """DCP's default save planner, also writing :class:`CanonicalRows` entries."""
+
+    def lookup_object(self, index: MetadataIndex) -> object:
+        found = self.state_dict.get(index.fqn)
+        if isinstance(found, CanonicalRows):
+            return found.rows(index)
+        return super().lookup_object(index)
+
+
+class CanonicalLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, also reading into :class:`CanonicalRows` entries."""
+
+    def set_up_planner(self, state_dict: dict, metadata=None, is_coordinator: bool = False) -> None:
+        # NOTE: DCP's set-up (``_init_state_dict``) replaces values of types it does not know by
+        # None, in place: hide the entries from it, then put them back in both dicts.
+        hidden = _take_rows(state_dict)
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        for path, rows in hidden:
+            parent = state_dict
+            for key in path[:-1]:
+                parent = parent[key]
+            parent[path[-1]] = rows
+            self.state_dict[".".join(path)] = rows
+
+    def lookup_tensor(self, index: MetadataIndex) -> Tensor:
+        found = self.state_dict.get(index.fqn)
+        if isinstance(found, CanonicalRows):
+            return found.rows(index)
+        return super().lookup_tensor(index)
+
+
+def _take_rows(state: dict, path: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], object]]:
+    """The :class:`CanonicalRows` entries of nested dicts with their key paths; each replaced
+    by None in place."""
+    found = []
+    for key, value in state.items():
+        if isinstance(value, CanonicalRows):
+            found.append(((*path, key), value))
+            state[key] = None
+        elif isinstance(value, dict):
+            found += _take_rows(value, (*path, key))
+    return found
+
+
+def _optim_keys(optim_sd: dict, name: str, shape: torch.Size) -> list[str]:
+    """The keys of parameter ``name``'s per-row optimizer state (moments shaped like it) in a
+    flattened optimizer state dict (``state.<name>.<key>``)."""
+    prefix = f"state.{name}."
+    return [
+        key
+        for key, value in optim_sd.items()
+        if key.startswith(prefix)
+        and "." not in key[len(prefix) :]
+        and isinstance(value, Tensor)
+        and value.shape == shape
+    ]
+
+
 def canonical_state(
     model: nn.Module, model_sd: dict[str, Tensor], optim_sd: dict | None = None
 ) -> tuple[dict[str, Tensor], dict | None, dict[str, Tensor]]:
-    """``get_state_dict``'s dicts with the permuted parameters (and their optimizer state) in
-    canonical row order; also the tensor-parallel-ordered tensors they replaced (by name,
-    ``optim/`` prefixed for optimizer state) for :func:`restore_order`.
+    """``get_state_dict``'s dicts (the optimizer's flattened: ``flatten_optimizer_state_dict``)
+    with each permuted parameter and its optimizer moments as :class:`CanonicalRows`: written
+    and read in canonical row order by :class:`CanonicalSavePlanner` /
+    :class:`CanonicalLoadPlanner`. Also the tensors they stand for (``model/<name>``,
+    ``optim/<key>``), which :func:`restore_order` puts back after a load.
 
-    NOTE: new dicts: the optimizer state dict shares its per-parameter dicts with the optimizer,
-    which must keep stepping its own tensors.
+    Nothing is gathered or copied: each entry views this rank's own rows, so the peak memory of
+    a checkpoint is that of its state (an async save's host copy included), never a whole
+    tensor. New dicts: the optimizer keeps stepping its own.
     """
+    if optim_sd is not None and isinstance(optim_sd.get("state"), dict):
+        raise ValueError("canonical_state takes a flattened optimizer state dict")
     model_sd = dict(model_sd)
-    if optim_sd is not None:
-        optim_sd = {**optim_sd, "state": dict(optim_sd.get("state", {}))}
-    replaced = {}
-    for name, order in permuted(model):
-        if name not in model_sd:
-            continue
-        shape = model_sd[name].shape
-        replaced[name] = model_sd[name]
-        model_sd[name] = to_canonical(model_sd[name], order)
-        if optim_sd is None or name not in optim_sd["state"]:
-            continue
-        state = optim_sd["state"][name] = dict(optim_sd["state"][name])
-        for key, value in state.items():
-            if isinstance(value, Tensor) and value.shape == shape:
-                replaced[f"optim/{name}/{key}"] = value
-                state[key] = to_canonical(value, order)
+    optim_sd = dict(optim_sd) if optim_sd is not None else None
+    replaced: dict[str, Tensor] = {}
+    with torch.no_grad():
+        for name, order in permuted(model):
+            if name not in model_sd:
+                continue
+            tensor = model_sd[name]
+            replaced[f"model/{name}"] = tensor
+            model_sd[name] = CanonicalRows(tensor, order)
+            for key in _optim_keys(optim_sd or {}, name, tensor.shape):
+                replaced[f"optim/{key}"] = optim_sd[key]
+                optim_sd[key] = CanonicalRows(optim_sd[key], order)
     return model_sd, optim_sd, replaced
 
 
@@ -221,19 +354,13 @@ def restore_order(
     optim_sd: dict | None,
     replaced: dict[str, Tensor],
 ) -> None:
-    """After loading into :func:`canonical_state`'s dicts: copy the canonical tensors into the
-    tensor-parallel-ordered ones they replaced and put those back in their place (in place)."""
-    for name, order in permuted(model):
-        if name not in replaced:
-            continue
-        from_canonical(replaced[name], model_sd[name], order)
-        model_sd[name] = replaced[name]
-        state = (optim_sd or {}).get("state", {}).get(name, {})
-        for key in list(state):
-            target = replaced.get(f"optim/{name}/{key}")
-            if target is not None:
-                from_canonical(target, state[key], order)
-                state[key] = target
+    """After a load into :func:`canonical_state`'s dicts (which read straight into the tensors'
+    own rows): put the tensors back in place of their :class:`CanonicalRows` (in place)."""
+    for where, tensor in replaced.items():
+        part, key = where.split("/", 1)
+        target = model_sd if part == "model" else optim_sd
+        if target is not None and isinstance(target.get(key), CanonicalRows):
+            target[key] = tensor
 
 
 def canonical_full(model: nn.Module, full: dict[str, Tensor]) -> dict[str, Tensor]:

@@ -97,10 +97,15 @@ def test_response_logps_by_hand(tiny_model_dir, tokenizer):
     assert metrics["preference_accuracy"] == float(ours["chosen"] > ours["rejected"])
 
 
-def test_dpo_quickstart_fast(tiny_model_output, tmp_path, assert_chats):
-    """A few steps from the tiny model: metrics before/after, rejects, HF export that chats."""
+def test_dpo_quickstart_fast(tiny_model_output, tmp_path, assert_chats, capfd):
+    """A few steps from the tiny model: metrics before/after, rejects, HF export that chats;
+    transformers' metric dicts reach train_log.jsonl, not the console."""
     cfg = DPOStepConfig(**{**FAST, "max_steps": 6, "learning_rate": 3e-3, "num_heldout": 24})
     metrics = dpo(cfg, tiny_model_output, tmp_path)
+    console = "".join(capfd.readouterr())
+    assert "{'loss':" not in console and "{'eval_loss':" not in console, console[-2000:]
+    logged = (tmp_path / "train_log.jsonl").read_text().splitlines()
+    assert sum('"rewards/margins"' in line for line in logged) >= cfg.max_steps
     # policy == reference before training: every implicit reward margin is exactly zero
     assert metrics["heldout_rewards_margins_before"] == 0.0
     assert metrics["heldout_rewards_accuracies_before"] == 0.0
@@ -113,6 +118,7 @@ def test_dpo_quickstart_fast(tiny_model_output, tmp_path, assert_chats):
         "progress.json",
         "quickstart_preferences.jsonl",
         "rejects.jsonl",
+        "train_log.jsonl",
     ]
     assert (
         metrics["heldout_preference_accuracy_after"] > metrics["heldout_preference_accuracy_before"]

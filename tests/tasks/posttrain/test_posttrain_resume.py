@@ -272,3 +272,6 @@ def test_sft_train_loss_survives_two_interruptions(
     _assert_same_weights(killed, straight)
     assert resumed["num_steps"] == reference["num_steps"] == 30
     assert resumed["train_loss"] == pytest.approx(reference["train_loss"], rel=1e-6)
+    # the logged rows: those the checkpoint restored, then the last run's, each step once
+    rows = [json.loads(line) for line in (killed / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == list(range(2, 31, 2))

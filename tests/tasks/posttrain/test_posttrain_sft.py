@@ -204,3 +204,34 @@ def test_fixture_template_matches_the_project_tokenizer(tokenizer):
                 assert rendered["input_ids"] == ours[prompt_only]["input_ids"]
                 assert rendered["assistant_masks"] == ours[prompt_only]["assistant_masks"]
                 assert 1 in rendered["assistant_masks"]
+
+
+def test_sft_prints_pipeline_progress_not_transformers_dicts(tiny_model_output, tmp_path, capfd):
+    """The console shows the pipeline's lines (``sft: step i/n loss ...``) through the
+    ``llmflow`` logger, as the CLI's handler does; transformers' printed metric dicts go to
+    ``train_log.jsonl`` in the output instead."""
+    import logging
+    import sys
+
+    handler = logging.StreamHandler(sys.stderr)  # the console handler the CLI has
+    llmflow_logger = logging.getLogger("llmflow")
+    level = llmflow_logger.level
+    llmflow_logger.addHandler(handler)
+    llmflow_logger.setLevel(logging.INFO)
+    try:
+        sft(SFTStepConfig(**{**FAST, "max_steps": 4, "logging_steps": 2}), tiny_model_output,
+            tmp_path)  # fmt: skip
+    finally:
+        llmflow_logger.removeHandler(handler)
+        llmflow_logger.setLevel(level)
+    out, err = capfd.readouterr()
+    console = out + err
+    assert "{'loss':" not in console and "{'eval_loss':" not in console, console[-2000:]
+    for step in (2, 4):
+        assert re.search(rf"^sft: step {step}/4 loss \d+\.\d{{4}} .*\(\d+\.\d s\)$", console,
+                         re.MULTILINE), console[-2000:]  # fmt: skip
+    assert re.search(r"^sft done: 4 steps, train_loss \d+\.\d{4}; held-out loss", console,
+                     re.MULTILINE), console[-2000:]  # fmt: skip
+    rows = [json.loads(line) for line in (tmp_path / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [2, 4]
+    assert [r["step"] for r in rows if "eval_loss" in r] == [0, 4]  # before and after
