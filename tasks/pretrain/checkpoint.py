@@ -41,6 +41,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -56,6 +57,13 @@ from llmflow.tasks.pretrain.parallel import tp
 STEP_DIR = re.compile(r"^step-(\d{6,})$")
 MARKER = "COMPLETE"
 CHECKSUMS = "checksums.json"
+
+# NOTE: optimizer state keyed by parameter name ("state.<fqn>.exp_avg", "param_groups.<fqn>.lr"),
+# as torchtitan saves under pipeline parallelism. The nested form keys param groups by position
+# ("param_groups.0.lr"): every pipeline stage writes its own groups under the same keys, DCP
+# keeps one rank's, and the other stages load groups without their hyperparameters.
+FLAT_OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
+NESTED_GROUP = re.compile(r"^optim\.param_groups\.(\d+)\.([^.]+)$")
 
 
 def barrier() -> None:
@@ -242,14 +250,20 @@ def save_checkpoint(
     ``write_extra(tmp_dir)`` runs on rank 0 before the folder is marked complete.
     """
     tmp = _prepare(path)
-    model_sd, optim_sd = get_state_dict(model, optimizers)
-    model_sd, optim_sd, _ = tp.canonical_state(model, model_sd, optim_sd)  # any layout's files
-    state = {"model": model_sd, "optim": optim_sd}
+    state = _saved_state(model, optimizers)
     with _no_space_named(tmp, path, state):
         with _quiet_single_process():
-            dcp.save(state, checkpoint_id=str(tmp / "dcp"))
+            dcp.save(state, checkpoint_id=str(tmp / "dcp"), planner=tp.CanonicalSavePlanner())
         _write_small(tmp, trainer_state, loader_state, model_config, write_extra)
         _commit(tmp, path)
+
+
+def _saved_state(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]) -> dict:
+    """What DCP writes: the model and the flattened optimizer state, tensor-parallel tensors in
+    canonical row order (readable by any layout; see ``tp.canonical_state``)."""
+    model_sd, optim_sd = get_state_dict(model, optimizers, options=FLAT_OPTIM)
+    model_sd, optim_sd, _ = tp.canonical_state(model, model_sd, optim_sd)
+    return {"model": model_sd, "optim": optim_sd}
 
 
 def state_bytes(state: Any) -> int:
@@ -258,6 +272,8 @@ def state_bytes(state: Any) -> int:
         return sum(state_bytes(v) for v in state.values())
     if isinstance(state, (list, tuple)):
         return sum(state_bytes(v) for v in state)
+    if isinstance(state, tp.CanonicalRows):
+        state = state.local
     if isinstance(state, torch.Tensor):
         local = state.to_local() if hasattr(state, "to_local") else state
         return local.numel() * local.element_size()
@@ -391,15 +407,15 @@ def start_async_save(
     """
     started = time.perf_counter()
     tmp = _prepare(path)
-    model_sd, optim_sd = get_state_dict(model, optimizers)
-    model_sd, optim_sd, _ = tp.canonical_state(model, model_sd, optim_sd)  # any layout's files
+    state = _saved_state(model, optimizers)
     group = _async_group()
     cuda = torch.cuda.is_available()
     stager = DefaultStager(StagingOptions(cuda, False, True, cuda))
     with _quiet_single_process():
         response = dcp.async_save(
-            {"model": model_sd, "optim": optim_sd},
+            state,
             checkpoint_id=str(tmp / "dcp"),
+            planner=tp.CanonicalSavePlanner(),
             storage_writer=storage_writer(tmp / "dcp") if storage_writer else None,
             process_group=group,
             async_stager=stager,
@@ -462,26 +478,68 @@ def load_checkpoint(
     """
     path = Path(path)
     rank, _ = rank_and_world()
+    optim_sd = None
     if load_optimizer:
-        model_sd, optim_sd = get_state_dict(model, optimizers)
-        state = {"model": model_sd, "optim": optim_sd}
+        model_sd, optim_sd = get_state_dict(model, optimizers, options=FLAT_OPTIM)
     else:  # NOTE: get_state_dict would give a fresh optimizer state (a fake step with lr=0).
-        state = {"model": get_model_state_dict(model)}
-    state["model"], optim_sd, replaced = tp.canonical_state(
-        model, state["model"], state.get("optim")
-    )
+        model_sd = get_model_state_dict(model)
+    model_sd, optim_sd, replaced = tp.canonical_state(model, model_sd, optim_sd)
+    state = {"model": model_sd}
+    nested = _nested_groups(path / "dcp") if optim_sd is not None else None
     if optim_sd is not None:
         state["optim"] = optim_sd
+        if nested is not None:  # a checkpoint of the nested form: its groups by position
+            kept = {k: v for k, v in optim_sd.items() if not k.startswith("param_groups.")}
+            state["optim"] = {**kept, "param_groups": nested}
     with _quiet_single_process():
-        dcp.load(state, checkpoint_id=str(path / "dcp"))
+        dcp.load(state, checkpoint_id=str(path / "dcp"), planner=tp.CanonicalLoadPlanner())
     tp.restore_order(model, state["model"], state.get("optim"), replaced)
-    if load_optimizer:
-        set_state_dict(
-            model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"]
-        )
-    else:
+    if optim_sd is None:
         set_model_state_dict(model, state["model"])
+    else:
+        if nested is not None:
+            state["optim"] = _flat_groups(state["optim"], optim_sd)
+        set_state_dict(
+            model,
+            optimizers,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=FLAT_OPTIM,
+        )
     trainer_state = json.loads((path / "trainer_state.json").read_text())
     rank_file = path / f"rank-{rank:05d}.pt"
     rank_state = torch.load(rank_file, weights_only=False) if rank_file.exists() else None
     return trainer_state, rank_state
+
+
+def _nested_groups(dcp_dir: Path) -> list[dict[str, None]] | None:
+    """For a checkpoint whose optimizer state is of the nested form (written before optimizer
+    state was flattened), a template of its param groups as DCP stored them (by position);
+    None for the flattened form."""
+    keys = dcp.FileSystemReader(str(dcp_dir)).read_metadata().state_dict_metadata
+    groups: dict[int, dict[str, None]] = {}
+    for key in keys:
+        found = NESTED_GROUP.match(key)
+        if found:
+            groups.setdefault(int(found.group(1)), {})[found.group(2)] = None
+    if not groups:
+        return None
+    return [groups.get(i, {}) for i in range(max(groups) + 1)]
+
+
+def _flat_groups(loaded: dict[str, Any], current: dict[str, Any]) -> dict[str, Any]:
+    """A loaded nested-form optimizer state (``state.<fqn>.<key>`` entries and positional
+    ``param_groups``) in the flattened form: each of this rank's parameters takes the saved
+    hyperparameters of the group that lists it.
+
+    NOTE: a nested checkpoint written under pipeline parallelism holds one stage's groups
+    only; the other stages' parameters keep this run's (``current``) hyperparameters.
+    """
+    flat = {k: v for k, v in loaded.items() if k != "param_groups"}
+    flat.update({k: v for k, v in current.items() if k.startswith("param_groups.")})
+    for group in loaded["param_groups"]:
+        for fqn in group.get("params") or []:
+            for key, value in group.items():
+                if key != "params" and f"param_groups.{fqn}.{key}" in flat:
+                    flat[f"param_groups.{fqn}.{key}"] = value
+    return flat
