@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import re
 import shutil
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +28,9 @@ MEMORY_TOLERANCE = 0.15
 """Largest relative error of the plan's peak memory against the measured one for a "go"."""
 INIT_LOSS_TOLERANCE = 1.0
 """A fresh model's loss on uniform random tokens must be within this of ln(vocab) (nats)."""
+STEP_LINE = re.compile(r"\bstep (\d+) loss (\S+)")
+"""The trainer's console line of a step (``MetricsLogger.log``): its number and loss."""
+logger = logging.getLogger("llmflow.preflight")
 
 
 def random_packed(out_dir: Path, *, vocab: int, seq_len: int, rows: int, seed: int) -> Path:
@@ -79,9 +84,15 @@ class RehearsalLauncher:
     processes: int
     timeout_s: float
     log: Callable[[str], Any]
+    """Gets every output line of the trainer; its steps are logged as progress besides."""
     peak_gb: float = 0.0
     out_of_memory: str | None = None
     """Why a rank of the last launch ran out of memory, from its output (None: it did not)."""
+    run: str = ""
+    """The last launch's run folder name, which names it in the progress lines."""
+    num_steps: int = 0
+    started: float = 0.0
+    last: float = 0.0
 
     def __call__(self, train, data: Path, out: Path, val: Path | None = None):
         from llmflow.tasks.pretrain.faults import ENV
@@ -89,6 +100,7 @@ class RehearsalLauncher:
         from llmflow.tasks.pretrain.launchers import local_launcher
 
         self.out_of_memory = None
+        self.start(Path(out).name, train.max_steps)
         env = {ENV: None, **MEASURE_ENV}  # no fault injection leaks in from the caller
         launcher = local_launcher(self.processes)  # torchrun for several ranks, as a stage's
         with environment(env), RankMemory() as memory:
@@ -98,11 +110,27 @@ class RehearsalLauncher:
             finally:
                 self.peak_gb = memory.peak_gb()
 
+    def start(self, run: str, num_steps: int) -> None:
+        """Log the launch of run folder ``run`` to step ``num_steps``; time its steps from now."""
+        self.run, self.num_steps = run, num_steps
+        self.started = self.last = time.monotonic()
+        ranks = f"{self.processes} rank" + ("s" if self.processes > 1 else "")
+        logger.info(
+            "preflight: %s run: starting the trainer on %s, %d steps", run, ranks, num_steps
+        )
+
     def _line(self, line: str) -> None:
         # NOTE: a rank's allocation error can scroll out of the failure's tail behind
         # torchrun's own traceback, so every line is looked at as it comes.
         self.out_of_memory = self.out_of_memory or out_of_memory(None, [line])
         self.log(line)
+        step = STEP_LINE.search(line)
+        if step is not None:
+            now = time.monotonic()
+            logger.info("preflight: %s run: step %s/%d loss %s, %.1f s (%.1f s since start)",
+                        self.run, step.group(1), self.num_steps, step.group(2), now - self.last,
+                        now - self.started)  # fmt: skip
+            self.last = now
 
 
 def run_test_steps(report: Report, config, options: PreflightOptions, work: Path, log) -> None:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -12,6 +13,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from llmflow.tasks.framework.errors import BadInputError
+
+logger = logging.getLogger("llmflow.preflight")
+"""Preflight's progress lines: each check as it starts and ends, each rehearsal step."""
 
 
 class PreflightOptions(BaseModel):
@@ -91,9 +95,12 @@ def timed(report: Report, name: str) -> Iterator[dict]:
     """Run a check; its body fills ``row["go"]`` and ``row["detail"]``; a BadInputError is a no-go
     naming the problem."""
     row: dict[str, Any] = {"go": True, "detail": ""}
+    logger.info("preflight: %s ...", name)
     started = time.perf_counter()
     try:
         yield row
     except BadInputError as err:
         row.update(go=False, detail=" ".join(line.strip() for line in str(err).splitlines()))
-    report.checks.append(Check(name, bool(row["go"]), row["detail"], time.perf_counter() - started))
+    check = Check(name, bool(row["go"]), row["detail"], time.perf_counter() - started)
+    report.checks.append(check)
+    logger.info("preflight: %s: %s (%.1f s)", name, "go" if check.go else "NO-GO", check.seconds)
