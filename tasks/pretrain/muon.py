@@ -1,20 +1,27 @@
-"""Muon that orthogonalizes whole logical matrices, also when FSDP2 shards them by rows.
+"""Muon that orthogonalizes whole logical matrices, however FSDP2, HSDP and TP shard them.
 
-Newton–Schulz needs the whole matrix, but FSDP2 gives each rank a block of rows (``Shard(0)``).
-As in Moonlight's distributed Muon and Dion, each matrix has an owner rank (round-robin over
-ranks): the momentum-updated gradient is sent to its owner (one ``all_to_all`` per round of
-``world_size`` matrices, in bf16, the dtype Newton–Schulz works in), the owner orthogonalizes it,
-and a second ``all_to_all`` sends every rank the rows of the update it holds. The momentum, weight
-decay and the update itself stay elementwise on the local shards, so the optimizer state is
-sharded like AdamW's (saved and loaded by DCP the same way).
+Newton–Schulz needs the whole matrix, but a sharded parameter gives each rank a piece: a block of
+rows under FSDP2 (``Shard(0)``), a block of columns under row-parallel TP (``Shard(1)``), both
+on a 2-D ``(dp_shard, tp)`` mesh. As in Moonlight's distributed Muon and Dion, each matrix has
+an owner rank (round-robin over the ranks that hold different pieces of it): the
+momentum-updated gradient's pieces are sent to the owner (one ``all_to_all`` per round of
+matrices, in bf16, the dtype Newton–Schulz works in), the owner puts the whole matrix together in
+canonical row order, orthogonalizes it, and a second ``all_to_all`` sends every rank its piece
+of the update. Ranks on a replicated mesh dim (HSDP's ``dp_replicate``) hold the same pieces:
+each replica orthogonalizes within itself, so the exchange never crosses replicas. The
+momentum, weight decay and the update itself stay elementwise on the local pieces, so the
+optimizer state is sharded like AdamW's (saved and loaded by DCP the same way).
 
 A fused parameter (``qkv_proj``: q, k and v stacked by rows; ``gate_up_proj``: gate and up) is
 orthogonalized per logical matrix, each with its own learning-rate adjustment: the update equals
-``torch.optim.Muon`` applied to the separate q, k, v (gate, up) matrices.
+``torch.optim.Muon`` applied to the separate q, k, v (gate, up) matrices. Under TP the fused
+weights hold their rows in tensor-parallel order (``parallel/tp.py``: each rank's q, k, v
+heads together); the owner puts the rows back in canonical order before cutting the blocks.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -22,7 +29,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate
+
+from llmflow.tasks.pretrain.parallel.tp import ROW_ORDER
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_STEPS = 5
@@ -62,46 +71,76 @@ def logical_rows(model: nn.Module) -> dict[str, tuple[int, ...]]:
         qkv = getattr(module, "qkv_proj", None)
         if isinstance(qkv, nn.Linear) and hasattr(module, "num_kv_heads"):
             q, kv = module.num_heads * module.head_dim, module.num_kv_heads * module.head_dim
-            found[f"{prefix}qkv_proj.weight"] = (q, kv, kv)
+            # NOTE: tensor parallelism leaves each rank's module its own share of the heads
+            # (apply_tp); the weight's shape is the whole matrix's.
+            ranks = qkv.weight.shape[0] // (q + 2 * kv)
+            found[f"{prefix}qkv_proj.weight"] = (q * ranks, kv * ranks, kv * ranks)
         gate_up = getattr(module, "gate_up_proj", None)
         if isinstance(gate_up, nn.Linear):
-            half = gate_up.out_features // 2
+            half = gate_up.weight.shape[0] // 2
             found[f"{prefix}gate_up_proj.weight"] = (half, half)
     return found
 
 
-def shard_rows(rows: int, world: int) -> list[int]:
-    """Rows per rank under ``Shard(0)`` (torch.chunk: ceil-sized blocks, the last ones short)."""
-    block = -(-rows // world)
-    return [max(0, min(block, rows - r * block)) for r in range(world)]
+def row_orders(model: nn.Module) -> dict[str, Tensor]:
+    """The canonical row of each stored row, by parameter name, of the weights tensor
+    parallelism holds in its own row order (``parallel/tp.py``: ``row_order``)."""
+    found = {}
+    for name, module in model.named_modules():
+        order = getattr(module, ROW_ORDER, None)
+        if order is not None:
+            found[f"{name}.weight" if name else "weight"] = order
+    return found
+
+
+@dataclass(frozen=True)
+class Spread:
+    """Where each piece of a parameter sits in the whole matrix (in canonical row order).
+
+    ``group`` holds the ranks with different pieces (the mesh dims that shard the parameter);
+    None: this rank holds the whole matrix. ``rows[r]``: the canonical row of each row of group
+    rank r's piece; ``cols[r]``: its columns.
+    """
+
+    group: dist.ProcessGroup | None
+    rank: int
+    rows: list[Tensor]
+    cols: list[Tensor]
+
+    @property
+    def world(self) -> int:
+        return len(self.rows)
+
+    def numel(self, rank: int) -> int:
+        return len(self.rows[rank]) * len(self.cols[rank])
+
+    def assemble(self, pieces: Sequence[Tensor], shape: torch.Size) -> Tensor:
+        """The whole matrix from every group rank's piece (flattened)."""
+        whole = pieces[0].new_empty(shape)
+        for rows, cols, piece in zip(self.rows, self.cols, pieces, strict=True):
+            whole[rows[:, None], cols] = piece.view(len(rows), len(cols))
+        return whole
+
+    def piece(self, whole: Tensor, rank: int) -> Tensor:
+        """Group rank ``rank``'s piece of ``whole`` (flattened)."""
+        return whole[self.rows[rank][:, None], self.cols[rank]].reshape(-1)
 
 
 @dataclass
 class _Matrix:
-    """One parameter's view for a step: its local rows and where they sit in the whole."""
+    """One parameter's view for a step: its local piece and where the pieces sit."""
 
     param: Tensor
-    local: Tensor  # this rank's rows of the momentum-updated gradient (fp32)
-    rows: int
-    cols: int
-    counts: list[int]  # rows held by each rank
+    local: Tensor  # this rank's piece of the momentum-updated gradient (fp32)
     parts: tuple[int, ...]  # rows of each logical matrix
-
-    @property
-    def block(self) -> int:
-        return max(self.counts)
-
-    def padded(self, tensor: Tensor) -> Tensor:
-        """``tensor``'s rows padded with zeros to the largest shard, flattened (bf16)."""
-        out = tensor.new_zeros((self.block, self.cols), dtype=torch.bfloat16)
-        out[: tensor.size(0)] = tensor
-        return out.reshape(-1)
+    spread: Spread
 
 
 class Muon(torch.optim.Optimizer):
-    """Muon (momentum + Newton–Schulz) over whole matrices of plain or ``Shard(0)`` parameters.
+    """Muon (momentum + Newton–Schulz) over whole matrices of plain or sharded parameters.
 
-    Every rank must call ``step`` (it holds collectives when the parameters are DTensors).
+    Every rank must build it and call ``step`` (both hold collectives when the parameters are
+    sharded DTensors).
     """
 
     def __init__(
@@ -114,7 +153,10 @@ class Muon(torch.optim.Optimizer):
         adjust_lr_fn: str = "original",
         ns_steps: int = NS_STEPS,
         parts: dict[Tensor, tuple[int, ...]] | None = None,
+        orders: dict[Tensor, Tensor] | None = None,
     ) -> None:
+        """``parts``: rows of each logical matrix of a fused parameter; ``orders``: the canonical
+        row of each stored row of a parameter held in tensor-parallel row order."""
         defaults = dict(
             lr=lr,
             weight_decay=weight_decay,
@@ -124,11 +166,17 @@ class Muon(torch.optim.Optimizer):
             ns_steps=ns_steps,
         )
         super().__init__(params, defaults)
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.ndim != 2:
-                    raise ValueError(f"Muon takes 2-D parameters, got shape {tuple(p.shape)}")
+        params = [p for group in self.param_groups for p in group["params"]]
+        for p in params:
+            if p.ndim != 2:
+                raise ValueError(f"Muon takes 2-D parameters, got shape {tuple(p.shape)}")
         self.parts = {id(p): v for p, v in (parts or {}).items()}
+        orders = {id(p): v for p, v in (orders or {}).items()}
+        self.spreads = spreads(params, orders)
+        # (first, last + 1, rows of its logical matrix) of each run of local rows in one matrix
+        self.runs = {
+            id(p): _runs(self.spreads[id(p)], self.parts.get(id(p), (p.shape[0],))) for p in params
+        }
 
     @torch.no_grad()
     def step(self, closure=None):  # noqa: ANN001, ANN201  (torch.optim.Optimizer's signature)
@@ -144,94 +192,162 @@ class Muon(torch.optim.Optimizer):
         return loss
 
     def _momentum(self, param: Tensor, group: dict) -> _Matrix:
-        """Update the momentum buffer on the local rows; return the rows to orthogonalize."""
+        """Update the momentum buffer on the local piece; return the piece to orthogonalize."""
         state = self.state[param]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(param.grad)
         grad, buf = _local(param.grad), _local(state["momentum_buffer"])
         buf.lerp_(grad, 1 - group["momentum"])
         local = grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
-        rows, cols = param.shape
-        counts = _row_counts(param, local.size(0))
-        parts = self.parts.get(id(param), (rows,))
-        return _Matrix(param, local, rows, cols, counts, parts)
+        parts = self.parts.get(id(param), (param.shape[0],))
+        return _Matrix(param, local, parts, self.spreads[id(param)])
 
     def _apply(self, matrix: _Matrix, update: Tensor, group: dict) -> None:
         """Decay, then add each logical matrix's rows of the update with its adjusted LR."""
         lr = group["lr"]
         param = _local(matrix.param)
         param.mul_(1 - lr * group["weight_decay"])
-        first = sum(matrix.counts[: _rank_of(matrix.param)])
-        start = 0
-        for rows in matrix.parts:
-            lo, hi = max(start, first) - first, min(start + rows, first + param.size(0)) - first
-            if hi > lo:
-                step = adjusted_lr(lr, group["adjust_lr_fn"], rows, matrix.cols)
-                param[lo:hi].add_(update[lo:hi], alpha=-step)
-            start += rows
+        for lo, hi, rows in self.runs[id(matrix.param)]:
+            step = adjusted_lr(lr, group["adjust_lr_fn"], rows, matrix.param.shape[1])
+            param[lo:hi].add_(update[lo:hi], alpha=-step)
 
 
 def _local(tensor: Tensor) -> Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def _is_sharded(param: Tensor) -> bool:
-    return isinstance(param, DTensor) and param.device_mesh.size() > 1
+# ------------------------------------------------------------------------ where the pieces sit
+def spreads(params: Sequence[Tensor], orders: dict[int, Tensor]) -> dict[int, Spread]:
+    """Each parameter's :class:`Spread`, by ``id``; ``orders``: the row orders, by ``id``.
+
+    Each rank finds its own piece's rows and columns, then one ``all_gather_object`` per
+    process group tells every rank the others' (collective: every rank calls it, once).
+    """
+    found: dict[int, Spread] = {}
+    shared: dict[dist.ProcessGroup, list[tuple[Tensor, int, Tensor, Tensor]]] = {}
+    for param in params:
+        group, rank = _shard_group(param)
+        rows, cols = _local_indices(param, orders.get(id(param)))
+        if group is None:
+            found[id(param)] = Spread(None, 0, [rows], [cols])
+        else:
+            shared.setdefault(group, []).append((param, rank, rows, cols))
+    for group, members in shared.items():
+        gathered: list = [None] * dist.get_world_size(group)
+        mine = [(rows.cpu(), cols.cpu()) for _, _, rows, cols in members]
+        dist.all_gather_object(gathered, mine, group=group)
+        for i, (param, rank, rows, _) in enumerate(members):
+            device = rows.device
+            found[id(param)] = Spread(
+                group,
+                rank,
+                [pieces[i][0].to(device) for pieces in gathered],
+                [pieces[i][1].to(device) for pieces in gathered],
+            )
+    return found
 
 
-def _rank_of(param: Tensor) -> int:
-    return param.device_mesh.get_local_rank() if _is_sharded(param) else 0
+def _shard_group(param: Tensor) -> tuple[dist.ProcessGroup | None, int]:
+    """The process group over the mesh dims that shard ``param`` and this rank's place in it;
+    (None, 0) if no dim does (a plain tensor, or only replicated dims)."""
+    if not isinstance(param, DTensor):
+        return None, 0
+    mesh = param.device_mesh
+    dims = [
+        i
+        for i, placement in enumerate(param.placements)
+        if not isinstance(placement, Replicate) and mesh.size(i) > 1
+    ]
+    if not dims:
+        return None, 0
+    if len(dims) == 1:
+        return mesh.get_group(dims[0]), mesh.get_local_rank(dims[0])
+    if mesh.mesh_dim_names is None:
+        raise ValueError(f"Muon needs named mesh dims to shard over {len(dims)} of them")
+    names = tuple(mesh.mesh_dim_names[i] for i in dims)
+    flat = (mesh if len(dims) == mesh.ndim else mesh[names])._flatten()
+    return flat.get_group(), flat.get_local_rank()
 
 
-def _row_counts(param: Tensor, local_rows: int) -> list[int]:
-    """Rows held by each rank; only 1-D meshes with ``Shard(0)`` are supported."""
-    if not _is_sharded(param):
-        return [local_rows]
-    if param.device_mesh.ndim != 1 or param.placements != (Shard(0),):
-        raise ValueError(f"Muon shards only by rows on a 1-D mesh, got {param.placements}")
-    counts = shard_rows(param.shape[0], param.device_mesh.size())
-    if counts[_rank_of(param)] != local_rows:
-        raise ValueError(f"unexpected shard of {local_rows} rows (expected {counts})")
-    return counts
+def _local_indices(param: Tensor, order: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Canonical rows and the columns of this rank's piece of ``param``.
+
+    The piece of an index matrix placed like ``param`` (Replicate to its placements cuts
+    locally, no communication) holds the indices.
+    """
+    rows, cols = param.shape
+    device = _local(param).device
+    row_index = order.to(device) if order is not None else torch.arange(rows, device=device)
+    col_index = torch.arange(cols, device=device)
+    if not isinstance(param, DTensor):
+        return row_index, col_index
+
+    def piece(index: Tensor) -> Tensor:
+        mesh = param.device_mesh
+        whole = DTensor.from_local(index, mesh, [Replicate()] * mesh.ndim, run_check=False)
+        return whole.redistribute(mesh, param.placements).to_local()
+
+    local_rows = piece(row_index[:, None].expand(rows, cols))
+    if local_rows.size(0) == 0:  # an empty piece (uneven row shards): no columns to place
+        return row_index[:0].clone(), col_index[:0].clone()
+    local_cols = piece(col_index[None, :].expand(rows, cols))
+    return local_rows[:, 0].clone(), local_cols[0].clone()
 
 
+def _runs(spread: Spread, parts: tuple[int, ...]) -> list[tuple[int, int, int]]:
+    """Runs of this rank's rows that fall in one logical matrix: (first, last + 1, its rows)."""
+    rows = spread.rows[spread.rank].cpu()
+    if len(rows) == 0:
+        return []
+    bounds = torch.tensor(list(itertools.accumulate(parts))[:-1], dtype=rows.dtype)
+    part = torch.bucketize(rows, bounds, right=True)
+    starts = [0, *(torch.nonzero(part[1:] != part[:-1]).flatten() + 1).tolist(), len(rows)]
+    return [(lo, hi, parts[int(part[lo])]) for lo, hi in itertools.pairwise(starts)]
+
+
+# ------------------------------------------------------------------------------- the exchange
 def orthogonalize(matrices: Sequence[_Matrix], ns_steps: int = NS_STEPS) -> list[Tensor]:
-    """This rank's rows of each matrix's orthogonalized update (bf16), owners round-robin."""
-    if not matrices or not _is_sharded(matrices[0].param):
-        return [_whole_update(m.local, m.parts, ns_steps) for m in matrices]
-    mesh = matrices[0].param.device_mesh
-    group, world, rank = mesh.get_group(), mesh.size(), mesh.get_local_rank()
-    out: list[Tensor] = []
-    for start in range(0, len(matrices), world):
-        out += _round(matrices[start : start + world], group, world, rank, ns_steps)
+    """This rank's piece of each matrix's orthogonalized update (bf16).
+
+    A whole matrix is orthogonalized here; the sharded ones of one process group go round by
+    round, matrix j of a round to group rank j.
+    """
+    out: list[Tensor | None] = [None] * len(matrices)
+    shared: dict[dist.ProcessGroup, list[int]] = {}
+    for i, matrix in enumerate(matrices):
+        if matrix.spread.group is None:
+            out[i] = _whole_update(matrix.local, matrix.parts, ns_steps)
+        else:
+            shared.setdefault(matrix.spread.group, []).append(i)
+    for members in shared.values():
+        world = matrices[members[0]].spread.world
+        for start in range(0, len(members), world):
+            chunk = members[start : start + world]
+            updates = _round([matrices[i] for i in chunk], ns_steps)
+            for i, update in zip(chunk, updates, strict=True):
+                out[i] = update
     return out
 
 
-def _round(
-    matrices: Sequence[_Matrix], group: dist.ProcessGroup, world: int, rank: int, ns_steps: int
-) -> list[Tensor]:
-    """Matrix j goes to rank j: gather its rows there, orthogonalize, send the rows back."""
-    sizes = [m.block * m.cols for m in matrices] + [0] * (world - len(matrices))
-    send = torch.cat([m.padded(m.local) for m in matrices])
+def _round(matrices: Sequence[_Matrix], ns_steps: int) -> list[Tensor]:
+    """Matrix j goes to group rank j: gather its pieces there, orthogonalize, send them back."""
+    first = matrices[0].spread
+    group, world, rank = first.group, first.world, first.rank
+    sizes = [m.spread.numel(rank) for m in matrices] + [0] * (world - len(matrices))
+    send = torch.cat([m.local.bfloat16().reshape(-1) for m in matrices])
     owned = matrices[rank] if rank < len(matrices) else None
-    mine = [owned.block * owned.cols] * world if owned is not None else [0] * world
+    mine = [owned.spread.numel(r) for r in range(world)] if owned is not None else [0] * world
     received = send.new_empty(sum(mine))
     dist.all_to_all_single(received, send, mine, sizes, group=group)
     back = send.new_empty(0)
     if owned is not None:
-        pieces = received.view(world, owned.block, owned.cols)
-        whole = torch.cat([pieces[r, :n] for r, n in enumerate(owned.counts)])
+        whole = owned.spread.assemble(received.split(mine), owned.param.shape)
         update = _whole_update(whole, owned.parts, ns_steps)
-        offsets = [sum(owned.counts[:r]) for r in range(world)]
-        back = torch.cat(
-            [owned.padded(update[o : o + n]) for o, n in zip(offsets, owned.counts, strict=True)]
-        )
+        back = torch.cat([owned.spread.piece(update, r) for r in range(world)])
     result = send.new_empty(sum(sizes))
     dist.all_to_all_single(result, back, sizes, mine, group=group)
     chunks = result.split(sizes[: len(matrices)])
-    return [
-        c.view(m.block, m.cols)[: m.counts[rank]] for c, m in zip(chunks, matrices, strict=True)
-    ]
+    return [c.view(m.local.shape) for c, m in zip(chunks, matrices, strict=True)]
 
 
 def _whole_update(whole: Tensor, parts: tuple[int, ...], ns_steps: int) -> Tensor:

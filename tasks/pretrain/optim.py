@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from llmflow.tasks.pretrain.config import OptimizerConfig
-from llmflow.tasks.pretrain.muon import Muon, logical_rows
+from llmflow.tasks.pretrain.muon import Muon, logical_rows, row_orders
 
 
 def split_parameters(model: nn.Module) -> dict[str, list[tuple[str, nn.Parameter]]]:
@@ -64,7 +64,7 @@ def build_optimizers(model: nn.Module, cfg: OptimizerConfig) -> list[torch.optim
                 [{"params": decay, "weight_decay": cfg.weight_decay, "lr": cfg.lr}, no_decay], cfg
             )
         ]
-    parts = logical_rows(model)
+    parts, orders = logical_rows(model), row_orders(model)
     hidden = groups["hidden_matrix"]
     muon = Muon(
         [{"params": params["hidden_matrix"], "lr": cfg.muon_lr, "base_lr": cfg.muon_lr}],
@@ -73,6 +73,7 @@ def build_optimizers(model: nn.Module, cfg: OptimizerConfig) -> list[torch.optim
         momentum=cfg.muon_momentum,
         adjust_lr_fn=cfg.muon_adjust_lr,
         parts={p: parts[name] for name, p in hidden if name in parts},
+        orders={p: orders[name] for name, p in hidden if name in orders},
     )
     adam = _adamw(
         [{"params": params["decay"], "weight_decay": cfg.weight_decay, "lr": cfg.lr}, no_decay], cfg

@@ -16,7 +16,7 @@ import torch
 from llmflow.model.config import preset
 from llmflow.model.transformer import Transformer
 from llmflow.tasks.pretrain.config import OptimizerConfig
-from llmflow.tasks.pretrain.muon import logical_rows, newton_schulz, shard_rows
+from llmflow.tasks.pretrain.muon import logical_rows, newton_schulz
 from llmflow.tasks.pretrain.optim import split_parameters
 
 STEPS = 20
@@ -197,7 +197,6 @@ def test_logical_matrices_of_fused_projections():
     assert parts["layers.0.attn.qkv_proj.weight"] == (40, head_dim, head_dim)
     assert parts["layers.1.mlp.gate_up_proj.weight"] == (72, 72)
     assert "layers.0.attn.o_proj.weight" not in parts
-    assert shard_rows(5, 2) == [3, 2] and shard_rows(5, 4) == [2, 2, 1, 0]
 
 
 def test_newton_schulz_orthogonalizes():
