@@ -173,9 +173,3 @@ def num_parameters(folder: Path) -> int | None:
             for key in weights.keys():  # noqa: SIM118  (safe_open has no __iter__)
                 total += math.prod(weights.get_slice(key).get_shape())
     return total if found else None
-
-
-def read_source(output: Path | str) -> dict[str, Any] | None:
-    """The ``source.json`` of an external-model output (None for any other output)."""
-    path = Path(output) / SOURCE_FILE
-    return json.loads(path.read_text()) if path.is_file() else None

@@ -67,11 +67,6 @@ class ModelSource:
         return f"{MODEL_PREFIX}{self.repo}@{self.revision}" if self.repo else str(self.folder)
 
 
-def is_model_uri(uri: str) -> bool:
-    """Whether ``uri`` names a Hub model (else it is a local folder)."""
-    return uri.startswith(MODEL_PREFIX)
-
-
 def check_uri(uri: str, field: str) -> str:
     """A configured model name, checked for form only (no file or network access)."""
     if not uri.strip():

@@ -218,13 +218,3 @@ def prompt_text(prompt: Any) -> str:
 def guarded_rewards(specs: list[RewardSpec], max_failure_rate: float) -> list[GuardedReward]:
     """The configured rewards, each guarded."""
     return [GuardedReward(spec, max_failure_rate) for spec in specs]
-
-
-def total_rewards(
-    rewards: list[GuardedReward], weights: list[float], prompts, completions, answers, formats
-) -> list[float]:
-    """Weighted sum of every reward per completion (how TRL combines them)."""
-    columns = [r(prompts, completions, answers, formats) for r in rewards]
-    return [
-        sum(w * c[i] for w, c in zip(weights, columns, strict=True)) for i in range(len(prompts))
-    ]
