@@ -101,8 +101,3 @@ def headline(results: dict[str, Any]) -> dict[str, float]:
                     label = key.replace("all", "toxicity").replace("/", "_")
                     metrics[f"{label}/{scorer}/{name}"] = groups[key][name]
     return metrics
-
-
-def read_safety(output: Path) -> dict[str, Any]:
-    """A safety output's full results (for model cards and the leaderboard)."""
-    return json.loads((Path(output) / RESULTS).read_text())

@@ -17,7 +17,12 @@ from llmflow.tasks.safety.classifier import ToxicityScorer, split, toxicity_clas
 from llmflow.tasks.safety.config import SafetyEvalConfig, ToxicityClassifierConfig
 from llmflow.tasks.safety.crows import crows_pairs
 from llmflow.tasks.safety.data import read_crows, read_lexicon, read_toxigen, safety_files
-from llmflow.tasks.safety.step import CONTINUATIONS, generation_tokenizer, read_safety, safety
+from llmflow.tasks.safety.step import (
+    CONTINUATIONS,
+    RESULTS,
+    generation_tokenizer,
+    safety,
+)
 from llmflow.tasks.safety.toxicity import LexiconScorer, Prompt, aggregate
 from tests.tasks.evaluation.eval_fixtures import make_tiny_model
 
@@ -147,7 +152,7 @@ def test_safety_step_end_to_end(model_output, classifier, safety_dir, tmp_path):
         out.mkdir()
         metrics = safety(cfg, model=model_output, classifier=classifier, data=data, out=out)
         runs.append(out)
-    results = read_safety(runs[0])
+    results = json.loads((runs[0] / RESULTS).read_text())
     rows = [json.loads(line) for line in (runs[0] / CONTINUATIONS).read_text().splitlines()]
     files = read_toxigen(data)
     assert len(rows) == len(files)  # one prompt per file
