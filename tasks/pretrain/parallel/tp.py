@@ -62,10 +62,6 @@ def check_model(cfg: ModelConfig, tp: int, optimizer: str = "adamw", compile: bo
         # NOTE: torch 2.13, blocks compiled after this plan: the backward of the sequence
         # all-gather receives a plain tensor ('Tensor' object has no attribute '_local_tensor').
         raise ConfigError(f"{field}={tp}: compile=true does not work with it yet")
-    if optimizer == "muon":
-        # NOTE: Muon orthogonalizes q, k, v (gate, up) as separate row blocks of row-sharded
-        # matrices; tensor parallelism shards columns and holds fused rows in another order.
-        raise ConfigError(f"{field}={tp}: optimizer.name='muon' does not support it yet")
     for name, size in (
         ("intermediate_size", cfg.intermediate_size),
         ("vocab_size", cfg.vocab_size),
