@@ -37,10 +37,11 @@ import pyarrow.parquet as pq  # noqa: E402
 from benchmarks.common import alternate, emit, ratio  # noqa: E402
 from llmflow.tasks.dataprep.config import StageMixture, TokenizeConfig  # noqa: E402
 from llmflow.tasks.dataprep.mixture import build_mixture  # noqa: E402
-from llmflow.tasks.dataprep.pack import read_all_rows, write_packed  # noqa: E402
+from llmflow.tasks.dataprep.pack import write_packed  # noqa: E402
 from llmflow.tasks.dataprep.tokenize import tokenize_corpus  # noqa: E402
 from llmflow.tasks.tokenizer.config import TokenizerConfig  # noqa: E402
 from llmflow.tasks.tokenizer.train import train_tokenizer  # noqa: E402
+from tests.tasks.dataprep.packed_rows import read_all_rows  # noqa: E402
 from tests.tasks.tokenizer.corpus_helpers import (  # noqa: E402
     real_docs,
     synthetic_docs,

@@ -24,7 +24,6 @@ from llmflow.tasks.framework.step import Metrics, step
 logger = logging.getLogger(__name__)
 
 CHINCHILLA_TOKENS_PER_PARAM = 20
-CHUNK_DOCS = 4096
 
 
 def _read_tokenized_meta(tokenized_dir: Path) -> dict:
@@ -227,18 +226,6 @@ def _read_docs(domains: list[_DomainTokens], docs: np.ndarray, eos: np.ndarray) 
         source = domains[domain_idx]
         pieces += [source.tokens[source.offsets[doc] : source.offsets[doc + 1]], eos]
     return np.concatenate(pieces) if pieces else eos[:0]
-
-
-def _chunks(domains: list[_DomainTokens], order: np.ndarray, eos_id: int, dtype):
-    """(tokens, doc_lengths) for documents ``order`` (rows of (domain, doc)), eos appended.
-
-    The single-process stream of `write_packed`; `_pack_selection` writes the same bytes by
-    units that read the domains themselves (`_DomainSource`)."""
-    eos = np.array([eos_id], dtype)
-    for begin in range(0, len(order), CHUNK_DOCS):
-        docs = order[begin : begin + CHUNK_DOCS]
-        lengths = [domains[d].offsets[i + 1] - domains[d].offsets[i] + 1 for d, i in docs]
-        yield _read_docs(domains, docs, eos), np.asarray(lengths, np.int64)
 
 
 @dataclass(frozen=True)

@@ -326,15 +326,3 @@ def _write_shard_run(pack: _Pack, unit: tuple[int, np.ndarray]) -> list[dict]:
 def read_meta(data_dir: Path) -> dict:
     """Load ``meta.json`` of a packed dataset."""
     return json.loads((Path(data_dir) / "meta.json").read_text())
-
-
-def read_all_rows(data_dir: Path) -> np.ndarray:
-    """Every row of a packed dataset in stored order, shape (N, T+1). For tests and tools."""
-    meta = read_meta(data_dir)
-    blocks = [
-        np.fromfile(Path(data_dir) / s["file"], dtype=meta["dtype"]).reshape(
-            -1, meta["seq_len"] + 1
-        )
-        for s in meta["shards"]
-    ]
-    return np.concatenate(blocks)

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from llmflow.tasks.dataprep.loader import IGNORE_INDEX, PackedLoader
-from llmflow.tasks.dataprep.pack import read_all_rows
 from tests.tasks.dataprep.conftest import EOS, PAD, make_docs, pack_docs
+from tests.tasks.dataprep.packed_rows import read_all_rows
 
 
 def _row_ids(batch, all_rows: np.ndarray) -> list[int]:

@@ -1,7 +1,7 @@
 """Packing (the mixture and validation steps) as units on the data engine, against the
 single-process path.
 
-The reference is the chunk stream of `write_packed` (`mixture._chunks`, one process, one
+The reference is the chunk stream of `write_packed` (`_chunks`, one process, one
 ``stream.tmp`` written front to back): every file of the mixture and validation folders must
 have the same sha256 when `write_packed_units` runs its units here, on ``LLMFLOW_DATA_WORKERS=2``
 spawned processes and on a local Ray cluster. `UNIT_TOKENS` is lowered so that the small corpus
@@ -25,8 +25,9 @@ from llmflow.tasks.dataprep import mixture as mixture_module
 from llmflow.tasks.dataprep import pack as pack_module
 from llmflow.tasks.dataprep.config import StageMixture, ValidationConfig
 from llmflow.tasks.dataprep.mixture import build_mixture, build_validation
-from llmflow.tasks.dataprep.pack import read_all_rows, token_dtype, write_packed
+from llmflow.tasks.dataprep.pack import token_dtype, write_packed
 from llmflow.tasks.dataprep.units import WORKERS_ENV
+from tests.tasks.dataprep.packed_rows import read_all_rows
 
 MIX = StageMixture(
     weights={"prose": 2.0, "code": 1.0, "math": 1.0},
@@ -87,8 +88,21 @@ def _single_process(source, docs, lengths, out_dir, **kwargs) -> dict:
         mixture_module._DomainTokens(Path(source.tokenized_dir), info, source.dtype)
         for info in source.infos
     ]
-    chunks = mixture_module._chunks(domains, docs, source.eos_id, np.dtype(source.dtype))
+    chunks = _chunks(domains, docs, source.eos_id, np.dtype(source.dtype))
     return write_packed(chunks, out_dir, **kwargs)
+
+
+REFERENCE_CHUNK_DOCS = 4096
+
+
+def _chunks(domains: list, order: np.ndarray, eos_id: int, dtype):
+    """(tokens, doc_lengths) for documents ``order`` (rows of (domain, doc)), eos appended: the
+    single-process stream of `write_packed`, which the units must reproduce byte for byte."""
+    eos = np.array([eos_id], dtype)
+    for begin in range(0, len(order), REFERENCE_CHUNK_DOCS):
+        docs = order[begin : begin + REFERENCE_CHUNK_DOCS]
+        lengths = [domains[d].offsets[i + 1] - domains[d].offsets[i] + 1 for d, i in docs]
+        yield mixture_module._read_docs(domains, docs, eos), np.asarray(lengths, np.int64)
 
 
 @pytest.fixture(scope="module", params=[1000, 100_000], ids=["uint16", "uint32"])

@@ -17,11 +17,12 @@ from llmflow.tasks.dataprep.mixture import (
     chinchilla_report,
     select_documents,
 )
-from llmflow.tasks.dataprep.pack import read_all_rows, read_meta
+from llmflow.tasks.dataprep.pack import read_meta
 from llmflow.tasks.dataprep.tokenize import tokenize_corpus
 from llmflow.tasks.framework.errors import BadInputError
 from llmflow.tasks.tokenizer.config import TokenizerConfig
 from llmflow.tasks.tokenizer.train import train_tokenizer
+from tests.tasks.dataprep.packed_rows import read_all_rows
 from tests.tasks.tokenizer.corpus_helpers import synthetic_docs, write_corpus
 
 
