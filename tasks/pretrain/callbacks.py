@@ -21,10 +21,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from llmflow.model.loss import IGNORE_INDEX, causal_lm_loss
+from llmflow.model.loss import IGNORE_INDEX
 from llmflow.tasks.dataprep.loader import PackedLoader
 from llmflow.tasks.pretrain.config import TrainConfig
-from llmflow.tasks.pretrain.distributed import all_reduce_sum, sharding_report
+from llmflow.tasks.pretrain.distributed import sharding_report
+from llmflow.tasks.pretrain.parallel.cp import shard_batch
 from llmflow.tasks.pretrain.state import StepOutput
 from llmflow.tasks.pretrain.trackers import open_trackers
 
@@ -168,7 +169,13 @@ class Validator(Callback):
 
     @torch.no_grad()
     def evaluate(self, trainer: Trainer) -> float:
-        """Token-mean loss on the first ``eval_batches`` batches of the held-out set."""
+        """Token-mean cross-entropy on the first ``eval_batches`` batches of the held-out set.
+
+        The loss is the train step's (``Trainer.forward_backward``), forward only: each
+        context-parallel rank takes its shard of every row, the output projection is fused into
+        the loss (vocabulary-parallel under TP), so no rank holds full rows or full logits; the
+        sums go over the data- and context-parallel ranks. Under PP the schedule's forward.
+        """
         rt, cfg, model = trainer.runtime, trainer.cfg, trainer.model
         # NOTE: by data-parallel rank: tensor-parallel ranks must see the same sequences
         loader = PackedLoader(
@@ -178,25 +185,36 @@ class Validator(Callback):
             trainer.layout.dp,
             seed=cfg.seed,
         )
+        batches = [loader.next_batch() for _ in range(cfg.eval_batches)]
+        loader.close()
         model.eval()
         totals = torch.zeros(2, dtype=torch.float64, device=rt.device)
         pipeline = getattr(trainer, "pipeline", None)
         if pipeline is not None:  # PP: the schedule's forward over all batches (parallel/pp.py)
-            batches = [loader.next_batch() for _ in range(cfg.eval_batches)]
             with trainer.autocast:
                 totals[0] += pipeline.evaluate(batches)
             totals[1] += sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)
-        for _ in range(cfg.eval_batches if pipeline is None else 0):
-            batch = {k: v.to(rt.device) for k, v in loader.next_batch().items()}
-            with trainer.autocast:
-                logits = model(batch["input_ids"], batch["position_ids"], batch["cu_seqlens"])
-            loss, _ = causal_lm_loss(logits, batch["labels"], 0.0)
-            count = (batch["labels"] != IGNORE_INDEX).sum()
-            totals += torch.stack([loss.double() * count, count.double()])
-        loader.close()
+        else:
+            totals += self._loss_sums(trainer, batches)
         model.train()
-        total, count = all_reduce_sum(totals, rt).tolist()
+        total, count = trainer._dp_sum(totals).tolist()
         return total / max(count, 1)
+
+    @staticmethod
+    def _loss_sums(trainer: Trainer, batches: list[dict]) -> torch.Tensor:
+        """(cross-entropy summed over tokens, tokens) of this rank's part of ``batches``."""
+        device = trainer.runtime.device
+        if trainer.layout.cp > 1:  # context parallel: this rank's T/cp tokens of every row
+            batches = [shard_batch(b, trainer.mesh.group("cp")) for b in batches]
+        totals = torch.zeros(2, dtype=torch.float64, device=device)
+        for batch in batches:
+            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+            with trainer.autocast:
+                _, metrics = trainer.loss_fn(trainer.model, batch)
+            # NOTE: the cross-entropy alone (no z-loss), a mean over this rank's tokens
+            count = (batch["labels"] != IGNORE_INDEX).sum()
+            totals += torch.stack([metrics["ce"].double() * count, count.double()])
+        return totals
 
 
 class RankInfo(Callback):

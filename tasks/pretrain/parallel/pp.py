@@ -106,7 +106,8 @@ class TransformerStage(nn.Module):
     """One pipeline stage of a `Transformer`: its modules under the full model's names.
 
     The first stage maps token ids (B, T) to hidden states (B, T, C); a middle stage maps hidden
-    states to hidden states; the last maps them to the loss of the micro-batch (its ``labels``).
+    states to hidden states; the last maps them to the loss of the micro-batch (its ``labels``;
+    in eval mode its cross-entropy alone).
     Absent modules are None (no parameters, no state-dict entries).
     """
 
@@ -153,8 +154,10 @@ class TransformerStage(nn.Module):
         if not self.is_last:
             return x
         x = self.norm(x)
-        loss, _ = linear_cross_entropy(x, self.output_weight(), labels, self.z_loss_weight)
-        return loss
+        loss, metrics = linear_cross_entropy(x, self.output_weight(), labels, self.z_loss_weight)
+        # NOTE: evaluation (``model.eval()``) reports the cross-entropy alone, as the Validator
+        # does at every other layout; training backpropagates the z-loss too
+        return loss if self.training else metrics["ce"]
 
 
 def build_stage(
@@ -230,7 +233,7 @@ def clip_grad_norm_(stage: TransformerStage, max_norm: float, pp_group: dist.Pro
         norm = norm.full_tensor()
     square = norm.double().square().reshape(1)
     dist.all_reduce(square, op=dist.ReduceOp.SUM, group=pp_group)
-    total = square.sqrt().to(torch.float32).squeeze(0)
+    total = square.sqrt().to(norm.dtype).squeeze(0)  # the gradients' dtype, as torch's clip
     if max_norm != float("inf"):
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
     return float(total)
