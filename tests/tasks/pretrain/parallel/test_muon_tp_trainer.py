@@ -63,3 +63,22 @@ def test_muon_trainer_matches_one_process(tmp_path, train_data, name):
     assert diffs["grad_rel"] <= 1e-5  # step 1: before any optimizer step
     assert diffs["loss_rel"] <= LOSS_TOLERANCE
     assert expected["losses"][-1] < expected["losses"][0] - 0.2  # it trains
+
+
+@pytest.mark.slow  # three 2-rank trainer runs: about 2 minutes on 2 cores
+def test_muon_tp2_resumes_exactly(tmp_path, train_data):
+    """A crash at tp=2 resumes bitwise: Muon's momentum, held in tensor-parallel row order,
+    goes through the checkpoint's canonical order and back."""
+    from conftest import losses_by_step, run_trainer, tiny_config
+
+    cfg = tiny_config(parallel={"tp": 2}, optimizer=MUON)  # 12 steps, checkpoints every 4
+    full = tmp_path / "full"
+    run_trainer(cfg, train_data, full, num_processes=2)
+    resumed = tmp_path / "resumed"
+    crash = run_trainer(cfg, train_data, resumed, num_processes=2, check=False,
+                        faults={"crash_after_step": 6})  # fmt: skip
+    assert crash.returncode != 0
+    proc = run_trainer(cfg, train_data, resumed, num_processes=2)
+    assert "resumed from" in proc.stdout and "step 4" in proc.stdout
+    assert sorted(losses_by_step(full)) == list(range(1, 13))
+    assert losses_by_step(resumed) == losses_by_step(full)
