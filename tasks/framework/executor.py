@@ -195,11 +195,6 @@ def all_cached(graph: Graph, root: str) -> Outcome | None:
         return None
 
 
-def run_graph(graph: Graph, root: str, **options: Any) -> Outcome:
-    """Run ``graph`` in this process, without Prefect."""
-    return Executor(root, **options).run(graph)
-
-
 class PrefectExecutor(Executor):
     """The same walk, each step a Prefect task: retries, Cached states, events and artifacts.
 

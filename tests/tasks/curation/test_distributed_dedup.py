@@ -342,7 +342,7 @@ def test_curation_graph_with_partitioned_dedup_curates_the_same_corpus(tmp_path)
     """The whole curate graph, dedup partitioned: the same drops and the same curated shards;
     only the two global steps get new addresses (the per-shard stages are not re-run)."""
     from llmflow.tasks.curation.config import CurateConfig
-    from llmflow.tasks.framework.executor import run_graph
+    from llmflow.tasks.framework.executor import Executor
     from llmflow.tasks.framework.store import Store
     from tests.tasks.curation.helpers import curation_graph
     from tests.tasks.curation.test_quality_and_pipeline import _corpus
@@ -358,7 +358,7 @@ def test_curation_graph_with_partitioned_dedup_curates_the_same_corpus(tmp_path)
     for tag, raw in (("bloom", base), ("partitioned", partitioned)):
         graph, _ = curation_graph(records, CurateConfig.model_validate(raw), num_shards=3)
         roots[tag] = tmp_path / tag
-        outcome = run_graph(graph, str(roots[tag]))
+        outcome = Executor(str(roots[tag])).run(graph)
         addresses[tag] = _stage_outputs(outcome, graph)
         store = Store(str(roots[tag]))
         outputs[tag] = {

@@ -17,7 +17,7 @@ from llmflow.tasks.curation.quality_model import (
     quality_model,
     rule_teacher,
 )
-from llmflow.tasks.framework.executor import Executor, Mapped, run_graph
+from llmflow.tasks.framework.executor import Executor, Mapped
 from llmflow.tasks.framework.store import Store
 from tests.tasks.curation.helpers import curation_graph, ids_in, near_copy, prose, write_shards
 
@@ -90,13 +90,13 @@ def _cached(outcome, graph) -> dict[str, bool]:
 def test_filter_threshold_change_reruns_only_filter_and_global_stages(tmp_path):
     records, _ = _corpus(random.Random(5))
     graph, _ = curation_graph(records, num_shards=3)
-    first = run_graph(graph, str(tmp_path))
+    first = Executor(str(tmp_path)).run(graph)
     assert not any(_cached(first, graph).values())
     changed = CurateConfig.model_validate(
         {"filters": {"gopher_quality": {"min_doc_words": 10}}, "minhash": {"keep": "longest"}}
     )
     graph, _ = curation_graph(records, changed, num_shards=3)
-    again = _cached(run_graph(graph, str(tmp_path)), graph)
+    again = _cached(Executor(str(tmp_path)).run(graph), graph)
     assert again == {
         "test-rows": True,
         "curate-normalize": True,
@@ -186,7 +186,7 @@ def _curated(outcome, final, root: Path) -> Path:
 def test_curate_end_to_end(tmp_path):
     records, planted = _corpus(random.Random(3))
     graph, final = curation_graph(records, num_shards=3)
-    outcome = run_graph(graph, str(tmp_path / "store"))
+    outcome = Executor(str(tmp_path / "store")).run(graph)
     out, result = _curated(outcome, final, tmp_path / "store"), outcome[final]
     metrics = result.metrics
     kept = ids_in(out / "shards")
@@ -232,7 +232,7 @@ def test_prefect_fan_out_matches_in_process(tmp_path, prefect_harness):
         return PrefectExecutor(str(tmp_path / "two")).run(graph)
 
     parallel = _curated(curate_in_parallel(), final, tmp_path / "two")
-    sequential = _curated(run_graph(graph, str(tmp_path / "one")), final, tmp_path / "one")
+    sequential = _curated(Executor(str(tmp_path / "one")).run(graph), final, tmp_path / "one")
     assert ids_in(parallel / "shards") == ids_in(sequential / "shards")
     assert len(ids_in(parallel / "shards")) > 40
 

@@ -11,7 +11,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from llmflow.tasks.framework.errors import BadInputError
-from llmflow.tasks.framework.executor import Executor, Mapped, run_graph
+from llmflow.tasks.framework.executor import Executor, Mapped
 from llmflow.tasks.framework.graph import Graph, Raw
 from llmflow.tasks.framework.step import Metrics, report_table, step
 
@@ -86,13 +86,13 @@ def test_a_declared_step_is_still_the_plain_function(tmp_path):
 
 def test_mapped_graph_runs_caches_and_reruns_only_what_changed(tmp_path):
     graph = recipe()
-    first = run_graph(graph, str(tmp_path))
+    first = Executor(str(tmp_path)).run(graph)
     mapped = first[graph.nodes[1]]
     assert isinstance(mapped, Mapped) and mapped.labels == ["part-0", "part-1"]
     assert first[graph.nodes[2]].metrics == {"total": sum(len(w) >= 2 for w in WORDS)}
-    again = run_graph(recipe(workers=7), str(tmp_path))  # execution-only: same addresses
+    again = Executor(str(tmp_path)).run(recipe(workers=7))  # execution-only: same addresses
     assert all(r.cached for r in again.rows())
-    changed = run_graph(recipe(min_len=3), str(tmp_path))
+    changed = Executor(str(tmp_path)).run(recipe(min_len=3))
     assert [r.cached for r in changed.rows()] == [True, False, False]
     assert changed[changed_total := list(changed.results)[2]].metrics == {"total": 2}
     record = json.loads((Path(changed[changed_total].uri) / "lineage.json").read_text())

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from llmflow.tasks.framework.executor import run_graph
+from llmflow.tasks.framework.executor import Executor
 from llmflow.tasks.framework.graph import Graph, Raw
 from llmflow.tasks.framework.hashing import relative_names
 from llmflow.tasks.framework.step import Metrics, RawFiles, step
@@ -66,7 +66,7 @@ def test_a_renamed_file_reruns_the_step(tmp_path):
         graph = Graph()
         files = sorted(str(p) for p in (tmp_path / "data").iterdir())
         graph.add(labels, LabelConfig(), "toy", data=Raw(tuple(files)))
-        result = next(iter(run_graph(graph, str(tmp_path / "store")).rows()))
+        result = next(iter(Executor(str(tmp_path / "store")).run(graph).rows()))
         return result.cached, json.loads((Path(result.uri) / "labels.json").read_text())
 
     assert run() == (False, {"hate_x": 2, "neutral_y": 1})
