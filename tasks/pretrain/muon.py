@@ -8,9 +8,11 @@ momentum-updated gradient's pieces are sent to the owner (one ``all_to_all`` per
 matrices, in bf16, the dtype Newton–Schulz works in), the owner puts the whole matrix together in
 canonical row order, orthogonalizes it, and a second ``all_to_all`` sends every rank its piece
 of the update. Ranks on a replicated mesh dim (HSDP's ``dp_replicate``) hold the same pieces:
-each replica orthogonalizes within itself, so the exchange never crosses replicas. The
-momentum, weight decay and the update itself stay elementwise on the local pieces, so the
-optimizer state is sharded like AdamW's (saved and loaded by DCP the same way).
+each replica orthogonalizes within itself, so the exchange never crosses replicas (the
+Newton–Schulz work is split over the ``dp_shard x tp`` ranks and repeated by each replica, as
+data-parallel replicas repeat any optimizer step). The momentum, weight decay and the update
+itself stay elementwise on the local pieces, so the optimizer state is sharded like AdamW's
+(saved and loaded by DCP the same way).
 
 A fused parameter (``qkv_proj``: q, k and v stacked by rows; ``gate_up_proj``: gate and up) is
 orthogonalized per logical matrix, each with its own learning-rate adjustment: the update equals
@@ -265,6 +267,8 @@ def _shard_group(param: Tensor) -> tuple[dist.ProcessGroup | None, int]:
     if mesh.mesh_dim_names is None:
         raise ValueError(f"Muon needs named mesh dims to shard over {len(dims)} of them")
     names = tuple(mesh.mesh_dim_names[i] for i in dims)
+    # NOTE: torch 2.13 has no public way to flatten mesh dims into one group (parallel/mesh.py
+    # uses _flatten too); the same dims flatten to the same cached mesh on every call.
     flat = (mesh if len(dims) == mesh.ndim else mesh[names])._flatten()
     return flat.get_group(), flat.get_local_rank()
 
