@@ -3,7 +3,7 @@
 The task's cache key is the output's content hash (only once that output is complete, so a
 deleted output is rebuilt rather than served stale). When the store already holds the output,
 the task finishes in a ``Cached`` state. Retries cover transient failures (I/O, a killed worker),
-never bad input. Each materialized output emits a Prefect asset event with its upstream outputs.
+never bad input nor a full disk. Each materialized output emits a Prefect asset event with its upstream outputs.
 
 ``stage_task`` makes a mapped step one task for the whole stage output: its shards run on an
 engine (``engine.py``), and the stage is one asset, linked as one (a Prefect event takes at most
@@ -28,12 +28,14 @@ from prefect.artifacts import (
 from prefect.cache_policies import NO_CACHE
 from prefect.context import FlowRunContext, TaskRunContext
 from prefect.events import emit_event
+from prefect.exceptions import MissingContextError
+from prefect.logging import get_run_logger
 from prefect.states import Completed, State
 
 from llmflow.tasks.framework.engine import Engine, Progress, ShardCall
 from llmflow.tasks.framework.errors import BadInputError
 from llmflow.tasks.framework.step import Mapped, Shard, Step, StepResult
-from llmflow.tasks.framework.store import Store
+from llmflow.tasks.framework.store import Store, disk_error
 
 MAX_RELATED = 100  # Prefect rejects an event with more related resources
 log = logging.getLogger("llmflow.executor")
@@ -45,14 +47,29 @@ def asset_key(uri: str) -> str:
 
 
 def _retry_transient(task_obj, task_run, state) -> bool:
-    """Retry unless the failure is bad input (a retry would fail the same way)."""
+    """Retry unless a retry would fail the same way: bad input (a ``BadInputError``, which a
+    trainer's deterministic failure is too) or a full disk. Says which, and why, in one line."""
     try:
         state.result()
-    except BadInputError:
-        return False
-    except Exception:
-        return True
+    except Exception as exc:
+        retry = not isinstance(exc, BadInputError) and disk_error(exc) is None
+        cause = getattr(exc, "cause", None) or _first_line(exc)
+        _run_logger().warning("%s: %s", "retrying" if retry else "not retried", cause)
+        return retry
     return True
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
+
+
+def _run_logger() -> logging.Logger | logging.LoggerAdapter:
+    """The task run's logger (its lines reach the Prefect UI), else this module's."""
+    try:
+        return get_run_logger()
+    except MissingContextError:
+        return log
 
 
 def run_info() -> dict[str, Any]:

@@ -481,7 +481,8 @@ def step(
     Args:
         name: The step's folder in the store (``{root}/{name}/{label}-{hash}``).
         version: Bump it when the function's output changes for the same config and inputs.
-        retries: Retries on transient failure (a ``BadInputError`` is never retried).
+        retries: Retries on transient failure (a ``BadInputError``, which a trainer's
+            deterministic failure is too, and a full disk are never retried).
         gpu: Hold a slot of the ``gpu`` global concurrency limit while running.
         execution: Config fields (dotted paths) the function reads although the hash leaves
             them out (``versioned: False``: worker counts, log intervals). They must not change

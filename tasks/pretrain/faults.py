@@ -7,7 +7,10 @@ and its checkpoint, as a lost machine would. ``{"slow_storage_after_step": 6}`` 
 from then on (each rank's background checkpoint write first sleeps ``checkpoint_write_delay_s``),
 and ``{"sigkill_after_step": 8}`` sends the process SIGKILL after step 8 (with an asynchronous save
 of step 8 in flight, if one was started); ``{"sigterm_after_step": 5}`` sends it SIGTERM, as a
-preempting scheduler would. Unset, the trainer has no such component at all.
+preempting scheduler would. ``{"error_at_start": "config"}`` raises a ``ConfigError`` before the
+first step (``"value"``: a ``ValueError``, ``"io"``: an ``OSError``), as a config the launcher's
+checks let through would. ``"ranks": [1]`` limits every fault to those ranks. Unset, the trainer
+has no such component at all.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch.distributed.checkpoint import FileSystemWriter
 
+from llmflow.tasks.framework.errors import ConfigError
 from llmflow.tasks.pretrain.callbacks import Callback
 from llmflow.tasks.pretrain.state import StepOutput
 
@@ -31,6 +35,11 @@ if TYPE_CHECKING:
 
 ENV = "LLMFLOW_FAULTS"
 CRASH_EXIT_CODE = 3
+START_ERRORS: dict[str, type[Exception]] = {
+    "config": ConfigError,
+    "value": ValueError,
+    "io": OSError,
+}
 
 
 @dataclass
@@ -44,17 +53,27 @@ class FaultInjector(Callback):
     sigterm_after_step: int | None = None
     slow_storage_after_step: int | None = None
     checkpoint_write_delay_s: float = 60.0
+    error_at_start: str | None = None
     fired: set[int] = field(default_factory=set)
     loss_fn: Callable[..., Any] | None = None
 
     @classmethod
     def from_env(cls) -> FaultInjector | None:
-        """The injector ``LLMFLOW_FAULTS`` (JSON) asks for, or None when it is unset."""
-        spec = os.environ.get(ENV)
-        return cls(**json.loads(spec)) if spec else None
+        """The injector ``LLMFLOW_FAULTS`` (JSON) asks for, or None when it is unset (or names
+        ``ranks`` without this one)."""
+        spec = json.loads(os.environ.get(ENV) or "null")
+        if spec is None:
+            return None
+        ranks = spec.pop("ranks", None)
+        if ranks is not None and int(os.environ.get("RANK", "0")) not in ranks:
+            return None
+        return cls(**spec)
 
     def on_train_start(self, trainer: Trainer) -> None:
         self.loss_fn = trainer.loss_fn
+        if self.error_at_start is not None:
+            error = START_ERRORS[self.error_at_start]
+            raise error(f"fault injection: {error.__name__} before the first step ({ENV})")
 
     def on_step_start(self, trainer: Trainer, step: int) -> None:
         fire = step in self.scale_loss_at_steps and step not in self.fired

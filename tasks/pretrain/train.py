@@ -53,7 +53,7 @@ from llmflow.tasks.pretrain.distributed import (
 from llmflow.tasks.pretrain.faults import FaultInjector
 from llmflow.tasks.pretrain.guard import StabilityGuard
 from llmflow.tasks.pretrain.init_weights import is_weights_only, load_weights
-from llmflow.tasks.pretrain.launch import die_with_launcher
+from llmflow.tasks.pretrain.launch import die_with_launcher, failure_report
 from llmflow.tasks.pretrain.optim import build_optimizers, set_lr
 from llmflow.tasks.pretrain.parallel import pp, tp  # pp: pipeline parallelism
 from llmflow.tasks.pretrain.parallel.cp import check_cp_layout, shard_batch
@@ -416,8 +416,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--init-from", type=Path, default=None, help="previous stage's run")
     args = parser.parse_args(argv)
     die_with_launcher()  # a killed worker never leaves this process writing into --out-dir
-    cfg = TrainConfig.load(args.config)
-    summary = run(cfg, args.data_dir, args.out_dir, args.val_dir, args.init_from)
+    with failure_report(args.out_dir):  # why it failed, for the launcher: retry or not
+        cfg = TrainConfig.load(args.config)
+        summary = run(cfg, args.data_dir, args.out_dir, args.val_dir, args.init_from)
     if int(os.environ.get("RANK", "0")) == 0:
         print("summary: " + json.dumps(summary), flush=True)
 
