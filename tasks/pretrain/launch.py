@@ -85,16 +85,6 @@ class TrainingPreempted(TrainingFailed):
     """
 
 
-def build_command(
-    train_args: list[str],
-    *,
-    num_processes: int = 1,
-    accelerate_config: Path | None = None,
-) -> list[str]:
-    """The argv of this machine's launcher (:func:`~.launchers.local_launcher`) for these args."""
-    return local_launcher(num_processes, accelerate_config).command(train_args)
-
-
 class NoticeWatcher:
     """Reads the lines appended to a JSON-lines file since it was created (or since start)."""
 

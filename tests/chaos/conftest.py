@@ -103,7 +103,8 @@ def run_trainer(cfg, data_dir: Path, out_dir: Path, *, faults=None, timeout: flo
     import subprocess
 
     from llmflow.tasks.pretrain.faults import ENV
-    from llmflow.tasks.pretrain.launch import build_command, train_arguments
+    from llmflow.tasks.pretrain.launch import train_arguments
+    from llmflow.tasks.pretrain.launchers import local_launcher
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -114,7 +115,7 @@ def run_trainer(cfg, data_dir: Path, out_dir: Path, *, faults=None, timeout: flo
     if faults:
         env[ENV] = json.dumps(faults)
     return subprocess.run(
-        build_command(train_arguments(config_path, data_dir, out_dir)),
+        local_launcher(1).command(train_arguments(config_path, data_dir, out_dir)),
         cwd=out_dir,
         env=env,
         capture_output=True,

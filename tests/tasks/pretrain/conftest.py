@@ -113,7 +113,8 @@ def run_trainer(
     import subprocess
 
     from llmflow.tasks.pretrain.faults import ENV
-    from llmflow.tasks.pretrain.launch import build_command, train_arguments
+    from llmflow.tasks.pretrain.launch import train_arguments
+    from llmflow.tasks.pretrain.launchers import local_launcher
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -125,7 +126,7 @@ def run_trainer(
     if faults:
         env[ENV] = json.dumps(faults)
     proc = subprocess.run(
-        build_command(args, num_processes=num_processes),
+        local_launcher(num_processes).command(args),
         cwd=out_dir,
         env=env,
         capture_output=True,

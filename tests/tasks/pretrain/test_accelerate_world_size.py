@@ -12,7 +12,7 @@ import pytest
 from llmflow.tasks.config import load_config
 from llmflow.tasks.framework.errors import ConfigError
 from llmflow.tasks.pretrain.curriculum import stage_steps
-from llmflow.tasks.pretrain.launch import build_command
+from llmflow.tasks.pretrain.launchers import local_launcher
 
 MULTI_GPU = "deployments/accelerate/multi_gpu_fsdp2.yaml"  # num_processes: 8
 ARGS = ["--config", "c.json", "--data-dir", "d", "--out-dir", "o"]
@@ -76,7 +76,7 @@ def test_a_missing_accelerate_config_is_refused_naming_it():
 
 def test_the_launcher_always_passes_the_world_size_to_accelerate():
     cfg = Path("deployments/accelerate/cpu.yaml")
-    assert build_command(ARGS, num_processes=1, accelerate_config=cfg) == [
+    assert local_launcher(1, cfg).command(ARGS) == [
         sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(cfg),
         "--num_processes", "1", "-m", "llmflow.tasks.pretrain.train", *ARGS,
     ]  # fmt: skip

@@ -15,24 +15,24 @@ from llmflow.tasks.framework.errors import BadInputError
 from llmflow.tasks.pretrain.launch import (
     NoticeWatcher,
     TrainingFailed,
-    build_command,
     launch_training,
     run_streaming,
 )
+from llmflow.tasks.pretrain.launchers import local_launcher
 from llmflow.tasks.pretrain.state import RECENT_LOSSES
 
 ARGS = ["--config", "c.json", "--data-dir", "d", "--out-dir", "o"]
 
 
-def test_build_command_variants():
+def test_local_launcher_commands():
     py = sys.executable
-    assert build_command(ARGS) == [py, "-m", "llmflow.tasks.pretrain.train", *ARGS]
-    assert build_command(ARGS, num_processes=2) == [
+    assert local_launcher(1).command(ARGS) == [py, "-m", "llmflow.tasks.pretrain.train", *ARGS]
+    assert local_launcher(2).command(ARGS) == [
         py, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
         "-m", "llmflow.tasks.pretrain.train", *ARGS,
     ]  # fmt: skip
     cfg = Path("deployments/accelerate/multi_gpu_fsdp2.yaml")
-    assert build_command(ARGS, num_processes=4, accelerate_config=cfg) == [
+    assert local_launcher(4, cfg).command(ARGS) == [
         py, "-m", "accelerate.commands.launch", "--config_file", str(cfg),
         "--num_processes", "4", "-m", "llmflow.tasks.pretrain.train", *ARGS,
     ]  # fmt: skip
