@@ -46,6 +46,7 @@ from llmflow.tasks.posttrain.grpo import grpo
 from llmflow.tasks.posttrain.merge import merge
 from llmflow.tasks.posttrain.sft import sft
 from llmflow.tasks.pretrain.curriculum import stage_train_config
+from llmflow.tasks.pretrain.parallel.support import check_recipe_layouts
 from llmflow.tasks.pretrain.step import StageRun, pretrain
 from llmflow.tasks.safety.config import ENABLE_HINT
 from llmflow.tasks.tokenizer.train import train_tokenizer
@@ -57,6 +58,8 @@ def recipe(config: PipelineConfig) -> Graph:
     """The whole pipeline as a graph of steps, in run order."""
     graph = Graph(PHASES)
     config, imported = add_init(graph, config)  # init: pinned, its architecture for pretrain
+    if imported is not None:  # the layouts on that architecture (validation had not read it)
+        check_recipe_layouts(config.pretrain, config.extend)
     curated = add_curation(graph, config.curate, ingested(graph, config), config.name)
     curated = add_decontamination(
         graph, config.decontaminate, config.evaluate, curated, config.name

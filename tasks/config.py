@@ -207,6 +207,16 @@ class PipelineConfig(BaseModel):
             raise ValueError("average.enabled needs pretrain.stages (it averages the last one's)")
         return self
 
+    @model_validator(mode="after")
+    def _layouts_supported(self) -> PipelineConfig:
+        """Every training stage's parallel layout, as the trainer will check it: a layout it
+        refuses fails here, before any step (``support.check_layout``). With ``init`` the
+        architecture is the model's own, checked when the recipe is built."""
+        from llmflow.tasks.pretrain.parallel.support import check_recipe_layouts
+
+        check_recipe_layouts(self.pretrain, self.extend, with_model=self.init is None)
+        return self
+
 
 def required_extras(config: PipelineConfig) -> set[str]:
     """The optional extras (``pip install 'llmflow[...]'``) a recipe's run needs, from its config:
@@ -284,12 +294,24 @@ def format_validation_error(err: ValidationError) -> str:
     return "invalid config:\n  " + "\n  ".join(lines)
 
 
+def _whole_config_error(err: ValidationError) -> ConfigError | None:
+    """The ``ConfigError`` a validator of the whole config raised, if that is the only problem:
+    its message already names the fields from the top (``pretrain.train.parallel.pp=2 ...``),
+    so it is the one line to show."""
+    problems = err.errors()
+    if len(problems) != 1 or problems[0]["loc"]:
+        return None
+    found = problems[0].get("ctx", {}).get("error")
+    return found if isinstance(found, ConfigError) else None
+
+
 def validate(cls: type[BaseModel], data: dict[str, Any]) -> BaseModel:
     """Validate ``data`` as ``cls``, turning pydantic's error into a ConfigError."""
     try:
         return cls.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(format_validation_error(err)) from None
+        whole = _whole_config_error(err)
+        raise (whole or ConfigError(format_validation_error(err))) from None
     except (ValueError, TypeError) as err:
         raise ConfigError(f"invalid config: {err}") from None
 

@@ -126,12 +126,16 @@ def tiny_train_config(config):
 
 
 def _unsupported(train, degrees: dict, ranks: int) -> str | None:
-    """Why this layout cannot run here (its check names the field), or None."""
+    """Why the trainer would refuse this layout here (``support.check_layout``, naming the
+    field), or None."""
     from llmflow.tasks.framework.errors import ConfigError
     from llmflow.tasks.pretrain.parallel.config import ParallelConfig
 
     try:
-        ParallelConfig(**degrees).resolve(ranks, train.model_config_obj(), SEQ_LEN, GRAD_ACCUM)
+        ParallelConfig(**degrees).resolve(
+            ranks, train.model_config_obj(), SEQ_LEN, GRAD_ACCUM,
+            optimizer=train.optimizer.name, compile=train.compile,
+        )  # fmt: skip
     except ConfigError as err:
         return str(err)
     return None

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from llmflow.model.config import ModelConfig
 from llmflow.tasks.framework.errors import ConfigError
 from llmflow.tasks.pretrain.parallel.config import Layout, ParallelConfig
+from llmflow.tasks.pretrain.parallel.support import StageShape, check_layout, recipe_stages
 from llmflow.tasks.pretrain.planner import (
     GB,
     HEADROOM,
@@ -212,6 +213,7 @@ def choose_layout(
     global_batch: int,
     param_dtype_bytes: int = 2,
     optimizer: str = "adamw",
+    compile: bool = False,
     activation_checkpointing: str = "none",
     every_k: int = 2,
     fixed: dict | None = None,
@@ -220,21 +222,24 @@ def choose_layout(
 ) -> LayoutPlan:
     """The cheapest layout that fits, Megatron-style.
 
-    Candidates: tp a power of two up to ``gpus_per_node`` dividing the heads and KV heads (TP
-    stays inside a node), cp a power of two with ``seq_len`` divisible by 2·cp, pp a power of
-    two up to the layers, dp_shard the GPUs left, which must divide ``global_batch`` (sequences
-    per step, kept: micro-batch x accumulation x dp); the micro-batch at most ``micro_batch``
-    (pp > 1 needs at least pp micro-batches); checkpointing the recipe's or stronger
-    (selective, then full). Each candidate's memory is `memory_per_gpu`; among those within
-    ``HEADROOM`` of the GPU, the one with the shortest `step_seconds` wins: its cost grows with
-    tp (traffic per layer), cp, pp (bubble) and recomputation, so tp grows first, as far as the
-    layer needs to fit, then cp or pp, and checkpointing comes in where it costs less than
-    more model parallelism. Ties go to less model parallelism and larger micro-batches. When
-    nothing fits, the candidate needing the least memory is returned (``fits`` False).
+    Candidates: tp a power of two up to ``gpus_per_node`` (TP stays inside a node), cp one up
+    to ``MAX_CP``, pp one up to the layers, dp_shard the GPUs left, which must divide
+    ``global_batch`` (sequences per step, kept: micro-batch x accumulation x dp); the
+    micro-batch at most ``micro_batch``; checkpointing the recipe's or stronger (selective,
+    then full). Only layouts the trainer runs are candidates: `support.check_layout` with the
+    model, ``optimizer``, ``compile``, ``seq_len`` and the accumulation decides (tp dividing
+    the heads, cp dividing the sequence, pp micro-batches, no cp with pp, ...).
+
+    Each candidate's memory is `memory_per_gpu`; among those within ``HEADROOM`` of the GPU,
+    the one with the shortest `step_seconds` wins: its cost grows with tp (traffic per layer),
+    cp, pp (bubble) and recomputation, so tp grows first, as far as the layer needs to fit,
+    then cp or pp, and checkpointing comes in where it costs less than more model
+    parallelism. Ties go to less model parallelism and larger micro-batches. When nothing
+    fits, the candidate needing the least memory is returned (``fits`` False).
 
     ``fixed`` holds degrees the user or the recipe set (``--parallel``,
     ``pretrain.train.parallel``); they are checked by `ParallelConfig.resolve`, which names a
-    bad field.
+    bad field (the same rule).
 
     Raises:
         ConfigError: a fixed layout does not fit the world size, the model or the sequence,
@@ -243,15 +248,11 @@ def choose_layout(
     fixed = dict(fixed or {})
     world = num_gpus or hardware.gpus
     usable = HEADROOM * (gpu_mem_gb or hardware.gpu_mem_gb)
+    support = dict(optimizer=optimizer, compile=compile)
     if fixed:  # a fixed layout that cannot work fails here, naming the field
-        ParallelConfig(**fixed).resolve(world, model, seq_len)
-    tps = [fixed["tp"]] if "tp" in fixed else [
-        t for t in _powers_of_two(hardware.gpus_per_node)
-        if model.num_heads % t == 0 and model.num_kv_heads % t == 0
-    ]  # fmt: skip
-    cps = [fixed["cp"]] if "cp" in fixed else [
-        c for c in _powers_of_two(MAX_CP) if c == 1 or seq_len % (2 * c) == 0
-    ]  # fmt: skip
+        ParallelConfig(**fixed).resolve(world, model, seq_len, **support)
+    tps = [fixed["tp"]] if "tp" in fixed else _powers_of_two(hardware.gpus_per_node)
+    cps = [fixed["cp"]] if "cp" in fixed else _powers_of_two(MAX_CP)
     pps = [fixed["pp"]] if "pp" in fixed else _powers_of_two(model.num_layers)
     replicate = fixed.get("dp_replicate", 1)
     schedule = fixed.get("pp_schedule", "1f1b")
@@ -270,7 +271,7 @@ def choose_layout(
                 per_rank = global_batch // layout.dp
                 for micro in _divisors_descending(per_rank, micro_batch):
                     accum = per_rank // micro
-                    if pp > 1 and accum < pp:
+                    if not _supported(layout, model, StageShape(seq_len, accum), support):
                         continue
                     for ac in ladder:
                         plan = _evaluate(model, layout, seq_len, micro, accum, ac, hardware,
@@ -282,16 +283,20 @@ def choose_layout(
                             smallest = plan
     if smallest is None:
         raise ConfigError(
-            f"{PARALLEL_FIELD}: no layout of {world} GPUs {fixed or ''} keeps the global batch of "
-            f"{global_batch} sequences (micro-batch x accumulation x dp) at seq_len {seq_len}"
+            f"{PARALLEL_FIELD}: no layout of {world} GPUs {fixed or ''} that the trainer runs "
+            f"keeps the global batch of {global_batch} sequences (micro-batch x accumulation x "
+            f"dp) at seq_len {seq_len}"
         )
-    chosen = best[1] if best else smallest
-    ParallelConfig(
-        dp_replicate=chosen.layout.dp_replicate, dp_shard=chosen.layout.dp_shard,
-        tp=chosen.layout.tp, cp=chosen.layout.cp, pp=chosen.layout.pp,
-        pp_schedule=chosen.layout.pp_schedule,
-    ).resolve(world, model, seq_len, chosen.grad_accum_steps)  # fmt: skip
-    return chosen
+    return best[1] if best else smallest
+
+
+def _supported(layout: Layout, model: ModelConfig, stage: StageShape, support: dict) -> bool:
+    """Whether the trainer runs ``layout`` (``support.check_layout``, the trainer's own rule)."""
+    try:
+        check_layout(layout, model, stages=[stage], **support)
+    except ConfigError:
+        return False
+    return True
 
 
 def _evaluate(model, layout, seq_len, micro, accum, ac, hardware, param_dtype_bytes, optimizer,
@@ -362,22 +367,18 @@ def stage_layout_plans(
     (``pretrain.train.parallel``, an extension stage's ``parallel``) when they are not the
     default. ``pretrain`` is a ``PretrainConfig``, ``extend`` an ``ExtendConfig``.
     """
-    from llmflow.tasks.extend.config import extension_train_config
     from llmflow.tasks.pretrain.planner import precision_bytes
 
     world = num_gpus or hardware.gpus
-    stages = [(s.name, s.mixture.seq_len, pretrain.train) for s in pretrain.stages]
-    stages += [(f"extension {i + 1}", s.seq_len, extension_train_config(pretrain.train, s))
-               for i, s in enumerate(extend.stages)]  # fmt: skip
     plans = []
-    for name, seq_len, train in stages:
-        batch = train.batch
+    for stage in recipe_stages(pretrain, extend):
+        train, batch, seq_len = stage.train, stage.train.batch, stage.shape.seq_len
         recipe_dp = train.parallel.resolve(world).dp
-        plans.append((name, seq_len, choose_layout(
+        plans.append((stage.name, seq_len, choose_layout(
             train.model_config_obj(), seq_len, batch.micro_batch_size, hardware,
             global_batch=batch.micro_batch_size * batch.grad_accum_steps * recipe_dp,
             param_dtype_bytes=precision_bytes(train), optimizer=train.optimizer.name,
-            activation_checkpointing=train.activation_checkpointing,
+            compile=train.compile, activation_checkpointing=train.activation_checkpointing,
             every_k=train.activation_checkpointing_every_k,
             fixed=parallel if parallel is not None else configured_degrees(train.parallel),
             num_gpus=world, gpu_mem_gb=gpu_mem_gb,

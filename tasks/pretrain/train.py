@@ -56,7 +56,7 @@ from llmflow.tasks.pretrain.init_weights import is_weights_only, load_weights
 from llmflow.tasks.pretrain.launch import die_with_launcher, failure_report
 from llmflow.tasks.pretrain.optim import build_optimizers, set_lr
 from llmflow.tasks.pretrain.parallel import pp, tp  # pp: pipeline parallelism
-from llmflow.tasks.pretrain.parallel.cp import check_cp_layout, shard_batch
+from llmflow.tasks.pretrain.parallel.cp import shard_batch
 from llmflow.tasks.pretrain.parallel.mesh import build_mesh
 from llmflow.tasks.pretrain.preemption import Preemption
 from llmflow.tasks.pretrain.schedule import lr_multiplier, micro_batch_size, steps_for_tokens
@@ -83,16 +83,13 @@ class Trainer:
         self.model_config = cfg.model_config_obj()
         # NOTE: before joining the process group: a layout that does not fit fails at once.
         self.layout = cfg.parallel.resolve(
-            launched_world_size(), self.model_config, None, cfg.batch.grad_accum_steps
-        )
-        if self.layout.tp > 1:
-            tp.check_model(self.model_config, self.layout.tp, cfg.optimizer.name, cfg.compile)
-        check_cp_layout(self.layout)  # context parallel (cp.py): what it cannot combine with
+            launched_world_size(), self.model_config, check_data(cfg, data_dir)["seq_len"],
+            cfg.batch.grad_accum_steps, optimizer=cfg.optimizer.name, compile=cfg.compile,
+        )  # fmt: skip
         self.runtime = rt = setup_runtime()
         if cfg.deterministic and rt.device.type == "cpu":
             torch.use_deterministic_algorithms(True)
         check_world_size(cfg, rt.world_size)
-        self.layout.check_seq_len(check_data(cfg, data_dir)["seq_len"])
         if val_dir is not None:
             check_data(cfg, val_dir, role="val_dir")
         self.mesh = build_mesh(rt.device.type, self.layout) if rt.distributed else None

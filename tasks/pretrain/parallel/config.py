@@ -2,7 +2,7 @@
 
 ``dp_replicate x dp_shard x tp x cp x pp`` must equal the world size; ``dp_shard: -1`` takes what
 the others leave. Every check that can fail names the field and the values, and runs before any
-compute (``ParallelConfig.resolve``).
+compute: ``ParallelConfig.resolve`` checks the product, ``support.check_layout`` the rest.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from llmflow.tasks.framework.errors import ConfigError
+from llmflow.tasks.pretrain.parallel.support import PARALLEL_FIELD, StageShape, check_layout
 
 if TYPE_CHECKING:
     from llmflow.model.config import ModelConfig
@@ -43,39 +44,45 @@ class ParallelConfig(BaseModel):
         model: ModelConfig | None = None,
         seq_len: int | None = None,
         micro_batches: int | None = None,
+        *,
+        optimizer: str | None = None,
+        compile: bool = False,
+        field: str = PARALLEL_FIELD,
     ) -> Layout:
-        """The degrees at ``world_size``, checked against the model and the batch.
+        """The degrees at ``world_size``, accepted by :func:`support.check_layout` for the
+        model, optimizer, compile, sequence length and micro-batches given (None: unchecked).
 
         Raises:
-            ConfigError: the degrees do not multiply to the world size, or the model, sequence
-                length or micro-batches do not divide by them; the message names the field.
+            ConfigError: the degrees do not multiply to the world size, or the layout is one
+                the trainer does not run (``support.check_layout``); the message names the
+                field (``field``: where this layout is set).
         """
         if self.dp_shard == 0 or self.dp_shard < -1:
-            raise ConfigError(
-                f"pretrain.train.parallel.dp_shard={self.dp_shard}: must be >= 1, or -1 (the rest)"
-            )
+            raise ConfigError(f"{field}.dp_shard={self.dp_shard}: must be >= 1, or -1 (the rest)")
         fixed = self.dp_replicate * self.tp * self.cp * self.pp
         dp_shard = self.dp_shard
         if dp_shard == -1:
             if world_size % fixed:
                 raise ConfigError(
-                    f"pretrain.train.parallel: dp_replicate x tp x cp x pp = {fixed} does not "
-                    f"divide the world size {world_size}"
+                    f"{field}: dp_replicate x tp x cp x pp = {fixed} does not divide the world "
+                    f"size {world_size}"
                 )
             dp_shard = world_size // fixed
         if fixed * dp_shard != world_size:
             raise ConfigError(
-                f"pretrain.train.parallel: dp_replicate={self.dp_replicate} x dp_shard={dp_shard}"
-                f" x tp={self.tp} x cp={self.cp} x pp={self.pp} = {fixed * dp_shard} differs from"
-                f" the world size {world_size}"
+                f"{field}: dp_replicate={self.dp_replicate} x dp_shard={dp_shard} x tp={self.tp}"
+                f" x cp={self.cp} x pp={self.pp} = {fixed * dp_shard} differs from the world "
+                f"size {world_size}"
             )
         layout = Layout(self.dp_replicate, dp_shard, self.tp, self.cp, self.pp, self.pp_schedule)
-        if model is not None:
-            layout.check_model(model)
-        if seq_len is not None:
-            layout.check_seq_len(seq_len)
-        if micro_batches is not None:
-            layout.check_micro_batches(micro_batches)
+        check_layout(
+            layout,
+            model,
+            optimizer=optimizer,
+            compile=compile,
+            stages=[StageShape(seq_len, micro_batches)],
+            field=field,
+        )
         return layout
 
 
@@ -107,35 +114,3 @@ class Layout:
     def is_plain(self) -> bool:
         """Only data parallelism (the FSDP2 path the trainer always had)."""
         return self.tp == self.cp == self.pp == 1 and self.dp_replicate == 1
-
-    def check_model(self, model: ModelConfig) -> None:
-        field = "pretrain.train.parallel"
-        if model.num_heads % self.tp:
-            raise ConfigError(
-                f"{field}.tp={self.tp} does not divide the model's num_heads={model.num_heads}"
-            )
-        if model.num_kv_heads % self.tp:
-            raise ConfigError(
-                f"{field}.tp={self.tp} does not divide the model's "
-                f"num_kv_heads={model.num_kv_heads}"
-            )
-        if model.num_layers < self.pp:
-            raise ConfigError(
-                f"{field}.pp={self.pp} exceeds the model's num_layers={model.num_layers} "
-                "(each pipeline stage needs at least one layer)"
-            )
-
-    def check_seq_len(self, seq_len: int) -> None:
-        if seq_len % (2 * self.cp) and self.cp > 1:
-            raise ConfigError(
-                f"pretrain.train.parallel.cp={self.cp}: the sequence length {seq_len} must be "
-                f"divisible by 2 x cp = {2 * self.cp} (each rank holds one chunk from the start "
-                "and one from the end)"
-            )
-
-    def check_micro_batches(self, micro_batches: int) -> None:
-        if self.pp > 1 and micro_batches < self.pp:
-            raise ConfigError(
-                f"pretrain.train.parallel.pp={self.pp} needs at least {self.pp} micro-batches per "
-                f"step; batch.grad_accum_steps={micro_batches}"
-            )

@@ -58,26 +58,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from llmflow.model.attention import SequenceShard, document_ids, positions_from_cu_seqlens
-from llmflow.tasks.framework.errors import BadInputError, ConfigError
-from llmflow.tasks.pretrain.parallel.config import Layout
+from llmflow.tasks.framework.errors import BadInputError
 
 SHARDED_KEYS = ("input_ids", "labels", "position_ids")
 """The per-token (B, T) tensors of a batch that are cut along T."""
-
-
-def check_cp_layout(layout: Layout) -> None:
-    """Refuse what context parallelism does not support yet, before any compute.
-
-    Raises:
-        ConfigError: ``cp > 1`` with ``pp > 1``: pipeline stages (``pp.py``) derive document
-            masks from the positions they receive and take no ``SequenceShard``, so a shard's
-            attention would be wrong, not slow.
-    """
-    if layout.cp > 1 and layout.pp > 1:
-        raise ConfigError(
-            f"pretrain.train.parallel.cp={layout.cp} with pp={layout.pp}: pipeline stages do not "
-            "take a context-parallel shard yet; use cp or pp, not both"
-        )
 
 
 def zigzag_index(seq_len: int, cp: int, rank: int, device: torch.device | None = None) -> Tensor:

@@ -46,32 +46,10 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from llmflow.model.config import ModelConfig
 from llmflow.model.transformer import _canonical
-from llmflow.tasks.framework.errors import ConfigError
 
 ROW_ORDER = "row_order"
 """Attribute of a colwise ``nn.Linear`` whose weight rows are held in tensor-parallel order."""
-
-
-def check_model(cfg: ModelConfig, tp: int, optimizer: str = "adamw", compile: bool = False) -> None:
-    """Refuse what this plan cannot split evenly or does not support, naming the field (before
-    any compute)."""
-    field = "pretrain.train.parallel.tp"
-    if compile:
-        # NOTE: torch 2.13, blocks compiled after this plan: the backward of the sequence
-        # all-gather receives a plain tensor ('Tensor' object has no attribute '_local_tensor').
-        raise ConfigError(f"{field}={tp}: compile=true does not work with it yet")
-    for name, size in (
-        ("intermediate_size", cfg.intermediate_size),
-        ("vocab_size", cfg.vocab_size),
-    ):
-        if size % tp:
-            raise ConfigError(f"{field}={tp} does not divide the model's {name}={size}")
-    if cfg.qk_norm:
-        # NOTE: q_norm/k_norm act on this rank's heads only: their gradients would need a sum
-        # over the TP group that no DTensor placement gives here.
-        raise ConfigError(f"{field}={tp}: tensor parallelism does not support model.qk_norm yet")
 
 
 def row_order(part_rows: list[int], tp: int) -> Tensor:
@@ -91,8 +69,7 @@ def row_order(part_rows: list[int], tp: int) -> Tensor:
 def apply_tp(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     """Parallelise a ``Transformer`` (on any device, meta included) over the 1-D ``mesh``."""
     tp = mesh.size()
-    cfg = model.cfg
-    check_model(cfg, tp)
+    cfg = model.cfg  # the layout was checked before (support.check_layout)
     parallelize_module(
         model,
         mesh,

@@ -189,9 +189,8 @@ def test_shard_mask_is_the_rows_of_the_whole_mask(docs):
 def test_cp_with_pipeline_stages_is_refused_naming_both():
     from llmflow.tasks.framework.errors import ConfigError
     from llmflow.tasks.pretrain.parallel.config import ParallelConfig
-    from llmflow.tasks.pretrain.parallel.cp import check_cp_layout
 
-    check_cp_layout(ParallelConfig(cp=2).resolve(4))
-    check_cp_layout(ParallelConfig(pp=2).resolve(4))
+    ParallelConfig(cp=2).resolve(4)
+    ParallelConfig(pp=2).resolve(4)
     with pytest.raises(ConfigError, match=r"parallel.cp=2 with pp=2"):
-        check_cp_layout(ParallelConfig(cp=2, pp=2).resolve(4))
+        ParallelConfig(cp=2, pp=2).resolve(4)

@@ -30,7 +30,6 @@ def _helpers():
         (4, {"tp": 4}, {}, "num_kv_heads=2"),  # 4 ranks, but 2 KV heads
         (2, {"tp": 2}, {"intermediate_size": 66 + 1}, "intermediate_size=67"),
         (2, {"tp": 2}, {"qk_norm": True}, "qk_norm"),
-        (2, {"tp": 2, "optimizer": "muon"}, {}, "muon"),
         (2, {"tp": 2, "compile": True}, {}, "compile=true"),
     ],
 )

@@ -50,7 +50,7 @@ def test_model_sequence_and_batch_checks_name_the_field_in_under_a_second():
         (
             dict(cp=2),
             dict(seq_len=66),
-            "cp=2: the sequence length 66 must be divisible by 2 x cp = 4",
+            "cp=2: seq_len=66 must be divisible by 2 x cp = 4",
         ),
         (dict(pp=2), dict(micro_batches=1), "batch.grad_accum_steps=1"),
     ]
@@ -61,8 +61,11 @@ def test_model_sequence_and_batch_checks_name_the_field_in_under_a_second():
             config.resolve(config.tp * config.cp * config.pp, **checks)
         assert needle in str(err.value), str(err.value)
         assert time.perf_counter() - started < 1.0
-    ok = ParallelConfig(tp=2, cp=2, pp=2).resolve(8, model=model, seq_len=64, micro_batches=2)
-    assert ok.dp == 1
+    ok = ParallelConfig(tp=2, cp=2, dp_replicate=2).resolve(8, model, 64, 2)
+    assert ok.dp == 2
+    untied = preset("debug", num_layers=2, tie_embeddings=False)
+    ok = ParallelConfig(tp=2, pp=2).resolve(8, model=untied, seq_len=64, micro_batches=2)
+    assert ok.dp == 2
 
 
 def test_the_mesh_enters_the_hash_only_off_its_default():
