@@ -32,9 +32,16 @@ from common import emit, order
 
 from llmflow.model.config import preset
 from llmflow.tasks.dataprep.pack import write_packed
-from llmflow.tasks.pretrain.checkpointer import read_notices
 from llmflow.tasks.pretrain.config import TrainConfig
 from llmflow.tasks.pretrain.launch import launch_training
+from llmflow.tasks.pretrain.notices import NOTICES
+
+
+def read_notices(out_dir: Path) -> list[dict]:
+    """The checkpoint notices of a run folder (``checkpoints.jsonl``), oldest first."""
+    path = Path(out_dir) / NOTICES
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [json.loads(line) for line in lines if line.strip()]
 
 
 def make_data(out: Path, vocab: int, seq_len: int, rows: int) -> Path:

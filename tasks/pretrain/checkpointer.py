@@ -15,7 +15,6 @@ training time that checkpoint held up. ``final/`` is always written synchronousl
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -227,11 +226,3 @@ class Checkpointer(Callback):
                 )
             trainer.loader.load_state_dict(rank_state["loader"])  # refuses other data
             print(f"data continues at sequence {trainer.loader.position}", flush=True)
-
-
-def read_notices(out_dir: Path) -> list[dict[str, Any]]:
-    """The checkpoint notices of a run folder, oldest first."""
-    path = Path(out_dir) / NOTICES
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -16,12 +16,12 @@ from pydantic import BaseModel
 from llmflow.tasks.framework.executor import Executor
 from llmflow.tasks.framework.graph import Graph
 from llmflow.tasks.framework.step import Metrics, step
-from llmflow.tasks.pretrain.checkpointer import read_notices
 from llmflow.tasks.pretrain.faults import ENV
 from llmflow.tasks.pretrain.launch import TrainingPreempted, launch_training
 from llmflow.tasks.pretrain.preemption import PREEMPTED_EXIT_CODE
 from llmflow.tasks.pretrain.step import StageRun, pretrain
 from tests.chaos.conftest import TINY_MODEL, file_digests, make_packed, tiny_train_config
+from tests.tasks.pretrain.notices import read_notices
 
 pytestmark = pytest.mark.slow
 

@@ -7,7 +7,7 @@ import pytest
 from conftest import losses_by_step, run_trainer, tiny_config
 
 from llmflow.tasks.pretrain import checkpoint as ckpt
-from llmflow.tasks.pretrain.checkpointer import read_notices
+from tests.tasks.pretrain.notices import read_notices
 
 KILL = {"slow_storage_after_step": 6, "checkpoint_write_delay_s": 120, "sigkill_after_step": 8}
 

@@ -16,10 +16,8 @@ from conftest import run_trainer, tiny_config
 from test_launcher_tie import small_ray_head  # noqa: F401 (a 127.0.0.1 head with num_cpus=2)
 
 from llmflow.tasks.framework.resources import preset_path
-from llmflow.tasks.pretrain.checkpointer import read_notices
 from llmflow.tasks.pretrain.faults import ENV
 from llmflow.tasks.pretrain.launch import (
-    TrainingFailed,
     TrainingPreempted,
     launch_training,
     train_arguments,
@@ -41,6 +39,7 @@ from llmflow.tasks.pretrain.notices import (
     TRAIN_MODULE,
 )
 from llmflow.tasks.pretrain.ray_launch import RaySettings
+from tests.tasks.pretrain.notices import read_notices
 
 ROOT = Path(__file__).resolve().parents[3]
 ACCELERATE_CPU = ROOT / "deployments" / "accelerate" / "cpu.yaml"
@@ -64,14 +63,9 @@ LAUNCHERS = [
     pytest.param(
         _ray,
         id="ray",
-        marks=[
-            pytest.mark.slow,
-            pytest.mark.integration,
-            # NOTE: known gap (docs/ARCHITECTURE.md): Ray Train runs the trainer off its actor's
-            # main thread, so Preemption installs no handler and the actor's own SIGTERM handler
-            # ends it: no checkpoint, no event, the driver fails with WorkerGroupError.
-            pytest.mark.xfail(strict=True, raises=TrainingFailed, reason="Ray rank SIGTERM"),
-        ],
+        # Ray Train runs the trainer off its actor's main thread: SIGTERM reaches it through the
+        # relay the launcher installs on the actor's main thread (ray_launch.py)
+        marks=[pytest.mark.slow, pytest.mark.integration],
     ),
 ]
 

@@ -6,7 +6,7 @@ import json
 
 from conftest import losses_by_step, read_jsonl, run_trainer, tiny_config
 
-from llmflow.tasks.pretrain.checkpointer import read_notices
+from tests.tasks.pretrain.notices import read_notices
 
 
 def test_resume_after_crash_is_bitwise_exact(tmp_path, train_data, val_data):
