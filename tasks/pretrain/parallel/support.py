@@ -60,8 +60,8 @@ def check_layout(
         ConfigError: An unsupported combination (CP with PP, TP with compile, TP with
             ``model.qk_norm``, TP with PP and tied embeddings), a degree that does not divide
             the model (TP: heads, KV heads, intermediate and vocabulary sizes; PP: layers) or
-            a stage (CP: ``seq_len`` by 2 x cp; PP: fewer micro-batches than stages); the
-            message names the fields.
+            a stage (CP: ``seq_len`` by 2 x cp; TP: ``seq_len`` by cp x tp; PP: fewer
+            micro-batches than stages); the message names the fields.
     """
     _check_combination(layout, compile, field)
     if model is not None:
@@ -125,6 +125,15 @@ def _check_stage(layout: Layout, stage: StageShape, field: str) -> None:
         raise ConfigError(
             f"{field}.cp={cp}: {stage.seq_len_field}={seq_len} must be divisible by 2 x cp = "
             f"{2 * cp} (each rank holds one chunk from the start and one from the end)"
+        )
+    tp = layout.tp
+    if tp > 1 and seq_len is not None and seq_len % (cp * tp):
+        # NOTE: sequence parallelism cuts each rank's seq_len / cp tokens into tp equal parts;
+        # uneven parts fail in the first all-gather (tp=2 at seq_len 33: "The size of tensor a
+        # (34) must match the size of tensor b (33)").
+        raise ConfigError(
+            f"{field}.tp={tp}: {stage.seq_len_field}={seq_len} must be divisible by cp x tp = "
+            f"{cp * tp} (sequence parallelism splits each rank's tokens over the TP ranks)"
         )
     micro_batches = stage.micro_batches
     if layout.pp > 1 and micro_batches is not None and micro_batches < layout.pp:

@@ -45,6 +45,13 @@ CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
             {"stages": [StageShape(66, 1, "pretrain.stages.0.mixture.seq_len")]},
             ["parallel.cp=2", "pretrain.stages.0.mixture.seq_len=66", "2 x cp = 4"],
         ),
+        (Layout(tp=2), {}, {"stages": [StageShape(33, 1)]}, ["parallel.tp=2", "seq_len=33"]),
+        (
+            Layout(tp=4, cp=2),
+            {"num_kv_heads": 4},
+            {"stages": [StageShape(12, 1)]},
+            ["parallel.tp=4", "seq_len=12", "cp x tp = 8"],
+        ),
         (
             Layout(pp=2),
             {},
@@ -142,8 +149,8 @@ def test_an_init_recipe_checks_degrees_before_it_knows_the_architecture():
     from llmflow.tasks.config import load_config
 
     config = "configs/continue-pretrain.yaml"
-    odd_heads = ["pretrain.num_processes=3", "pretrain.parallel.tp=3"]
-    assert load_config(config, odd_heads).pretrain.train.parallel.tp == 3
+    placeholder_refuses = ["pretrain.num_processes=4", "pretrain.parallel.tp=4"]  # 2 KV heads
+    assert load_config(config, placeholder_refuses).pretrain.train.parallel.tp == 4
     with pytest.raises(ConfigError, match="pretrain.train.parallel.pp=2 needs at least 2"):
         load_config(config, ["pretrain.num_processes=2", "pretrain.parallel.pp=2"])
 
