@@ -30,10 +30,12 @@ buffer, for the hidden matrices only: embeddings, norms and the output projectio
 class MemoryEstimate:
     """Memory per GPU, in GB (1e9 bytes).
 
-    Activations and gradients are never all live at once: the activations are freed block by
-    block as the backward pass makes the gradients, and the gradients are freed (set to None)
-    after the optimizer step. ``peak_live_gb`` is the larger of the two at the step's fullest
-    point, and the total is weights + optimizer states + that.
+    Weights (the float32 parameters the optimizer steps, and FSDP's gathered units) and the
+    optimizer states stay for the whole run. Beside them, at different times: the train step's
+    activations and gradients (never all live at once: the activations are freed block by block
+    as the backward pass makes the gradients, and the gradients are freed (set to None) after
+    the optimizer step), the optimizer step's temporaries beside the gradients, a validation
+    pass, and a checkpoint save. The total is weights + optimizer states + the largest of those.
     """
 
     weights_gb: float
@@ -43,11 +45,24 @@ class MemoryEstimate:
     """Activations at the end of the forward pass, the loss's buffers included."""
     peak_live_gb: float = 0.0
     """Activations and gradients at their fullest point together (see `memory_per_gpu`)."""
+    optimizer_step_gb: float = 0.0
+    """The gradients and the optimizer step's temporaries (`optimizer_step_bytes`)."""
+    validation_gb: float = 0.0
+    """A validation pass: the train step's loss path, forward only (`validation_bytes`)."""
+    checkpoint_gb: float = 0.0
+    """A checkpoint save's gathered tensors (`checkpoint_bytes`)."""
+
+    @property
+    def peak_gb(self) -> float:
+        """Beside weights and optimizer states: the step, its optimizer step, validation or a
+        checkpoint save, whichever is largest."""
+        return max(self.peak_live_gb, self.optimizer_step_gb, self.validation_gb,
+                   self.checkpoint_gb)  # fmt: skip
 
     @property
     def total_gb(self) -> float:
-        """Weights + optimizer states + activations and gradients at their fullest point."""
-        return self.weights_gb + self.optimizer_gb + self.peak_live_gb
+        """Weights + optimizer states + the fullest of the step, validation and a save."""
+        return self.weights_gb + self.optimizer_gb + self.peak_gb
 
 
 @dataclass
@@ -269,12 +284,16 @@ def memory_per_gpu(
     pp_schedule: str = "1f1b",
     masked: bool = False,
     device_type: str = "cuda",
+    eval_batches: int = 4,
 ) -> MemoryEstimate:
     """Weights, gradients, optimizer states and activations on one GPU, and their peak together,
     for the layout ``dp_replicate x dp_shard x cp x tp x pp = num_gpus``.
 
-    Optimizer states are float32; with 16-bit parameters a float32 master copy is added to them.
-    A GPU holds its pipeline stage's parameters (ceil(L/pp) blocks, the embedding or the output
+    Parameters, their gradients and the optimizer states are float32 at any precision (the
+    trainer's parameters are the master weights; FSDP2 reduces gradients in float32, autocast
+    leaves them float32); ``param_dtype_bytes`` is what the matmuls compute in: FSDP2's gathered
+    units, autocast's copies of the weights (without FSDP: kept for the backward pass) and the
+    activations. A GPU holds its pipeline stage's parameters (ceil(L/pp) blocks, the embedding or the output
     projection: the first and last stage), tp-th of them (norm weights, replicated over TP,
     are left out). FSDP2 (ZeRO-3) shards those over ``dp_shard x cp`` (CP ranks hold the same
     parameters) and replicates them over ``dp_replicate`` (HSDP); it adds the two unsharded
@@ -299,7 +318,11 @@ def memory_per_gpu(
       block's backward temporaries (`backward_working_bytes`);
     - the backward pass's end: every gradient, the first block's activations and, with FSDP,
       that block's unsharded gradient and the root's reduce-scattered shard beside its whole
-      gradient.
+      gradient; under TP the tied embedding's gradient buffers (`embedding_backward_bytes`).
+
+    Outside those, beside weights and optimizer states: the optimizer step (the gradients and
+    its temporaries, `optimizer_step_bytes`), a validation pass of ``micro_batch_size`` rows
+    (`validation_bytes`) and a checkpoint save (`checkpoint_bytes`).
     """
     if optimizer not in OPTIMIZER_STATES:
         raise BadInputError(f"optimizer={optimizer!r} must be one of {sorted(OPTIMIZER_STATES)}")
@@ -312,43 +335,139 @@ def memory_per_gpu(
     if pp > 1:  # NOTE: the first stage holds the embedding, the last the output projection
         root = cfg.vocab_size * cfg.hidden_size + cfg.hidden_size
     params = (stage_blocks * per_block + root) / tp
-    master = 1 if param_dtype_bytes < 4 else 0
     if optimizer == "muon":
         hidden = hidden_matrix_parameters(cfg) / cfg.num_layers * stage_blocks / tp
-        state_floats = hidden * (OPTIMIZER_STATES["muon"] + master)
-        state_floats += (params - hidden) * (OPTIMIZER_STATES["adamw"] + master)
+        state_floats = hidden * OPTIMIZER_STATES["muon"]
+        state_floats += (params - hidden) * OPTIMIZER_STATES["adamw"]
     else:
-        state_floats = params * (OPTIMIZER_STATES[optimizer] + master)
-    weights = params * param_dtype_bytes / shards
-    gradients = params * param_dtype_bytes / shards
-    reducing = 0.0
+        state_floats = params * OPTIMIZER_STATES[optimizer]
+    p = param_dtype_bytes
+    # NOTE: the parameters are float32 at any precision (they are the master weights), so are
+    # their gradients (FSDP2's reduce_dtype; autocast's float32 leaves); bf16 exists only as
+    # FSDP2's gathered units or autocast's copies of the weights.
+    weights = params * FLOAT32 / shards
+    gradients = params * FLOAT32 / shards
+    reducing = casts = 0.0
     if fsdp and shards > 1:
-        weights += 2 * per_block / tp * param_dtype_bytes
+        weights += 2 * per_block / tp * p
         # NOTE: FSDP2 keeps the root unit (embedding, output projection, final norm) gathered
         # from forward to backward, and its gradient is whole until reduce-scattered.
-        weights += root / tp * param_dtype_bytes
-        gradients += root / tp * param_dtype_bytes
-        reducing = (per_block + root / shards) / tp * param_dtype_bytes
+        weights += root / tp * p
+        gradients += root / tp * p
+        reducing = (per_block + root / shards) / tp * p
+    elif p < FLOAT32:
+        # autocast's bf16 copy of each weight, saved for the backward pass (freed through it)
+        casts = params * p
     tokens = micro_batch_size * seq_len / cp
     extra = attention_extra_bytes(
         cfg, seq_len=seq_len, micro_batch_size=micro_batch_size,
-        activation_bytes=param_dtype_bytes, tp=tp, cp=cp, masked=masked, device_type=device_type,
+        activation_bytes=p, tp=tp, cp=cp, masked=masked, device_type=device_type,
     )  # fmt: skip
     activations = _stage_activations(
-        cfg, tokens, param_dtype_bytes, activation_checkpointing, every_k, tp, pp,
+        cfg, tokens, p, activation_checkpointing, every_k, tp, pp,
         micro_batches, pp_schedule, extra,
     )  # fmt: skip
-    first_block = tokens * block_activation_bytes(cfg, param_dtype_bytes, tp) + extra.per_layer
+    first_block = tokens * block_activation_bytes(cfg, p, tp) + extra.per_layer
     backward_end = gradients + reducing + first_block
+    backward_end += embedding_backward_bytes(cfg, tp, p if shards > 1 else FLOAT32, device_type)
     backward_start = activations - logits_chunk_bytes(cfg, int(tokens), tp)
-    backward_start += backward_working_bytes(cfg, tokens, param_dtype_bytes, tp)
+    backward_start += backward_working_bytes(cfg, tokens, p, tp)
+    largest = max(cfg.vocab_size * cfg.hidden_size, 2 * cfg.intermediate_size * cfg.hidden_size)
+    step = optimizer_step_bytes(
+        params / shards, largest / tp / shards, optimizer, device_type
+    )  # fmt: skip
+    validation = validation_bytes(cfg, tokens, p, tp, pp, extra, eval_batches) + casts
     return MemoryEstimate(
         weights_gb=weights / GB,
         gradients_gb=gradients / GB,
-        optimizer_gb=state_floats * 4 / shards / GB,
+        optimizer_gb=state_floats * FLOAT32 / shards / GB,
         activations_gb=activations / GB,
-        peak_live_gb=max(activations, backward_start, backward_end) / GB,
+        peak_live_gb=max(activations + casts, backward_start + casts, backward_end) / GB,
+        optimizer_step_gb=step / GB,
+        validation_gb=validation / GB,
+        checkpoint_gb=checkpoint_bytes(cfg, tp, pp, optimizer, stage_blocks) / GB,
     )
+
+
+EMBEDDING_BACKWARD_BUFFERS = {"cuda": 2, "cpu": 4}
+"""(V/tp, C) buffers the tied embedding's backward adds under TP, beside its gradient."""
+
+
+def embedding_backward_bytes(cfg: ModelConfig, tp: int, grad_bytes: int, device: str) -> float:
+    """What the tied embedding's backward pass adds under tensor parallelism.
+
+    In one process the fused loss and the embedding share one float32 gradient buffer
+    (``model/loss.py`` `TiedGradient`); under TP (a DTensor weight) they do not: the embedding's
+    dense (V/tp, C) gradient and its sum with the loss's are made beside the loss's gradient.
+    On CPU the dense backward makes two more (measured: 4 buffers at the embedding's backward,
+    tests/tasks/pretrain/test_planner_parallel_memory.py).
+    """
+    if tp == 1 or not cfg.tie_embeddings:
+        return 0.0
+    buffers = EMBEDDING_BACKWARD_BUFFERS.get(device, EMBEDDING_BACKWARD_BUFFERS["cuda"])
+    return buffers * cfg.vocab_size / tp * cfg.hidden_size * grad_bytes
+
+
+def optimizer_step_bytes(params: float, largest: float, optimizer: str, device: str) -> float:
+    """The float32 gradients and the optimizer step's temporaries, for ``params`` parameters
+    on this GPU of which the largest tensor holds ``largest``.
+
+    On CUDA torch's optimizers take their ``foreach`` path, which makes one float32 tensor per
+    parameter at once (AdamW: ``sqrt(exp_avg_sq)``; Lion: the update); on CPU they go tensor by
+    tensor, two temporaries of the largest at once. SGD without momentum makes none.
+    """
+    if optimizer == "sgd":
+        return params * FLOAT32
+    temporaries = params if device == "cuda" else 2 * largest
+    return (params + temporaries) * FLOAT32
+
+
+def validation_bytes(
+    cfg: ModelConfig,
+    tokens: float,
+    activation_bytes: int,
+    tp: int,
+    pp: int,
+    extra: AttentionExtra,
+    eval_batches: int = 4,
+) -> float:
+    """A validation pass beside weights and optimizer states (the gradients were freed).
+
+    It is the train step's loss path forward only, without gradients (``callbacks.Validator``:
+    the same CP shards, the fused or vocabulary-parallel loss): one block's tensors at a time
+    (at most what a block keeps for its backward pass) with the attention's mask and gathered
+    K/V, the residual stream and one chunk of the loss's logits; under PP every stage keeps its
+    outputs of the ``eval_batches`` micro-batches until the schedule ends.
+    """
+    c = cfg.hidden_size
+    block = tokens * block_activation_bytes(cfg, activation_bytes, tp) + extra.per_layer
+    stream = tokens * 2 * c * activation_bytes  # the residual stream in and out of a block
+    held = (eval_batches - 1) * tokens * c * activation_bytes if pp > 1 else 0.0
+    return block + extra.once + stream + logits_chunk_bytes(cfg, int(tokens), tp) + held
+
+
+def checkpoint_bytes(
+    cfg: ModelConfig, tp: int, pp: int, optimizer: str, stage_blocks: int
+) -> float:
+    """What a checkpoint save gathers on the GPU beside weights and optimizer states.
+
+    - Under TP the tensors held in tensor-parallel row order (``parallel/tp.py``: q/k/v and
+      gate/up) are written in canonical order: one whole float32 tensor at a time, the largest
+      (gate/up or q/k/v), with its optimizer moments.
+    - Under PP the final save gathers this stage's full state (every parameter whole, float32)
+      on the GPU of every rank (``get_model_state_dict(cpu_offload=False)``; each pipeline
+      group sends it to its first rank).
+    """
+    c = cfg.hidden_size
+    qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim * c
+    largest = max(qkv, 2 * cfg.intermediate_size * c) if tp > 1 else 0
+    moments = OPTIMIZER_STATES["adamw" if optimizer == "muon" else optimizer]
+    canonical = largest * (1 + moments) * FLOAT32
+    if pp == 1:
+        return canonical
+    per_block = (cfg.num_parameters(non_embedding=True) - c) / cfg.num_layers
+    stage = stage_blocks * per_block + cfg.vocab_size * c + c
+    return (stage + largest) * FLOAT32 + canonical
 
 
 def backward_working_bytes(
@@ -565,6 +684,9 @@ def format_plan(p: Plan) -> str:
         f"weights {m.weights_gb:.2f} + optimizer {m.optimizer_gb:.2f} + activations and "
         f"gradients at their peak {m.peak_live_gb:.2f} (activations {m.activations_gb:.2f}, "
         f"gradients {m.gradients_gb:.2f}) = {m.total_gb:.2f}",
+        f"  and beside weights and optimizer: optimizer step {m.optimizer_step_gb:.2f}, "
+        f"validation {m.validation_gb:.2f}, checkpoint save {m.checkpoint_gb:.2f} (the total "
+        f"takes the largest: {m.peak_gb:.2f})",
         f"fits                 {'yes' if p.fits else 'NO'}",
     ]
     if p.predicted_loss is not None:

@@ -64,19 +64,26 @@ def test_memory_breakdown_by_hand():
     p = plan(cfg, seq_len=256, global_batch_tokens=8192, num_tokens=10**7, fsdp=False,
              micro_batch_size=2, param_dtype_bytes=2)  # fmt: skip
     m = p.memory
-    assert m.weights_gb == pytest.approx(DEBUG_PARAMS * 2 / GB)
-    assert m.gradients_gb == pytest.approx(DEBUG_PARAMS * 2 / GB)
-    assert m.optimizer_gb == pytest.approx(DEBUG_PARAMS * 4 * 3 / GB)  # master, m, v
+    # float32 parameters (the master weights) and gradients at any precision; m and v
+    assert m.weights_gb == pytest.approx(DEBUG_PARAMS * 4 / GB)
+    assert m.gradients_gb == pytest.approx(DEBUG_PARAMS * 4 / GB)
+    assert m.optimizer_gb == pytest.approx(DEBUG_PARAMS * 4 * 2 / GB)
     per_block = (8 * 128 + 2 * 64 + 4 * 384) * 2 + (4 + 2) * 4  # + 1/rms, logsumexp floats
     per_token = 4 * per_block + 2 * 128 * 2  # blocks, embedding output, hidden-state gradient
     chunk_elements = getattr(loss_module, "CHUNK_ELEMENTS", None)  # None: not chunked
     chunk = 2 * 256 if chunk_elements is None else min(chunk_elements // 8192, 2 * 256)
     loss = 8 * chunk * 8192 + 4 * 8192 * 128  # chunk's logits + log-probs, weight gradient
     assert m.activations_gb == pytest.approx((2 * 256 * per_token + loss) / GB)
-    # gradients (all of them, no FSDP) and the first block's activations at the backward's end
-    backward_end = DEBUG_PARAMS * 2 + 2 * 256 * per_block
-    assert m.peak_live_gb == pytest.approx(max(m.activations_gb, backward_end / GB))
-    assert m.total_gb == pytest.approx(m.weights_gb + m.optimizer_gb + m.peak_live_gb)
+    # gradients (all of them, no FSDP) and the first block's activations at the backward's end;
+    # without FSDP autocast's bf16 copies of the weights live with the activations
+    backward_end = DEBUG_PARAMS * 4 + 2 * 256 * per_block
+    casts = DEBUG_PARAMS * 2
+    assert m.peak_live_gb == pytest.approx(max(m.activations_gb + casts / GB, backward_end / GB))
+    # the optimizer step: the gradients and foreach's float32 temporary of every parameter
+    assert m.optimizer_step_gb == pytest.approx(DEBUG_PARAMS * 4 * 2 / GB)
+    assert m.total_gb == pytest.approx(
+        m.weights_gb + m.optimizer_gb + max(m.peak_live_gb, m.optimizer_step_gb, m.validation_gb)
+    )
 
 
 def test_activations_and_gradients_peak_apart():
@@ -190,8 +197,8 @@ def test_muon_states_by_hand_and_against_the_real_optimizer_split():
                   param_dtype_bytes=2)  # fmt: skip
     adamw = plan(cfg, optimizer="adamw", **kwargs).memory
     muon = plan(cfg, optimizer="muon", **kwargs).memory
-    # master copy + momentum for the hidden matrices; master + m + v for the rest
-    assert muon.optimizer_gb == pytest.approx((hidden * 2 + (DEBUG_PARAMS - hidden) * 3) * 4 / GB)
+    # momentum for the hidden matrices; m + v for the rest
+    assert muon.optimizer_gb == pytest.approx((hidden + (DEBUG_PARAMS - hidden) * 2) * 4 / GB)
     assert adamw.optimizer_gb - muon.optimizer_gb == pytest.approx(hidden * 4 / GB)
 
 

@@ -80,11 +80,12 @@ def test_layout_memory_by_hand():
     stage = (2 * per_block + 512 * H + H) / 2  # 2 blocks + embedding (or output) + norm, / tp
     shards = 2 * 2
     root = (512 * H + H) / 2
+    # float32 shards (the master weights, their gradients), FSDP2's gathered units in bf16
     assert m.weights_gb == pytest.approx(
-        (stage * p / shards + 2 * per_block / 2 * p + root * p) / GB
+        (stage * 4 / shards + 2 * per_block / 2 * p + root * p) / GB
     )
-    assert m.gradients_gb == pytest.approx((stage * p / shards + root * p) / GB)
-    assert m.optimizer_gb == pytest.approx(stage * 3 * 4 / shards / GB)  # master, m, v
+    assert m.gradients_gb == pytest.approx((stage * 4 / shards + root * p) / GB)
+    assert m.optimizer_gb == pytest.approx(stage * 2 * 4 / shards / GB)  # m, v
     tokens = 2 * 256 / 2
     block = block_activation_bytes(cfg, p, 2)
     first = 2 * tokens * (2 * block + H / 2 * p)  # 2 in flight: 2 blocks + embedding output
