@@ -28,6 +28,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 from llmflow.tasks.framework.errors import ConfigError
 from llmflow.tasks.pretrain.callbacks import Callback
+from llmflow.tasks.pretrain.preemption import Preemption
 from llmflow.tasks.pretrain.state import StepOutput
 
 if TYPE_CHECKING:
@@ -101,6 +102,11 @@ class FaultInjector(Callback):
             self.fired.add(out.step)
             print(f"fault injection: SIGTERM after step {out.step}", flush=True)
             os.kill(os.getpid(), signal.SIGTERM)
+            # NOTE: off the main thread (a Ray Train worker) the handler runs a moment later;
+            # waiting for it makes the signal land after this step, as it does on the main thread
+            for callback in trainer.callbacks:
+                if isinstance(callback, Preemption):
+                    callback.wait_for_signal(timeout_s=10.0)
 
 
 class SlowWriter(FileSystemWriter):

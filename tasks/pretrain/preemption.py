@@ -12,6 +12,12 @@ checkpoint exactly.
 ``checkpoint.preempt_grace_s`` bounds it: a watchdog started by the signal exits the process at
 the deadline even when the step or the save has not finished (the half-written checkpoint is never
 taken for one; the retry resumes from the previous checkpoint).
+
+Only a process's main thread may install a signal handler, and Python runs handlers there. A
+trainer run off the main thread (Ray Train runs it in a thread of its worker actor) relies on a
+:class:`SigtermRelay` that the main thread installed first (``install_sigterm_relay``; the Ray
+launcher does it on every worker): while a trainer listens, SIGTERM goes to its ``Preemption``;
+otherwise to the handler the relay replaced (Ray's, which ends the actor).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -34,6 +41,39 @@ if TYPE_CHECKING:
     from llmflow.tasks.pretrain.train import Trainer
 
 
+class SigtermRelay:
+    """The SIGTERM handler of a process whose trainer runs off the main thread.
+
+    Installed by the main thread (``install_sigterm_relay``) before the trainer starts; a
+    trainer's ``Preemption`` sets itself as the ``listener`` from any thread while it trains.
+    Without a listener the signal goes to the handler the relay replaced.
+    """
+
+    def __init__(self, previous: Any) -> None:
+        self.previous = previous
+        self.listener: Callable[[int, Any], None] | None = None
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        listener = self.listener
+        if listener is not None:
+            listener(signum, frame)
+        elif callable(self.previous):
+            self.previous(signum, frame)
+        elif self.previous != signal.SIG_IGN:  # the default action: end the process
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+
+def install_sigterm_relay() -> SigtermRelay:
+    """Install (once) this process's `SigtermRelay`; call it from the main thread."""
+    current = signal.getsignal(signal.SIGTERM)
+    if isinstance(current, SigtermRelay):
+        return current
+    relay = SigtermRelay(current)
+    signal.signal(signal.SIGTERM, relay)  # ValueError off the main thread
+    return relay
+
+
 class Preemption(Callback):
     """Turns SIGTERM into a checkpoint at the next step end and a distinct exit code."""
 
@@ -41,16 +81,40 @@ class Preemption(Callback):
         self.grace_s = grace_s
         self.signalled_at: float | None = None
         self.previous: Any = None
+        self.relay: SigtermRelay | None = None
 
     def on_train_start(self, trainer: Trainer) -> None:
-        # NOTE: only the main thread may install handlers; the trainer's loop runs there.
         if threading.current_thread() is threading.main_thread():
             self.previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+            return
+        # NOTE: only the main thread may install handlers: off it, listen to its relay
+        handler = signal.getsignal(signal.SIGTERM)
+        if isinstance(handler, SigtermRelay):
+            handler.listener, self.relay = self._on_sigterm, handler
+        elif trainer.runtime.is_main:
+            print(
+                "warning: the trainer runs off the main thread and no SigtermRelay is installed "
+                "there: SIGTERM will end the process without a checkpoint",
+                flush=True,
+            )
 
     def on_train_end(self, trainer: Trainer) -> None:
         if self.previous is not None:
             signal.signal(signal.SIGTERM, self.previous)
             self.previous = None
+        if self.relay is not None:
+            self.relay.listener, self.relay = None, None
+
+    def wait_for_signal(self, timeout_s: float) -> bool:
+        """Wait until the handler has run (at most ``timeout_s``); whether it has.
+
+        On the main thread the handler runs as soon as the signal arrives; off it (a relay), when
+        the main thread next checks for signals, which a Ray actor does every few milliseconds.
+        """
+        deadline = time.monotonic() + timeout_s
+        while self.signalled_at is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return self.signalled_at is not None
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         if self.signalled_at is not None:

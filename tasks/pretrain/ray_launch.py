@@ -10,6 +10,12 @@ joins torchrun's. A worker that dies fails the attempt; Ray restarts the worker 
 ``max_failures`` times, and each start resumes from the run folder's latest checkpoint, as a
 retried step does.
 
+Preemption: Ray Train runs the training function in a thread of its worker actor, where no signal
+handler can be installed. The launcher's torch backend first installs a `SigtermRelay` on every
+worker's main thread (``preemption.install_sigterm_relay``, through Ray's ``execute`` on the
+actor), so a SIGTERM to a rank checkpoints and ends it with code 75, as under torchrun; the
+driver then fails and the launcher reads the preempted event.
+
 Workers must see the run folder: one machine, or a volume shared by the nodes (see
 docs/CLUSTER.md).
 
@@ -142,10 +148,34 @@ def _train_worker(config: dict) -> None:
     main(config["argv"])
 
 
+def preemptible_torch_config(backend: str | None) -> Any:
+    """Ray Train's ``TorchConfig`` whose backend, before it sets up the process group, installs
+    the `SigtermRelay` on each worker's main thread (the actor runs ``execute`` there)."""
+    from dataclasses import dataclass
+
+    from ray.train.torch import TorchConfig
+    from ray.train.torch.config import _TorchBackend
+
+    from llmflow.tasks.pretrain.preemption import install_sigterm_relay
+
+    class PreemptibleTorchBackend(_TorchBackend):
+        def on_start(self, worker_group: Any, backend_config: Any) -> None:
+            worker_group.execute(install_sigterm_relay)
+            super().on_start(worker_group, backend_config)
+
+    @dataclass
+    class PreemptibleTorchConfig(TorchConfig):
+        @property
+        def backend_cls(self) -> type:
+            return PreemptibleTorchBackend
+
+    return PreemptibleTorchConfig(backend=backend)
+
+
 def run_on_ray(settings: RaySettings, train_args: list[str]) -> None:
     """Connect (or start a local cluster), run the workers, raise if the run failed."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchTrainer
 
     from llmflow.tasks.framework.engine import init_ray
 
@@ -164,7 +194,9 @@ def run_on_ray(settings: RaySettings, train_args: list[str]) -> None:
         scaling_config=ScalingConfig(
             num_workers=settings.workers, use_gpu=use_gpu, resources_per_worker=resources
         ),
-        torch_config=TorchConfig(backend=None if settings.backend == "auto" else settings.backend),
+        torch_config=preemptible_torch_config(
+            None if settings.backend == "auto" else settings.backend
+        ),
         run_config=RunConfig(
             name="llmflow-pretrain",
             storage_path=tempfile.mkdtemp(prefix="llmflow-ray-"),
