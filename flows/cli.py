@@ -74,15 +74,15 @@ def cmd_run(args: argparse.Namespace) -> int:
         from llmflow.tasks.ingest import models
 
         models.resolve(config.init, "init")
-    from llmflow.flows.recipe import recipe
+    from llmflow.flows.recipe import planned
 
-    graph = recipe(config)  # and so does a misnamed input of any step
+    graph = planned(config)  # and so does a misnamed input of any step, or a missing extra
     if not os.environ.get("PREFECT_API_URL"):
         # Every output already in the store: say so without starting a temporary API (against
         # a real server, the run goes through Prefect so the UI records each step as Cached).
         from llmflow.tasks.framework.executor import all_cached
 
-        outcome = all_cached(graph.until(config.until) if config.until else graph, config.root)
+        outcome = all_cached(graph, config.root)
         if outcome is not None:
             print("every step's output is already in the store: nothing to run")
             print(_summary(outcome.rows(), time.perf_counter() - started))

@@ -10,17 +10,10 @@ from prefect import flow
 from prefect.artifacts import create_table_artifact
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from llmflow.flows.recipe import recipe
+from llmflow.flows.recipe import planned
 from llmflow.tasks.config import PipelineConfig
 from llmflow.tasks.framework.executor import PrefectExecutor, task_runner
-from llmflow.tasks.framework.graph import Graph
 from llmflow.tasks.framework.step import StepResult
-
-
-def planned(config: PipelineConfig) -> Graph:
-    """The graph this config runs: the recipe, up to ``config.until`` if set."""
-    graph = recipe(config)
-    return graph.until(config.until) if config.until else graph
 
 
 @flow(name="llmflow-pipeline", log_prints=True)

@@ -54,6 +54,22 @@ from llmflow.tasks.tokenizer.train import train_tokenizer
 log = logging.getLogger("llmflow.recipe")
 
 
+def planned(config: PipelineConfig) -> Graph:
+    """The graph this config runs: the recipe, up to ``config.until`` if set.
+
+    Raises:
+        BadInputError: a step of that graph needs an optional package that is not installed
+            (a run cut before the merge does not need mergekit).
+    """
+    graph = recipe(config)
+    graph = graph.until(config.until) if config.until else graph
+    if any(n.step is merge for n in graph.nodes) and importlib.util.find_spec("mergekit") is None:
+        raise BadInputError(
+            "merge.enabled needs mergekit: pip install 'llmflow[merge]' (or merge.enabled=false)"
+        )
+    return graph
+
+
 def recipe(config: PipelineConfig) -> Graph:
     """The whole pipeline as a graph of steps, in run order."""
     graph = Graph(PHASES)
@@ -288,10 +304,6 @@ def posttraining(
             source = "grpo" if "grpo" in trained else "dpo"
         if source not in trained:
             raise BadInputError(f"merge.source={source!r}, but grpo.enabled is false")
-        if importlib.util.find_spec("mergekit") is None:
-            raise BadInputError(
-                "merge.enabled needs mergekit: pip install 'llmflow[merge]' (or merge.enabled=false)"
-            )
         merged = graph.add(
             merge, config.merge, config.name, phase="merge", models=[trained[source], base]
         )

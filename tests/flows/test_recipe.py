@@ -145,3 +145,21 @@ def test_the_readme_lists_every_phase_and_draws_every_step():
     steps = {n.step.name for n in recipe(load_config(None)).nodes} | {"grpo", "merge", "average"}
     for name in steps - {"validation", "mixture", "tokenize", "toxicity-classifier", "safety"}:
         assert name.split("-")[0] in picture, name
+
+
+def test_only_a_run_that_reaches_the_merge_needs_mergekit(monkeypatch):
+    """A machine without the merge extra runs ``--until pretrain``; the whole run is refused
+    before anything starts, naming the extra."""
+    import importlib.util
+
+    from llmflow.flows.recipe import planned
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "mergekit" else real(name, *a)
+    )
+    config = load_config(None)
+    assert planned(config.model_copy(update={"until": "pretrain"})).nodes
+    with pytest.raises(BadInputError, match=r"merge.enabled needs mergekit"):
+        planned(config)
+    assert planned(load_config(None, ["merge.enabled=false"])).nodes

@@ -159,7 +159,9 @@ def test_the_quickstarts_pretraining_stages_run_on_the_gpu(tmp_path):
         losses = losses_by_step(path.parent)
         assert all(math.isfinite(v) for v in losses.values())
     first = losses_by_step(summaries[0].parent)
-    assert first[max(first)] < first[min(first)] - 0.5  # it learns
+    # NOTE: metrics.jsonl holds every log_interval-th step; the shrunk stage logs few of them, so
+    # the last loss is compared with the untrained model's ln(vocab), not with the first logged.
+    assert first[max(first)] < math.log(1024) - 0.5  # it learns
     assert not (root / "longctx").exists() and not (root / "sft").exists()
 
 
