@@ -451,23 +451,18 @@ def checkpoint_bytes(
 ) -> float:
     """What a checkpoint save gathers on the GPU beside weights and optimizer states.
 
-    - Under TP the tensors held in tensor-parallel row order (``parallel/tp.py``: q/k/v and
-      gate/up) are written in canonical order: one whole float32 tensor at a time, the largest
-      (gate/up or q/k/v), with its optimizer moments.
+    - Under TP nothing: each rank writes and reads its own runs of canonical rows in place
+      (``parallel/tp.py`` ``CanonicalRows`` and its DCP planners), so no tensor is gathered.
     - Under PP the final save gathers this stage's full state (every parameter whole, float32)
       on the GPU of every rank (``get_model_state_dict(cpu_offload=False)``; each pipeline
       group sends it to its first rank).
     """
-    c = cfg.hidden_size
-    qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim * c
-    largest = max(qkv, 2 * cfg.intermediate_size * c) if tp > 1 else 0
-    moments = OPTIMIZER_STATES["adamw" if optimizer == "muon" else optimizer]
-    canonical = largest * (1 + moments) * FLOAT32
+    del optimizer  # NOTE: the optimizer's state is never gathered, whatever the layout
     if pp == 1:
-        return canonical
+        return 0.0
+    c = cfg.hidden_size
     per_block = (cfg.num_parameters(non_embedding=True) - c) / cfg.num_layers
-    stage = stage_blocks * per_block + cfg.vocab_size * c + c
-    return (stage + largest) * FLOAT32 + canonical
+    return (stage_blocks * per_block + cfg.vocab_size * c + c) * FLOAT32
 
 
 def backward_working_bytes(
