@@ -31,7 +31,7 @@ def rehearsal_plan_gb(
         train.model_config_obj(), seq_len=seq_len, micro_batch_size=micro, num_gpus=ranks,
         param_dtype_bytes=precision_bytes(train, device), optimizer=train.optimizer.name,
         fsdp=ranks > 1, activation_checkpointing=activation_checkpointing or train.activation_checkpointing,
-        every_k=train.activation_checkpointing_every_k,
+        every_k=train.activation_checkpointing_every_k, device_type=device,
     ).total_gb  # fmt: skip
 
 
