@@ -86,10 +86,10 @@ def _reference(cfg: OptimizerConfig) -> tuple[dict[str, torch.Tensor], list[floa
         torch.set_num_threads(threads)
 
 
-def _reference_run(cfg: OptimizerConfig) -> tuple[dict[str, torch.Tensor], list[float]]:
-    model = _model()
+def reference_adamw(model: torch.nn.Module, cfg: OptimizerConfig) -> torch.optim.AdamW:
+    """torch's AdamW on the parameters Muon leaves out, in the trainer's decay groups."""
     groups = split_parameters(model)
-    adamw = torch.optim.AdamW(
+    return torch.optim.AdamW(
         [
             {"params": [p for _, p in groups["decay"]], "weight_decay": cfg.weight_decay},
             {"params": [p for _, p in groups["no_decay"]], "weight_decay": 0.0},
@@ -98,6 +98,11 @@ def _reference_run(cfg: OptimizerConfig) -> tuple[dict[str, torch.Tensor], list[
         betas=cfg.betas,
         eps=cfg.eps,
     )
+
+
+def _reference_run(cfg: OptimizerConfig) -> tuple[dict[str, torch.Tensor], list[float]]:
+    model = _model()
+    adamw = reference_adamw(model, cfg)
     muon = _ReferenceMuon(model, cfg)
     losses = []
     for step in range(STEPS):

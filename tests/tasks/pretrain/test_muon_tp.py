@@ -10,12 +10,11 @@ feeds (see ``TRAIN_TOLERANCE``).
 from __future__ import annotations
 
 import multiprocessing as mp
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from test_muon_fsdp import _ReferenceMuon
+from test_muon_fsdp import _ReferenceMuon, reference_adamw
 
 from llmflow.model.config import preset
 from llmflow.model.transformer import Transformer
@@ -104,16 +103,7 @@ def _reference_trained(
     """``noise``: every gradient scaled by 1 + noise x a standard normal draw (``seed``)."""
     model = _plain_model()
     generator = torch.Generator().manual_seed(seed)
-    groups = split_parameters(model)
-    adamw = torch.optim.AdamW(
-        [
-            {"params": [p for _, p in groups["decay"]], "weight_decay": cfg.weight_decay},
-            {"params": [p for _, p in groups["no_decay"]], "weight_decay": 0.0},
-        ],
-        lr=cfg.lr,
-        betas=cfg.betas,
-        eps=cfg.eps,
-    )
+    adamw = reference_adamw(model, cfg)
     muon = _ReferenceMuon(model, cfg)
     for step in range(TRAIN_STEPS):
         inputs, labels = _batch(step)
@@ -223,15 +213,9 @@ def run_layout(tmp_path: Path, shape: tuple, cfg: OptimizerConfig) -> dict:
     args = (world, shape, str(tmp_path / "pg"), cfg.model_dump_json(), str(out))
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_worker, args=(r, *args)) for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + 300
-    for p in procs:
-        p.join(timeout=max(deadline - time.monotonic(), 1))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    from tests.tasks.pretrain.parallel.ranks import join_ranks
+
+    join_ranks(procs, 300)
     return torch.load(out)
 
 
