@@ -197,7 +197,7 @@ class Validator(Callback):
         else:
             totals += self._loss_sums(trainer, batches)
         model.train()
-        total, count = trainer._dp_sum(totals).tolist()
+        total, count = trainer.dp_sum(totals).tolist()
         return total / max(count, 1)
 
     @staticmethod

@@ -163,7 +163,7 @@ class Trainer:
             return self.mesh.world[("dp_replicate", "dp_shard_cp")]
         return self.mesh["dp_shard_cp"]
 
-    def _dp_sum(self, value: torch.Tensor) -> torch.Tensor:
+    def dp_sum(self, value: torch.Tensor) -> torch.Tensor:
         """Sum over the data- and context-parallel ranks (in place; returns it): the TP/PP
         ranks of one of them hold the same tokens, counted once; CP ranks hold different ones."""
         if self.mesh is None or self.layout.is_plain:
@@ -269,11 +269,11 @@ class Trainer:
             dtype=torch.float64,
             device=rt.device,
         )
-        num_valid, num_tokens = self._dp_sum(totals).tolist()
+        num_valid, num_tokens = self.dp_sum(totals).tolist()
         if self.pipeline is not None:  # PP: the schedule runs all micro-batches (pp.py)
             with self.autocast:
                 loss_sum = self.pipeline.step(batches, self.fsdp_ranks / max(num_valid, 1))
-            return self._dp_sum(loss_sum).item() / max(num_valid, 1), int(num_tokens)
+            return self.dp_sum(loss_sum).item() / max(num_valid, 1), int(num_tokens)
         loss_sum = torch.zeros((), dtype=torch.float64, device=rt.device)
         for batch, count in zip(batches, counts, strict=True):
             batch = {k: v.to(rt.device, non_blocking=True) for k, v in batch.items()}
@@ -284,7 +284,7 @@ class Trainer:
             # global token mean. Tensor-parallel ranks share one loss and split its gradients.
             (loss * (count * self.fsdp_ranks / max(num_valid, 1))).backward()
             loss_sum += loss.detach().double() * count
-        return self._dp_sum(loss_sum).item() / max(num_valid, 1), int(num_tokens)
+        return self.dp_sum(loss_sum).item() / max(num_valid, 1), int(num_tokens)
 
     def clip_gradients(self) -> float:
         """Clip the (possibly sharded) gradients; return the global norm before clipping."""
