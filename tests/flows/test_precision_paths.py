@@ -68,7 +68,7 @@ def _by_hand_gb(config, bytes_per_value: int, seq: int, micro: int, ranks: int) 
         train.model_config_obj(), seq_len=seq, micro_batch_size=micro, num_gpus=ranks,
         param_dtype_bytes=bytes_per_value, optimizer=train.optimizer.name, fsdp=ranks > 1,
         activation_checkpointing=train.activation_checkpointing,
-        every_k=train.activation_checkpointing_every_k,
+        every_k=train.activation_checkpointing_every_k, device_type="cpu",
     ).total_gb  # fmt: skip
 
 
