@@ -11,14 +11,10 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from llmflow.model.attention import (
-    Attention,
-    SequenceShard,
-    document_ids,
-    document_mask,
-    positions_from_cu_seqlens,
-)
+from llmflow.model.attention import Attention
 from llmflow.model.config import ModelConfig
+from llmflow.model.context import SequenceShard
+from llmflow.model.kernels import Documents
 from llmflow.model.loss import (
     TiedGradient,
     linear_cross_entropy,
@@ -175,10 +171,10 @@ class Block(nn.Module):
         self,
         x: Tensor,
         rope: tuple[Tensor, Tensor] | None,
-        doc_mask: Tensor | None,
+        docs: Documents | None,
         context: SequenceShard | None = None,
     ) -> Tensor:
-        h = x + self.attn(self.attn_norm(x), rope, doc_mask, context)
+        h = x + self.attn(self.attn_norm(x), rope, docs, context)
         return h + self.mlp(self.mlp_norm(h))
 
 
@@ -267,17 +263,16 @@ class Transformer(nn.Module):
         if context is not None:  # positions and documents come from the whole rows
             if position_ids is None:
                 raise ValueError("position_ids are required with a context-parallel shard")
-            doc_mask = context.mask()  # (B or 1, 1, T, T_full)
+            docs = None  # the shard holds the whole rows' documents
         else:
-            doc_ids = document_ids(batch, seq_len, position_ids, cu_seqlens)
-            if position_ids is None and doc_ids is not None:  # packed: restart RoPE at each doc
-                position_ids = positions_from_cu_seqlens(batch, seq_len, cu_seqlens)
+            docs = Documents.of(batch, seq_len, position_ids, cu_seqlens)
+            if position_ids is None and docs is not None:  # packed: restart RoPE at each doc
+                position_ids = docs.positions()
             elif position_ids is None:
                 position_ids = torch.arange(seq_len, device=input_ids.device)[None]  # (1, T)
-            doc_mask = None if doc_ids is None else document_mask(doc_ids)
         rope = self.rope(position_ids, x.dtype)
         for layer in self.layers:
-            x = layer(x, rope, doc_mask, context)
+            x = layer(x, rope, docs, context)
         x = self.norm(x)
         if labels is not None:
             return linear_cross_entropy(x, self.output_weight(), labels, z_loss_weight, tied=tied)

@@ -78,18 +78,20 @@ def test_positions_follow_cu_seqlens_when_not_given():
     assert torch.equal(implicit, explicit)
 
 
+@pytest.mark.parametrize("kernel", ["auto", "dense"])
 @pytest.mark.parametrize("masked", [False, True])
-def test_native_and_expanded_gqa_agree_with_a_reference(masked):
-    """Both SDPA paths (shared k/v, repeated k/v) against attention written out by hand."""
-    from llmflow.model.attention import attend
+def test_every_cpu_kernel_agrees_with_attention_written_out_by_hand(masked, kernel):
+    """Shared k/v (one document per row, or per-document buckets) and the dense reference."""
+    from llmflow.model.kernels import Documents, attend, use_attention_kernel
 
     torch.manual_seed(0)
     q, k, v = torch.randn(2, 4, 6, 8), torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8)
-    doc_ids = torch.tensor([[0, 0, 0, 1, 1, 1], [0, 0, 0, 0, 0, 0]])
-    mask = document_mask(doc_ids) if masked else None
-    allowed = mask if masked else torch.ones(6, 6, dtype=torch.bool).tril()
+    doc_ids = torch.tensor([[0, 0, 0, 1, 1, 1], [2, 2, 2, 2, 2, 2]])
+    docs = Documents.of(2, 6, cu_seqlens=torch.tensor([0, 3, 6, 12])) if masked else None
+    allowed = document_mask(doc_ids) if masked else torch.ones(6, 6, dtype=torch.bool).tril()
     k_full, v_full = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
     scores = (q @ k_full.transpose(-1, -2)) / 8**0.5
     expected = scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ v_full
-    for native in (True, False):
-        torch.testing.assert_close(attend(q, k, v, mask, native_gqa=native), expected)
+    with use_attention_kernel(kernel):
+        out = attend(*(t.transpose(1, 2) for t in (q, k, v)), docs).transpose(1, 2)
+    torch.testing.assert_close(out, expected)

@@ -57,7 +57,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from llmflow.model.attention import SequenceShard, document_ids, positions_from_cu_seqlens
+from llmflow.model.attention import document_ids, positions_from_cu_seqlens
+from llmflow.model.context import SequenceShard
 from llmflow.tasks.framework.errors import BadInputError
 
 SHARDED_KEYS = ("input_ids", "labels", "position_ids")

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.tensor import DTensor
 
-from llmflow.model.attention import document_ids, document_mask
+from llmflow.model.kernels import Documents
 from llmflow.model.loss import IGNORE_INDEX, linear_cross_entropy
 from llmflow.model.transformer import Transformer
 from llmflow.tasks.framework.errors import ConfigError
@@ -146,11 +146,10 @@ class TransformerStage(nn.Module):
         if self.is_first:
             x = self.embed(x)  # (B, T, C)
         batch, seq_len = x.shape[:2]
-        doc_ids = document_ids(batch, seq_len, position_ids, None)
-        doc_mask = None if doc_ids is None else document_mask(doc_ids)
+        docs = Documents.of(batch, seq_len, position_ids)
         rope = self.rope(position_ids, x.dtype)
         for layer in self.layers:
-            x = layer(x, rope, doc_mask)
+            x = layer(x, rope, docs)
         if not self.is_last:
             return x
         x = self.norm(x)

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from llmflow.model.attention import SequenceShard, document_ids, document_mask
+from llmflow.model.attention import document_ids, document_mask
+from llmflow.model.context import SequenceShard
 from llmflow.model.config import preset
 from llmflow.model.loss import IGNORE_INDEX
 from llmflow.model.transformer import Transformer
