@@ -34,6 +34,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from llmflow.model.kernels import chosen_kernels
 from llmflow.model.loss import IGNORE_INDEX
 from llmflow.model.transformer import Transformer
 from llmflow.tasks.dataprep.loader import PackedLoader
@@ -354,6 +355,8 @@ class Trainer:
                 "rewinds": self.guard.num_rewinds,
                 "world_size": self.runtime.world_size,
                 "precision": "bf16" if self.compute_dtype == torch.bfloat16 else "fp32",
+                # the kernels attention ran (model/kernels.py): sdpa-causal, sdpa-buckets, ...
+                "attention": chosen_kernels(),
             }
         )
 

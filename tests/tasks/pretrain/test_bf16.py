@@ -61,6 +61,8 @@ def test_bf16_training_tracks_fp32_within_a_quarter_of_a_bf16_rounding(
         losses[precision] = losses_by_step(out)
         summary = json.loads((out / "summary.json").read_text())
         assert summary["precision"] == precision
+        # packed documents on the CPU: per-document SDPA, never the dense mask
+        assert "sdpa-buckets" in summary["attention"] and "dense" not in summary["attention"]
         assert _rank(out)["matmul_dtype"] == {"fp32": "float32", "bf16": "bfloat16"}[precision]
     fp32, bf16 = losses["fp32"], losses["bf16"]
     assert sorted(bf16) == list(range(1, 21))
