@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from gpu_helpers import GPU, U
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from llmflow.model.attention import attend
+from llmflow.model.kernels import attend
 from llmflow.model.config import preset
 from llmflow.model.loss import linear_cross_entropy
 from llmflow.model.transformer import Transformer
@@ -121,10 +121,10 @@ def test_sdpa_selects_flash_attention_at_our_shapes(name):
     q, k, v = _qkv(cfg, 1, cfg.max_seq_len)
     q.requires_grad_()
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        out = attend(q, k, v, None)
+        out = attend(*(t.transpose(1, 2) for t in (q, k, v)), None)  # (B, T, H, D) in and out
         out.sum().backward()
     with sdpa_kernel(SDPBackend.MATH):
-        ref = attend(q.detach().float(), k.float(), v.float(), None)
+        ref = attend(*(t.float().transpose(1, 2) for t in (q.detach(), k, v)), None)
     assert out.dtype == torch.bfloat16 and torch.isfinite(q.grad).all()
     assert rel_err(out, ref.double()) < 2 * U
 
