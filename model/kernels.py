@@ -183,6 +183,9 @@ def _sdpa_causal(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     return out.transpose(1, 2)
 
 
+# NOTE: the plan is host-side (document lengths); under torch.compile the bucketed call is left
+# eager rather than guarded on every batch's packing (a recompilation per step)
+@torch.compiler.disable
 def _sdpa_buckets(q: Tensor, k: Tensor, v: Tensor, docs: Documents) -> Tensor:
     plan = docs.plan("sdpa-buckets", _plan_buckets)
     batch, seq_len, heads, dim = q.shape
@@ -202,6 +205,7 @@ def _sdpa_buckets(q: Tensor, k: Tensor, v: Tensor, docs: Documents) -> Tensor:
     return out.index_select(0, plan.where).view(batch, seq_len, heads, dim)
 
 
+@torch.compiler.disable
 def _dense(q: Tensor, k: Tensor, v: Tensor, docs: Documents) -> Tensor:
     """The reference: SDPA under the (B, 1, T, T) block-diagonal causal mask, k/v repeated."""
     ids = docs.ids()
