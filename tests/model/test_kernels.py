@@ -234,3 +234,120 @@ def test_a_bad_kernel_name_raises_naming_it(monkeypatch):
     with pytest.raises(ValueError, match=r"attention kernel 'Dense': expected one of auto, "):
         with use_attention_kernel("Dense"):
             pass
+
+
+# --------------------------------------------------------------------------- whole model
+WHOLE = dict(
+    vocab_size=128, hidden_size=64, num_layers=4, num_heads=8, num_kv_heads=2,
+    intermediate_size=128, max_seq_len=128,
+)  # fmt: skip
+NOPE = {"interval": {"nope_interval": 2}, "layers": {"nope_layers": [0, 3]}}
+ROW_DOCUMENTS = [[5, 20, 1, 38], [64], [13, 17, 16, 18]]
+"""Documents per row of 64 tokens: a one-token document, a row of one document, mixed lengths."""
+
+
+def _packed_batch(seed: int) -> dict[str, torch.Tensor]:
+    """Three rows of 64 tokens packed with ROW_DOCUMENTS: ids, labels, positions, cu_seqlens."""
+    gen = torch.Generator().manual_seed(seed)
+    seq_len = sum(ROW_DOCUMENTS[0])
+    ids = torch.randint(0, WHOLE["vocab_size"], (len(ROW_DOCUMENTS), seq_len), generator=gen)
+    labels = torch.randint(0, WHOLE["vocab_size"], ids.shape, generator=gen)
+    labels[torch.rand(ids.shape, generator=gen) < 0.2] = -100
+    lengths = torch.tensor([n for row in ROW_DOCUMENTS for n in row])
+    positions = torch.cat([torch.arange(n) for n in lengths.tolist()]).view(ids.shape)
+    cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    return {"ids": ids, "labels": labels, "positions": positions, "cu": cu_seqlens.int()}
+
+
+def _documents_of(batch: dict, packing: str) -> dict[str, torch.Tensor]:
+    """The model's keyword arguments that carry the documents, one way or the other."""
+    if packing == "position_ids":
+        return {"position_ids": batch["positions"]}
+    return {"cu_seqlens": batch["cu"]}
+
+
+def _counting_kernels(monkeypatch) -> dict[str, int]:
+    """Count the calls of each packed-document kernel (which one really ran, per layer)."""
+    calls: dict[str, int] = {}
+    for name, kernel in list(kernels._KERNELS.items()):
+
+        def counted(*args, _name=name, _kernel=kernel):
+            calls[_name] = calls.get(_name, 0) + 1
+            return _kernel(*args)
+
+        monkeypatch.setitem(kernels._KERNELS, name, counted)
+    return calls
+
+
+def _float64_norms(monkeypatch) -> None:
+    """RMSNorm in float64 for float64 inputs (it normalizes in float32 on purpose, which would
+    round a float64 run to float32 and hide or fake a difference between two kernels)."""
+    from llmflow.model.norm import RMSNorm
+
+    def forward(self, x):
+        return torch.nn.functional.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+    monkeypatch.setattr(RMSNorm, "forward", forward)
+
+
+def _model(nope: str, dtype: torch.dtype):
+    from llmflow.model.config import ModelConfig
+    from llmflow.model.transformer import Transformer
+
+    model = Transformer(ModelConfig(**WHOLE, **NOPE[nope]))
+    model.init_weights(seed=0)
+    assert not all(model.cfg.uses_rope(i) for i in range(model.cfg.num_layers))
+    return model.to(dtype)
+
+
+@pytest.mark.parametrize("nope", sorted(NOPE))
+@pytest.mark.parametrize("packing", ["position_ids", "cu_seqlens"])
+def test_ten_adamw_steps_in_float64_match_the_dense_reference(monkeypatch, packing, nope):
+    """Losses and final weights of 10 AdamW steps (two packed batches in turn) within 1e-9
+    relative: the kernel's float64 rounding (1e-16) amplified by training stays far below."""
+    import torch.nn.functional as F
+
+    _float64_norms(monkeypatch)
+    calls = _counting_kernels(monkeypatch)
+    steps, runs = 10, {}
+    for kernel in ("auto", "dense"):
+        model = _model(nope, torch.float64)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        losses = []
+        with use_attention_kernel(kernel):
+            for step in range(steps):
+                batch = _packed_batch(seed=step % 2)
+                logits = model(batch["ids"], **_documents_of(batch, packing))
+                loss = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                losses.append(loss.item())
+        runs[kernel] = losses, {n: p.detach() for n, p in model.named_parameters()}
+    layers = WHOLE["num_layers"]
+    assert calls == {"sdpa-buckets": steps * layers, "dense": steps * layers}
+    (losses, weights), (expected_losses, expected) = runs["auto"], runs["dense"]
+    assert expected_losses[-2] < expected_losses[0]  # it learns the batches
+    for step, (got, ref) in enumerate(zip(losses, expected_losses, strict=True)):
+        assert abs(got - ref) <= 1e-9 * abs(ref), (step, got, ref)
+    for name, ref in expected.items():
+        assert ref.dtype == torch.float64
+        assert _max_rel(weights[name], ref) <= 1e-9, (name, _max_rel(weights[name], ref))
+
+
+@pytest.mark.parametrize("packing", ["position_ids", "cu_seqlens"])
+def test_first_step_in_float32_matches_the_dense_reference(monkeypatch, packing):
+    """The trainer's loss (fused, tied embedding) and every gradient within float32 rounding."""
+    calls = _counting_kernels(monkeypatch)
+    batch, runs = _packed_batch(seed=0), {}
+    for kernel in ("auto", "dense"):
+        model = _model("interval", torch.float32)
+        with use_attention_kernel(kernel):
+            loss, _ = model(batch["ids"], labels=batch["labels"], **_documents_of(batch, packing))
+        loss.backward()
+        runs[kernel] = loss.item(), {n: p.grad for n, p in model.named_parameters()}
+    assert calls == {"sdpa-buckets": WHOLE["num_layers"], "dense": WHOLE["num_layers"]}
+    (loss, grads), (expected_loss, expected) = runs["auto"], runs["dense"]
+    assert abs(loss - expected_loss) <= TOLERANCE[torch.float32] * expected_loss
+    for name, ref in expected.items():
+        assert _max_rel(grads[name], ref) <= TOLERANCE[torch.float32], name
