@@ -13,8 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from llmflow.model.attention import document_ids, document_mask
-from llmflow.model.context import SequenceShard
 from llmflow.model.config import preset
 from llmflow.model.loss import IGNORE_INDEX
 from llmflow.model.transformer import Transformer
@@ -23,8 +21,14 @@ from llmflow.tasks.pretrain.parallel.cp import gather_order, whole_row_positions
 
 SEQ_LEN, VOCAB = 32, 256
 # Row 0: documents [5, 14, 13] (tokens 5..18 lie in chunks 0, 1, 2: on both ranks; 19..31 in
-# chunks 2 and 3: rank 1 then rank 0); row 1: [10, 22]. The last is one document per row.
-DOCS = {"packed": [0, 5, 19, 32, 42, 64], "rows": [0, 32, 64]}
+# chunks 2 and 3: rank 1 then rank 0); row 1: [10, 22]. "one_token": row 0 [1, 1, 1, 5, 1, 23]
+# (one-token documents in chunk 0, the last from chunk 1 to the row's end), row 1 one document.
+# "rows": one document per row.
+DOCS = {
+    "packed": [0, 5, 19, 32, 42, 64],
+    "one_token": [0, 1, 2, 3, 8, 9, 32, 64],
+    "rows": [0, 32, 64],
+}
 CASES = {
     "default": dict(),
     # ABF base, YaRN scaling and NoPE in layers 1 and 3.
@@ -147,6 +151,11 @@ def test_two_cp_ranks_match_one_process_yarn_nope(tmp_path):
     _check_runs(tmp_path, [("yarn_nope", "packed")])
 
 
+def test_two_cp_ranks_match_one_process_one_token_documents(tmp_path):
+    """A packed row of one-token documents beside a row of one document, default model."""
+    _check_runs(tmp_path, [("default", "one_token")])
+
+
 @pytest.mark.slow  # four models on two spawned ranks: about 20 s idle, 50 s on a loaded machine
 def test_two_cp_ranks_match_one_process_all_cases(tmp_path):
     """Default RoPE, one document per row (plain causal) and activation checkpointing too."""
@@ -166,25 +175,16 @@ def test_zigzag_split_covers_each_position_once_and_balances_causal_work():
         zigzag_index(30, 2, 0)
 
 
-@pytest.mark.parametrize("docs", sorted(DOCS))
-def test_shard_mask_is_the_rows_of_the_whole_mask(docs):
-    """Each rank's (T/cp, T) mask equals its query rows of the one-process document mask."""
-    cu_seqlens = _batch(docs)["cu_seqlens"]
-    positions, doc_ids = whole_row_positions(2, SEQ_LEN, None, cu_seqlens)
-    whole = document_ids(2, SEQ_LEN, None, cu_seqlens)
-    full_mask = (
-        document_mask(whole)
-        if whole is not None
-        else torch.ones(SEQ_LEN, SEQ_LEN, dtype=torch.bool).tril()[None, None]
-    )
-    for rank in range(2):
-        index = zigzag_index(SEQ_LEN, 2, rank)
-        shard = SequenceShard(None, index, gather_order(SEQ_LEN, 2), doc_ids)
-        mask = shard.mask().expand(2, -1, -1, -1)
-        assert torch.equal(mask, full_mask.expand(2, -1, -1, -1)[:, :, index])
-    if docs == "packed":  # positions restart at each document, across the chunk boundaries
-        assert positions[0, 19].item() == 0 and positions[0, 31].item() == 12
-        assert positions[1, 10].item() == 0 and positions[1, 9].item() == 9
+def test_whole_row_positions_restart_at_each_document_across_chunks():
+    """Positions are the whole rows' (computed before the cut): they restart at each document,
+    across the ranks' chunk boundaries. (Each rank's attention against the whole rows' dense
+    mask: tests/model/test_context_attention.py.)"""
+    positions, doc_ids = whole_row_positions(2, SEQ_LEN, None, _batch("packed")["cu_seqlens"])
+    assert doc_ids is not None
+    assert positions[0, 19].item() == 0 and positions[0, 31].item() == 12
+    assert positions[1, 10].item() == 0 and positions[1, 9].item() == 9
+    _, doc_ids = whole_row_positions(2, SEQ_LEN, None, _batch("rows")["cu_seqlens"])
+    assert doc_ids is None
 
 
 def test_cp_with_pipeline_stages_is_refused_naming_both():
