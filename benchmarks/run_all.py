@@ -126,6 +126,8 @@ def benchmarks(data: Path) -> list[Bench]:
               [Goal("ratio.outputs", ">=", 1000, "outputs a 2,000-shard stage leaves, old / new"),
                Goal("ratio.stage_s", ">=", 0.9, "stage wall time, old layout / stage layout")],
               timeout_s=3600),
+        Bench("cp_memory", "bench_cp_memory.py", ["--rounds", "3"], ["--quick"],
+              [Goal("ratio", "<=", 0.55, "cp=2 step memory per rank vs one process, 8k tokens")]),
     ]  # fmt: skip
 
 

@@ -9,42 +9,35 @@ hold the same parameters (FSDP2 shards over ``dp_shard_cp``).
 What a rank computes (``model/attention.py``): its queries and everything else (embedding, MLP,
 norms, loss) on its T/cp tokens; in every attention layer the keys and values of the whole rows
 are all-gathered over the cp group (only the KV heads: GQA's smaller tensors), put back in row
-order, and attended under a mask that is causal in row positions and block-diagonal over
-documents. Positions (RoPE, YaRN) and document ids are computed on the whole rows before the
-cut, so a shard's tokens keep their own positions; NoPE layers need nothing. The loss is each
-rank's token mean over its own tokens; the trainer weights it by the rank's token count and sums
-the counts over ``dp_cp``.
+order, and attended causally in row positions and within documents by
+``model/context.py:SequenceShard.attend``, with no (T/cp x T) mask: each document segment of a
+rank's chunks attends its own tokens causally and its document's earlier tokens in full, both by
+flash kernels (CPU: merged by log-sum-exp; CUDA: FlexAttention). Positions (RoPE, YaRN) and
+document ids are computed on the whole rows before the cut, so a shard's tokens keep their own
+positions; NoPE layers need nothing. The loss is each rank's token mean over its own tokens; the
+trainer weights it by the rank's token count and sums the counts over ``dp_cp``.
 
-Activation memory per rank (the planner's estimate), for B rows of T tokens, hidden C, H query
-and KV key/value heads of width D, L layers, b bytes per element:
+Activation memory per rank, for B rows of T tokens, hidden C, H query and KV key/value heads of
+width D, L layers, b bytes per element:
 
 - everything per token (residual stream, norms, q/k/v/o projections' inputs, MLP, loss chunks)
   is T/cp: the one-process activation memory divided by cp;
-- plus, per layer, the all-gathered keys and values ``2 * B * KV * T * D * b``: SDPA saves its
-  inputs for the backward pass, so without activation checkpointing these are held for all L
-  layers (``2 * L * B * KV * T * D * b`` in all; with checkpointing, one layer's while it is
-  recomputed); the local k/v are T/cp;
-- plus the mask ``B * (T/cp) * T`` bytes (bool, one for all layers, held through the step);
-- plus, while one layer computes: on CPU the scores, ``B * H * (T/cp) * T * 4`` bytes, up to
-  twice that with the probabilities (1 GiB of the 1.6 GiB below at T=8192); on CUDA the
-  memory-efficient kernel takes the mask without a T x T matrix, but the gathered k/v are
-  expanded to H heads first (``attention.py``: its fused kernels take grouped k/v only without
-  a mask), and those are what SDPA saves: ``2 * B * H * T * D * b`` per layer instead of
-  ``2 * B * KV * T * D * b`` above (the one-process document-masked path does the same at T).
+- plus, per layer, the all-gathered keys and values ``2 * B * KV * T * D * b``, which the
+  attention saves for its backward pass (with their KV heads, on CPU and CUDA alike): held for
+  all L layers without activation checkpointing, one layer's while it is recomputed with it;
+  the local k/v are T/cp;
+- plus, per layer, the attention's log-sum-exp ``B * H * (T/cp) * 4`` bytes (float32); its
+  output is the output projection's input (the same storage);
+- plus, once for all layers, the shard's plan (CPU: token indices, tens of bytes a token) or block
+  mask (CUDA: per 128 x 128 block);
+- plus, while one layer computes, O(T) buffers: the bucketed copies of q, k, v and the output
+  (up to 25% padding), and in the backward pass the gradients of the whole rows' k and v
+  (float32 under bf16) before they are reduce-scattered.
 
-So at small widths the T x T/cp terms dominate and activation memory per rank falls as 1/cp;
-at long T and few heads the all-gathered K/V (linear in T, not divided) are the floor.
-
-Measured (``benchmarks/bench_cp_memory.py``: CPU, fp32, debug preset, B=1, a document every
-1000 tokens): peak RSS per rank of one forward/backward, minus the RSS before it (~280 MiB of
-torch, model and batch):
-
-========  ===================  ============================
-T         one process          cp=2, each rank
-========  ===================  ============================
-4096      534 MiB (peak 812)   349 / 331 MiB (peak 630 / 612)
-8192      1594 MiB (peak 1872) 841 / 839 MiB (peak 1123 / 1120)
-========  ===================  ============================
+No term grows as T x T/cp, so activation memory per rank falls as 1/cp until the all-gathered
+K/V (linear in T, not divided by cp) are the floor. ``benchmarks/bench_cp_memory.py`` measures
+one forward/backward's peak RSS per rank at cp=2 against one process (goal: at most 0.55 of it
+at 8,192 tokens of 512-token documents).
 
 Compiled blocks (``train.compile``) run the gather too: a 2-rank check of the YaRN/NoPE debug
 model on CPU gave the eager loss exactly and gradients within 8e-8 (not in the test suite: the
