@@ -41,7 +41,9 @@ at 8,192 tokens of 512-token documents).
 
 Compiled blocks (``train.compile``) run the gather too: a 2-rank check of the YaRN/NoPE debug
 model on CPU gave the eager loss exactly and gradients within 8e-8 (not in the test suite: the
-compile takes minutes on 2 cores).
+compile takes minutes on 2 cores; taken with the earlier masked attention). On CPU the attention
+itself runs eagerly inside a compiled block (``torch.compiler.disable``: its plan is built on the
+host); compiled around it, one shard's attention gave the eager gradients exactly.
 """
 
 from __future__ import annotations
