@@ -30,17 +30,13 @@ keys; NOTE: written without a GPU to test it on.
 from __future__ import annotations
 
 import bisect
-import logging
 from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from llmflow.model.kernels import _flex, padded_length
-
-log = logging.getLogger(__name__)
-_logged: set[str] = set()
+from llmflow.model.kernels import _flex, padded_length, record_kernel
 
 
 @dataclass(frozen=True)
@@ -132,10 +128,14 @@ class SequenceShard:
         return _GatherSequence.apply(x, self.group, self.order)
 
 
+_WHY = {
+    "flex": "FlexAttention, block mask sharded on queries",
+    "split": "per-segment past and diagonal parts, merged by log-sum-exp",
+}
+
+
 def _log_once(name: str, q: Tensor) -> None:
-    if name not in _logged:
-        _logged.add(name)
-        log.info("context-parallel attention: %s (%s on %s)", name, q.dtype, q.device.type)
+    record_kernel(f"cp-{name}", _WHY[name], q)
 
 
 # ------------------------------------------------------------------------------- CPU: split

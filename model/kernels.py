@@ -303,10 +303,15 @@ def _kernel(q: Tensor, docs: Documents | None) -> str:
         name, why = forced, "forced"
     else:
         name, why = choose_kernel(q.device.type, q.dtype)
+    record_kernel(name, why, q)
+    return name
+
+
+def record_kernel(name: str, why: str, q: Tensor) -> None:
+    """Note that `name` ran (logged once per process, listed by `chosen_kernels`)."""
     if name not in _chosen:
         _chosen[name] = None
         log.info("attention: %s (%s, %s on %s)", name, why, str(q.dtype)[6:], q.device.type)
-    return name
 
 
 def choose_kernel(device_type: str, dtype: torch.dtype) -> tuple[str, str]:
