@@ -142,19 +142,22 @@ def test_the_models_attention_runs_under_flash_only():
     assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in model.parameters())
 
 
-def test_packed_documents_run_under_memory_efficient_attention():
-    """Packed documents need a block-diagonal mask, which flash does not take: the fused
-    memory-efficient kernel does (no T x T score matrix kept), so the trainer's batches never
-    fall back to the math kernel."""
+def test_packed_documents_never_reach_sdpas_masked_kernels():
+    """Packed documents go to a document kernel (varlen or flex), not to SDPA under a mask: with
+    SDPA restricted to flash (which takes no mask) the packed forward and backward still run,
+    and agree with SDPA's math kernel under the dense mask (the reference)."""
+    from llmflow.model.kernels import chosen_kernels, use_attention_kernel
+
     cfg = preset("debug", vocab_size=512)
     model = Transformer(cfg).to(DEVICE)
     model.init_weights(seed=0)
     ids = torch.randint(0, cfg.vocab_size, (2, 256), device=DEVICE)
     cu = torch.tensor([0, 100, 256, 300, 512], dtype=torch.int32, device=DEVICE)
     with torch.autocast(DEVICE, dtype=torch.bfloat16):
-        with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
             loss, _ = model(ids, labels=ids, cu_seqlens=cu)
-        with sdpa_kernel(SDPBackend.MATH):
+        with sdpa_kernel(SDPBackend.MATH), use_attention_kernel("dense"):
             ref, _ = model(ids, labels=ids, cu_seqlens=cu)
     loss.backward()
+    assert {"varlen", "flex"} & set(chosen_kernels())
     assert torch.isfinite(loss) and abs(loss.item() - ref.item()) < U * ref.item()
