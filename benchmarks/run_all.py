@@ -70,8 +70,11 @@ def benchmarks(data: Path) -> list[Bench]:
     text = str(data / "text")
     return [
         Bench("train_step", "bench_train_step.py", ["--rounds", "9", "--steps", "2", "--warmup", "1"],
-              ["--rounds", "1", "--steps", "1", "--warmup", "0", "--no-compile"],
-              [Goal("ratio", ">=", 1.2, "eager train step vs transformers SmolLM3")]),
+              ["--rounds", "1", "--steps", "1", "--warmup", "0", "--no-compile",
+               "--packed-shape", "2", "256", "64"],
+              [Goal("ratio", ">=", 1.2, "eager train step vs transformers SmolLM3"),
+               Goal("ratios.packed", ">=", 1.5,
+                    "packed documents train step vs transformers SmolLM3")]),
         Bench("pack", "bench_pack.py", ["--text-dir", text, "--rounds", "3"],
               ["--text-dir", text, "--rounds", "1", "--repeat", "1"],
               [Goal("ratio", ">=", 1.5, "tokenize + pack vs datasets.map, real text")], True),
