@@ -131,6 +131,10 @@ def benchmarks(data: Path) -> list[Bench]:
               timeout_s=3600),
         Bench("cp_memory", "bench_cp_memory.py", ["--rounds", "3"], ["--quick"],
               [Goal("ratio", "<=", 0.55, "cp=2 step memory per rank vs one process, 8k tokens")]),
+        Bench("attention", "bench_attention.py", ["--rounds", "3"], ["--quick"],
+              [Goal("time_ratio", "<=", 0.5, "packed 8k row of 512-token documents vs causal, time"),
+               Goal("memory_ratio", "<=", 1.1,
+                    "packed 8k row of 512-token documents vs causal, memory")]),
     ]  # fmt: skip
 
 
