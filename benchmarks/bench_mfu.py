@@ -20,7 +20,17 @@ matmuls, forward and backward, plus 12 x layers x heads x head_dim x seq for QK^
 full square (PaLM's convention; no recomputation counted). The peak is read from the device's name:
 H100 SXM and H200 989 TFLOP/s, H100 PCIe 756; unknown devices and the CPU report no MFU.
 
+``--packed DOC_LEN`` packs each row with documents of DOC_LEN tokens: ``position_ids`` restart at
+each document (ours attends within documents without a T x T mask; SmolLM3 gets the same
+``position_ids``, no attention mask and ``use_cache=False``, from which transformers builds its
+document mask), and no target crosses a document. Each pair then has a third side, ours on the
+same batch as causal rows (the same model and optimizer, no ``position_ids``), timed in the same
+rounds: ``packed_vs_causal`` is its per-round time over the packed side's (above 1, the packed
+rows are faster). The FLOPs of a packed token count attention over its document (``DOC_LEN``),
+not the row. ``attention_kernels`` lists the kernels that ran (`model.kernels.chosen_kernels`).
+
     python benchmarks/bench_mfu.py [--rounds 5] [--steps 5] [--warmup 3] [--micro-batch 2]
+        [--packed DOC_LEN]
     python benchmarks/bench_mfu.py --quick     # seconds on a CPU at tiny shapes: the script runs
 
 Prints ONE JSON line.
@@ -38,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 
 import torch  # noqa: E402
 
+from benchmarks.bench_train_step import ours_loss, smollm3_loss  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     alternate,
     emit,
@@ -48,6 +59,7 @@ from benchmarks.common import (  # noqa: E402
 from llmflow.model.config import ModelConfig, preset  # noqa: E402
 from llmflow.model.hf import to_hf_state_dict  # noqa: E402
 from llmflow.model.hf_arch import hf_config  # noqa: E402
+from llmflow.model.kernels import chosen_kernels  # noqa: E402
 from llmflow.model.loss import IGNORE_INDEX  # noqa: E402
 from llmflow.model.transformer import Transformer  # noqa: E402
 from llmflow.tasks.pretrain.config import OptimizerConfig  # noqa: E402
@@ -84,10 +96,7 @@ def ours(cfg: ModelConfig, device: torch.device, compile_blocks: bool, optim: Op
             block.compile()
     (optimizer,) = build_optimizers(model, optim)
 
-    def loss_of(ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return model(ids, labels=labels)[0]
-
-    return model, train_step(model, optimizer, loss_of, device)
+    return model, train_step(model, optimizer, lambda batch: ours_loss(model, batch), device)
 
 
 def smollm3(cfg: ModelConfig, device: torch.device, compile_layers: bool, optim, weights):
@@ -104,18 +113,15 @@ def smollm3(cfg: ModelConfig, device: torch.device, compile_layers: bool, optim,
             layer.compile()
     optimizer = hf_adamw(model, optim, optim.fused)
 
-    def loss_of(ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return model(input_ids=ids, labels=ids).loss  # shifted inside, as HF users call it
-
-    return model, train_step(model, optimizer, loss_of, device)
+    return model, train_step(model, optimizer, lambda batch: smollm3_loss(model, batch), device)
 
 
 def train_step(model, optimizer, loss_of, device: torch.device):
     """One training step, the same for both models: bf16 autocast loss, backward, clip, step."""
 
-    def step(ids: torch.Tensor, labels: torch.Tensor) -> float:
+    def step(batch: dict) -> float:
         with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss = loss_of(ids, labels)
+            loss = loss_of(batch)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -123,6 +129,23 @@ def train_step(model, optimizer, loss_of, device: torch.device):
         return loss.item()  # NOTE: waits for the GPU, so a timed call ends with its work
 
     return step
+
+
+def batches(ids: torch.Tensor, doc_len: int | None) -> dict[str, dict[str, torch.Tensor]]:
+    """The batches of the sides: ``rows`` (each row one document) and, with ``doc_len``,
+    ``packed`` (documents of ``doc_len``, positions restarting) and ``causal`` (the packed
+    batch's ids and targets, without positions: each row one document)."""
+    labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], IGNORE_INDEX)], dim=1)
+    if doc_len is None:
+        return {"rows": {"ids": ids, "labels": labels, "hf_labels": ids}}
+    positions = torch.arange(ids.shape[1], device=ids.device) % doc_len
+    labels[:, positions == doc_len - 1] = IGNORE_INDEX  # the next token starts a document
+    hf_labels = ids.clone()
+    starts = (positions == 0) & (torch.arange(ids.shape[1], device=ids.device) > 0)
+    hf_labels[:, starts] = IGNORE_INDEX  # transformers shifts its labels inside its loss
+    packed = {"ids": ids, "labels": labels, "hf_labels": hf_labels,
+              "position_ids": positions.expand(ids.shape[0], -1).contiguous()}  # fmt: skip
+    return {"packed": packed, "causal": {"ids": ids, "labels": labels, "hf_labels": hf_labels}}
 
 
 def main() -> None:
@@ -133,6 +156,8 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=2, help="sequences per step")
     parser.add_argument("--no-compile", action="store_true", help="the eager pair only")
     parser.add_argument("--quick", action="store_true", help="tiny shapes, CPU: the script runs")
+    parser.add_argument("--packed", type=int, metavar="DOC_LEN",
+                        help="rows packed with documents of DOC_LEN tokens, and the causal side")  # fmt: skip
     args = parser.parse_args()
     for name in ("rounds", "steps", "warmup", "micro_batch"):
         if getattr(args, name) < (0 if name == "warmup" else 1):
@@ -146,10 +171,15 @@ def main() -> None:
             return
         device, cfg = torch.device("cuda"), preset(PRESET)
     seq = cfg.max_seq_len
+    if args.packed is not None and (args.packed < 1 or seq % args.packed or args.packed == seq):
+        parser.error(
+            f"--packed={args.packed}: must divide the {seq}-token rows into >= 2 documents"
+        )
     optim = OptimizerConfig(lr=3e-4, fused=device.type == "cuda")
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (args.micro_batch, seq), generator=gen).to(device)
-    labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], IGNORE_INDEX)], dim=1)
+    feeds = batches(ids, args.packed)
+    main_batch = feeds["rows" if args.packed is None else "packed"]
     pairs = ["eager"] + ([] if args.no_compile else ["compiled"])
     seconds: dict[str, list[float]] = {}
     first: dict[str, float] = {}
@@ -160,33 +190,47 @@ def main() -> None:
         peer, peer_step = smollm3(cfg, device, compiled, optim, weights)
         del weights
         steps = {f"ours_{pair}": ours_step, f"smollm3_{pair}": peer_step}
-        first.update({name: step(ids, labels) for name, step in steps.items()})
-        for step in steps.values():
-            for _ in range(max(args.warmup - 1, 0)):
-                step(ids, labels)
-
-        def run(step):
-            return lambda: [step(ids, labels) for _ in range(args.steps)]
-
+        inputs = dict.fromkeys(steps, main_batch)
         calls = paired_order([(f"ours_{pair}", f"smollm3_{pair}")], args.rounds)
-        seconds |= alternate({n: run(s) for n, s in steps.items()}, args.rounds, calls=calls)
-        del model, peer, steps, ours_step, peer_step
+        if args.packed is not None:  # our model again, the same batch as causal rows
+            steps[f"ours_{pair}_causal"], inputs[f"ours_{pair}_causal"] = ours_step, feeds["causal"]
+            calls = with_causal(calls, f"ours_{pair}", f"ours_{pair}_causal")
+        first.update({name: step(inputs[name]) for name, step in steps.items()})
+        for name, step in steps.items():
+            for _ in range(max(args.warmup - 1, 0)):
+                step(inputs[name])
+
+        def run(step, batch):
+            return lambda: [step(batch) for _ in range(args.steps)]
+
+        sides = {n: run(s, inputs[n]) for n, s in steps.items()}
+        seconds |= alternate(sides, args.rounds, calls=calls)
+        del model, peer, steps, ours_step, peer_step, sides
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
     tokens = args.steps * ids.numel()
     tps = {name: tokens / statistics.median(s) for name, s in seconds.items()}
-    per_token = flops_per_token(cfg, seq)
+    per_token = flops_per_token(cfg, seq if args.packed is None else args.packed)
+    causal_per_token = flops_per_token(cfg, seq)
     device_name, peak = peak_flops(device)
-    mfu = {k: None if peak is None else round(per_token * v / peak, 4) for k, v in tps.items()}
+    mfu = {k: None if peak is None else
+           round((causal_per_token if k.endswith("_causal") else per_token) * v / peak, 4)
+           for k, v in tps.items()}  # fmt: skip
     per_round = {p: per_round_ratios(seconds, f"smollm3_{p}", f"ours_{p}") for p in pairs}
+    vs_causal = {} if args.packed is None else {
+        p: per_round_ratios(seconds, f"ours_{p}_causal", f"ours_{p}") for p in pairs
+    }  # fmt: skip
     # NOTE: the first step of each pair from the same weights; bf16 rounds the two differently
     same = all(abs(first[f"ours_{p}"] - first[f"smollm3_{p}"]) < 2e-2 for p in pairs)
     emit(
         "mfu_quick_cpu" if args.quick else "mfu",
         shape=(f"{PRESET if not args.quick else 'tiny'}: h{cfg.hidden_size} L{cfg.num_layers} "
                f"H{cfg.num_heads}/{cfg.num_kv_heads} I{cfg.intermediate_size} "
-               f"V{cfg.vocab_size}, batch {args.micro_batch}x{seq}, bf16 autocast, sdpa"),
+               f"V{cfg.vocab_size}, batch {args.micro_batch}x{seq}, bf16 autocast, sdpa"
+               + ("" if args.packed is None else f", documents of {args.packed}")),
+        packed_doc_len=args.packed,
+        attention_kernels=chosen_kernels(),
         device=device_name,
         peak_tflops=None if peak is None else peak / 1e12,
         flops_per_token=per_token,
@@ -199,11 +243,24 @@ def main() -> None:
         ),
         ratios={p: r["median"] for p, r in per_round.items()},
         ratio_ranges={p: r["range"] for p, r in per_round.items()},
+        packed_vs_causal={p: r["median"] for p, r in vs_causal.items()} or None,
+        packed_vs_causal_ranges={p: r["range"] for p, r in vs_causal.items()} or None,
+        flops_per_token_causal=causal_per_token if args.packed is not None else None,
         first_step_loss={k: round(v, 5) for k, v in first.items()},
         rounds=args.rounds,
         steps_per_round=args.steps,
         identical_work=same,
     )  # fmt: skip
+
+
+def with_causal(calls: list[str], ours: str, causal: str) -> list[str]:
+    """A pair's paired rounds with a third side, ``causal``, next to ``ours`` in every round:
+    before it when ours goes first, after it when ours goes second (so the two alternate too)."""
+    out: list[str] = []
+    for r in range(0, len(calls), 2):
+        pair = calls[r : r + 2]
+        out += [causal, *pair] if pair[0] == ours else [*pair, causal]
+    return out
 
 
 if __name__ == "__main__":

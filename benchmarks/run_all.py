@@ -135,6 +135,10 @@ def benchmarks(data: Path) -> list[Bench]:
               [Goal("time_ratio", "<=", 0.5, "packed 8k row of 512-token documents vs causal, time"),
                Goal("memory_ratio", "<=", 1.1,
                     "packed 8k row of 512-token documents vs causal, memory")]),
+        Bench("mfu_packed", "bench_mfu.py",
+              ["--rounds", "5", "--steps", "5", "--warmup", "3", "--packed", "512"],
+              ["--quick", "--rounds", "1", "--steps", "1", "--warmup", "0", "--no-compile",
+               "--packed", "16"]),
     ]  # fmt: skip
 
 
