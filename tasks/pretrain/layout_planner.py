@@ -306,7 +306,7 @@ def _evaluate(model, layout, seq_len, micro, accum, ac, hardware, param_dtype_by
         param_dtype_bytes=param_dtype_bytes, optimizer=optimizer, fsdp=True,
         activation_checkpointing=ac, every_k=every_k, tp=layout.tp, cp=layout.cp, pp=layout.pp,
         dp_shard=layout.dp_shard, dp_replicate=layout.dp_replicate, micro_batches=accum,
-        pp_schedule=layout.pp_schedule, masked=True,
+        pp_schedule=layout.pp_schedule, packed=True,
     )  # fmt: skip
     comm = communication(model, layout, seq_len=seq_len, micro_batch_size=micro,
                          micro_batches=accum, activation_bytes=param_dtype_bytes,

@@ -216,12 +216,19 @@ def loss_buffer_bytes(cfg: ModelConfig, tokens: int, tp: int = 1) -> float:
 
 @dataclass
 class AttentionExtra:
-    """What attention keeps beyond `block_activation_bytes` under a mask or CP, bytes."""
+    """What attention keeps beyond `block_activation_bytes` with packed rows or CP, bytes."""
 
     per_layer: float = 0.0
     """Kept by every block that is not recomputed (one block's worth when recomputed)."""
     once: float = 0.0
-    """Held through the step once, for all layers (the boolean mask)."""
+    """Held through the step once, for all layers (the documents' bucket plan)."""
+
+
+BUCKET_PADDING = 0.25
+"""The most `sdpa-buckets` pads a document of 16 tokens or more (``model/kernels.py``
+`padded_length`: a quarter of its octave); the plan counts it whole."""
+INDEX_BYTES = 8
+"""An int64 token index of the bucket plan."""
 
 
 def attention_extra_bytes(
@@ -232,36 +239,40 @@ def attention_extra_bytes(
     activation_bytes: int,
     tp: int = 1,
     cp: int = 1,
-    masked: bool = False,
+    packed: bool = False,
     device_type: str = "cuda",
 ) -> AttentionExtra:
-    """The attention's memory that `block_activation_bytes` leaves out: that of masks and of
-    context parallelism, for ``micro_batch_size`` rows of ``seq_len`` tokens (s/cp per rank).
+    """The attention's memory that `block_activation_bytes` leaves out, for
+    ``micro_batch_size`` rows of ``seq_len`` tokens (s/cp per rank), by the kernel
+    ``model/kernels.py`` runs on ``device_type`` (no kernel keeps a T x T mask).
 
-    ``masked``: rows hold several documents, so every layer attends under a block-diagonal
-    mask of one row each (under CP, rows of one document still get one causal mask for all
-    rows: ``SequenceShard.mask``). Following ``model/attention.py`` and
-    ``tasks/pretrain/parallel/cp.py``, and measured with saved-tensor hooks on CPU:
+    ``packed``: rows hold several documents. What each kernel keeps for the backward pass,
+    against the block's count (rotated q, k and v of the KV heads, the output, its logsumexp):
 
-    - SDPA turns a boolean mask into an additive one of the activations' dtype and saves it
-      for the backward pass: ``rows·(s/cp)·s`` values per layer (rows: b with documents, else
-      1). NOTE: at long s this dominates (32k, cp=4, bf16: 0.54 GB per layer and row); a
-      varlen or flex-attention path would remove it;
-    - CP all-gathers K and V over the whole rows, and SDPA saves its inputs: every layer keeps
-      them at full s (``2·b·s·kv/tp``) instead of its local s/cp;
-    - on CUDA under a mask, k and v are expanded to the query heads before SDPA (its fused
-      kernels take grouped k/v only without a mask): ``2·b·s·(a·d)/tp`` per layer instead;
-    - the boolean mask, ``rows·(s/cp)·s`` bytes, is held once for all layers.
+    - one document per row (``sdpa-causal``), any device: exactly that, nothing more;
+    - packed rows on CUDA (``varlen``, or ``flex`` with a block mask of (s/128)^2 blocks per
+      row, negligible): the same tensors, KV heads shared, nothing more;
+    - packed rows on CPU (``sdpa-buckets``), measured with saved-tensor hooks: the per-document
+      copies of q, k and v (they replace q, k and v: only their padding adds, at most
+      `BUCKET_PADDING`) and the bucketed output beside the output projection's input
+      (``(1 + pad)·h``), the logsumexp's padding; the plan's int64 token indices (each slot's
+      token, each token's slot) are shared by all layers: once;
+    - CP (``model/context.py``), any rows: every layer keeps K and V of the whole rows
+      (``2·b·s·kv/tp``; the KV heads, not expanded) and not its local s/cp ones. Beside
+      them it keeps what the block's count has: CUDA's ``flex`` the local q, the output and
+      its logsumexp; the CPU's document-segment kernel the same, its per-segment copies being
+      made again in the backward pass (its plan's indices, a few bytes per token, left out).
     """
-    if not masked and cp == 1:
+    if cp == 1 and not (packed and device_type == "cpu"):
         return AttentionExtra()
     b, local, p = micro_batch_size, seq_len / cp, activation_bytes
-    mask = (b if masked else 1) * local * seq_len
     kv = cfg.num_kv_heads * cfg.head_dim / tp
-    if device_type == "cuda":
-        kv = cfg.num_heads * cfg.head_dim / tp
-    local_kv = 2 * b * local * cfg.num_kv_heads * cfg.head_dim / tp * p  # in the block's count
-    return AttentionExtra(per_layer=mask * p + 2 * b * seq_len * kv * p - local_kv, once=mask)
+    if cp > 1:  # the whole rows' K and V, less the local ones of the block's count
+        return AttentionExtra(per_layer=2 * b * (seq_len - local) * kv * p)
+    q, pad = cfg.num_heads * cfg.head_dim / tp, BUCKET_PADDING
+    copies = pad * (q + 2 * kv) + (1 + pad) * q  # padding of q, k, v; the bucketed output
+    per_layer = b * seq_len * (copies * p + pad * cfg.num_heads / tp * FLOAT32)
+    return AttentionExtra(per_layer=per_layer, once=b * seq_len * (2 + pad) * INDEX_BYTES)
 
 
 def memory_per_gpu(
@@ -282,7 +293,7 @@ def memory_per_gpu(
     dp_replicate: int = 1,
     micro_batches: int = 1,
     pp_schedule: str = "1f1b",
-    masked: bool = False,
+    packed: bool = False,
     device_type: str = "cuda",
     eval_batches: int = 4,
 ) -> MemoryEstimate:
@@ -303,7 +314,8 @@ def memory_per_gpu(
     ``dp_shard`` defaults to the GPUs the other degrees leave.
 
     Activations (`activation_bytes_per_token`) are for ``micro_batch_size x seq_len / cp``
-    tokens per micro-batch, with what masks and CP add (`attention_extra_bytes`) and the loss's
+    tokens per micro-batch, with what packed rows and CP add (`attention_extra_bytes`: by the
+    attention kernel of ``device_type``) and the loss's
     buffers vocab-parallel over tp (`loss_buffer_bytes`). With pipeline parallelism the first
     stage holds the activations of the micro-batches in flight (1F1B: min(pp, micro_batches);
     GPipe: all ``micro_batches``) and the last the loss; the fuller of the two is counted.
@@ -361,7 +373,7 @@ def memory_per_gpu(
     tokens = micro_batch_size * seq_len / cp
     extra = attention_extra_bytes(
         cfg, seq_len=seq_len, micro_batch_size=micro_batch_size,
-        activation_bytes=p, tp=tp, cp=cp, masked=masked, device_type=device_type,
+        activation_bytes=p, tp=tp, cp=cp, packed=packed, device_type=device_type,
     )  # fmt: skip
     activations = _stage_activations(
         cfg, tokens, p, activation_checkpointing, every_k, tp, pp,
@@ -435,7 +447,7 @@ def validation_bytes(
 
     It is the train step's loss path forward only, without gradients (``callbacks.Validator``:
     the same CP shards, the fused or vocabulary-parallel loss): one block's tensors at a time
-    (at most what a block keeps for its backward pass) with the attention's mask and gathered
+    (at most what a block keeps for its backward pass) with the attention's copies and gathered
     K/V, the residual stream and one chunk of the loss's logits; under PP every stage keeps its
     outputs of the ``eval_batches`` micro-batches until the schedule ends.
     """
@@ -542,7 +554,7 @@ def plan(
     activation_checkpointing: bool | str = False,
     every_k: int = 2,
     layout=None,
-    masked: bool = False,
+    packed: bool = False,
 ) -> Plan:
     """Estimate a pretraining run and say whether it fits in GPU memory.
 
@@ -563,8 +575,8 @@ def plan(
             block), "selective" (every ``every_k``-th block), False or "none".
         every_k: the selective interval.
         layout: a resolved ``parallel.config.Layout`` of the `num_gpus` (None: FSDP over all).
-        masked: rows hold several documents: attention runs under a mask, on CUDA
-            (`attention_extra_bytes`).
+        packed: rows hold several documents (`attention_extra_bytes`: on CUDA their kernels
+            keep nothing more than one document's).
     """
     _check_positive(seq_len=seq_len, global_batch_tokens=global_batch_tokens,
                     num_tokens=num_tokens, num_gpus=num_gpus, gpu_mem_gb=gpu_mem_gb, mfu=mfu,
@@ -572,7 +584,7 @@ def plan(
     memory_kwargs = dict(
         seq_len=seq_len, micro_batch_size=micro_batch_size, num_gpus=num_gpus,
         param_dtype_bytes=param_dtype_bytes, optimizer=optimizer, fsdp=fsdp,
-        activation_checkpointing=activation_checkpointing, every_k=every_k, masked=masked,
+        activation_checkpointing=activation_checkpointing, every_k=every_k, packed=packed,
     )  # fmt: skip
     if layout is not None and not layout.is_plain:
         memory_kwargs.update(tp=layout.tp, cp=layout.cp, pp=layout.pp, dp_shard=layout.dp_shard,
@@ -728,7 +740,7 @@ def recipe_plan(
         activation_checkpointing=train.activation_checkpointing,
         every_k=train.activation_checkpointing_every_k,
         layout=layout,
-        masked=True,  # packed rows hold several documents
+        packed=True,  # packed rows hold several documents
     )
 
 
@@ -755,7 +767,7 @@ def extension_memory(pretrain, extend, hardware, num_gpus: int | None = None) ->
             every_k=train.activation_checkpointing_every_k, tp=layout.tp, cp=layout.cp,
             pp=layout.pp, dp_shard=layout.dp_shard, dp_replicate=layout.dp_replicate,
             micro_batches=train.batch.grad_accum_steps, pp_schedule=layout.pp_schedule,
-            masked=True,
+            packed=True,
         )  # fmt: skip
         fits = memory.total_gb <= HEADROOM * hardware.gpu_mem_gb
         where = "" if layout.is_plain else f" at tp={layout.tp} cp={layout.cp} pp={layout.pp}"

@@ -30,7 +30,7 @@ def test_plan_prints_every_stage_layout_and_the_recipe_fits(capsys):
         assert "NOT" not in memory
         assert "bubble" in traffic and "TP" in traffic and "CP" in traffic
     assert "(set)" in stages["extension 1"][0] and "cp=4" in stages["extension 1"][0]
-    assert "tp=2 cp=8" in stages["extension 2"][0] and "= 288 sequences" in stages["extension 2"][0]
+    assert "tp=1 cp=8" in stages["extension 2"][0] and "= 288 sequences" in stages["extension 2"][0]
     assert "does NOT fit" not in out
 
 

@@ -18,9 +18,9 @@ def test_the_3b_recipe_rehearses_its_planned_layouts_at_degree_2():
     config = load_config("configs/smollm3-3b.yaml", [])
     planned = [p.layout for _, _, p in stage_layout_plans(config.pretrain, config.extend,
                                                           config.hardware)]  # fmt: skip
-    assert {(lay.tp, lay.cp) for lay in planned} == {(1, 1), (1, 4), (2, 8)}
+    assert {(lay.tp, lay.cp) for lay in planned} == {(1, 1), (1, 4), (1, 8)}
     layouts = rehearsal_layouts(config, "plan")
-    assert layouts == [{"cp": 2, "dp_shard": 2}, {"tp": 2, "cp": 2, "dp_shard": 1}]
+    assert layouts == [{"cp": 2, "dp_shard": 2}]  # no stage plans TP
     assert all(world_size(lay) == 4 for lay in layouts)
 
 

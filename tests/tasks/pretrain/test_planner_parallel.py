@@ -49,9 +49,9 @@ def test_block_activations_term_by_term():
     assert block_activation_bytes(TINY, p) < paper / 10
 
 
-def test_block_formula_against_saved_tensors():
-    """What autograd keeps for one block (float32): the formula plus RoPE's shared tables."""
-    model = Transformer(TINY)
+def _saved_bytes(model, docs, batch: int, seq_len: int) -> float:
+    """Bytes autograd keeps for the first block of ``model`` (its parameters aside), each
+    storage counted once."""
     storages: dict[int, int] = {}
 
     def keep(t: torch.Tensor) -> torch.Tensor:
@@ -60,13 +60,96 @@ def test_block_formula_against_saved_tensors():
             storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
-    batch, seq_len = 2, 64
     x = model.embed(torch.randint(0, 512, (batch, seq_len)))
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
-        model.layers[0](x, model.rope(torch.arange(seq_len)[None], x.dtype), None)
-    measured = sum(storages.values()) / (batch * seq_len)
+        model.layers[0](x, model.rope(torch.arange(seq_len)[None], x.dtype), docs)
+    return sum(storages.values())
+
+
+def test_block_formula_against_saved_tensors():
+    """What autograd keeps for one block (float32): the formula plus RoPE's shared tables."""
+    batch, seq_len = 2, 64
+    measured = _saved_bytes(Transformer(TINY), None, batch, seq_len) / (batch * seq_len)
     rope_tables = 2 * 24 * 4 / batch  # cos and sin (their full-width storage) per position
     assert block_activation_bytes(TINY, 4) + rope_tables == pytest.approx(measured, rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    "lengths,padding",
+    [([8, 8, 48], 0.25), ([32, 32], 0.0), ([17, 47], 4 / 64), ([20, 27, 17], 4 / 64)],
+)
+def test_packed_rows_on_cpu_against_saved_tensors(lengths, padding):
+    """Packed rows on CPU (``sdpa-buckets``): what autograd keeps for one block is the block's
+    formula plus the planner's attention term, the documents' copies padded to their buckets.
+    At the plan's padding (8-token documents padded to 16 and a 48-token one: 25%) it is exact;
+    any documents of 16 tokens or more stay below it."""
+    from llmflow.model.kernels import Documents
+    from llmflow.tasks.pretrain.planner import BUCKET_PADDING, attention_extra_bytes
+
+    model, batch, seq_len = Transformer(TINY), 2, 64
+    cu = torch.tensor([0, *lengths]).cumsum(0)
+    docs = Documents.of(batch, seq_len, cu_seqlens=torch.cat([cu, cu[1:] + seq_len]))
+    rope_tables = 2 * 24 * 4 * seq_len  # cos and sin (their full-width storage)
+    measured = _saved_bytes(model, docs, batch, seq_len) - rope_tables
+    extra = attention_extra_bytes(TINY, seq_len=seq_len, micro_batch_size=batch,
+                                  activation_bytes=4, packed=True, device_type="cpu")  # fmt: skip
+    planned = batch * seq_len * block_activation_bytes(TINY, 4) + extra.per_layer + extra.once
+    # by hand, per token: the padding of q, k, v and of the logsumexp, the bucketed output,
+    # each slot's and each token's int64 index
+    q = A * 24
+    by_hand = (padding * (q + 2 * KV) + (1 + padding) * q + padding * A) * 4
+    by_hand += (2 + padding) * 8
+    unpacked = _saved_bytes(model, None, batch, seq_len) - rope_tables
+    assert measured - unpacked == pytest.approx(batch * seq_len * by_hand)
+    if padding == BUCKET_PADDING:
+        assert measured == pytest.approx(planned)
+    assert measured <= planned
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_cp_attention_on_cpu_keeps_its_inputs_output_and_logsumexp(packed):
+    """Under CP on CPU, ``SequenceShard.attend`` keeps the local q, the whole rows' K and V,
+    its output and float32 logsumexp for the backward pass: no mask and no segment copies, so
+    the planner's CP term is the gathered K and V alone (rank 1 of cp=2, documents crossing
+    the chunks)."""
+    from llmflow.model.attention import document_ids
+    from llmflow.model.context import SequenceShard
+    from llmflow.tasks.pretrain.parallel.cp import gather_order, zigzag_index
+
+    batch, seq_len, cp, dim = 2, 64, 2, 24
+    cu = torch.tensor([0, 5, 19, 64, 74, 96, 97, 128] if packed else [0, 64, 128])
+    doc_ids = document_ids(batch, seq_len, None, cu) if packed else None
+    shard = SequenceShard(None, zigzag_index(seq_len, cp, 1), gather_order(seq_len, cp), doc_ids)
+    local = seq_len // cp
+    q = torch.randn(batch, A, local, dim, requires_grad=True)
+    k, v = (torch.randn(batch, 2, seq_len, dim, requires_grad=True) for _ in range(2))
+    storages: dict[int, int] = {}
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        shard.attend(q, k, v)
+    tokens = batch * local
+    kept = tokens * A * dim * 4 + 2 * batch * seq_len * KV * 4  # q; whole rows' K and V
+    kept += tokens * A * dim * 4 + tokens * A * 4  # output, logsumexp
+    assert sum(storages.values()) == kept
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+def test_packed_rows_on_cuda_keep_no_mask(cp):
+    """On CUDA packed rows run ``varlen`` or ``flex``: KV heads shared, no mask, nothing beyond
+    one document per row's attention; under CP only the whole rows' K and V of the KV heads."""
+    from llmflow.tasks.pretrain.planner import attention_extra_bytes
+
+    kwargs = dict(seq_len=256, micro_batch_size=2, num_gpus=2, param_dtype_bytes=2, cp=cp,
+                  optimizer="adamw", fsdp=True, activation_checkpointing="none")  # fmt: skip
+    assert memory_per_gpu(TINY, packed=True, **kwargs) == memory_per_gpu(TINY, **kwargs)
+    extra = attention_extra_bytes(TINY, seq_len=256, micro_batch_size=2, activation_bytes=2,
+                                  cp=cp, packed=True)  # fmt: skip
+    assert extra.once == 0
+    assert extra.per_layer == 2 * 2 * (256 - 256 / cp) * KV * 2  # K and V, 2 rows, bf16
 
 
 def test_layout_memory_by_hand():
@@ -90,21 +173,19 @@ def test_layout_memory_by_hand():
     block = block_activation_bytes(cfg, p, 2)
     first = 2 * tokens * (2 * block + H / 2 * p)  # 2 in flight: 2 blocks + embedding output
     last = tokens * (2 * block + H * p) + loss_buffer_bytes(cfg, int(tokens), 2)
-    # CP (on CUDA): every layer keeps K and V of the whole rows expanded to the query heads
-    # (instead of its local KV heads) and the (s/cp) x s additive mask, one for all rows of one
-    # document each; the bool mask once
-    mask = 128 * 256
-    per_layer = 2 * 2 * 256 * H / 2 * p - 2 * 2 * 128 * KV / 2 * p + mask * p
-    first += 2 * 2 * per_layer + mask  # 2 layers, 2 micro-batches in flight
-    last += 2 * per_layer + mask
+    # CP (on CUDA): every layer keeps K and V of the whole rows, KV heads / tp, instead of its
+    # local s/cp ones; no mask
+    per_layer = 2 * 2 * (256 - 128) * KV / 2 * p
+    first += 2 * 2 * per_layer  # 2 layers, 2 micro-batches in flight
+    last += 2 * per_layer
     assert m.activations_gb == pytest.approx(max(first, last) / GB)
-    cpu = memory_per_gpu(cfg, tp=2, cp=2, pp=2, dp_shard=2, micro_batches=4, device_type="cpu",
-                         **kwargs)  # fmt: skip
-    # CPU: native GQA, K and V of the KV heads only; the same additive mask
-    gathered = 2 * 2 * 256 * KV / 2 * p - 2 * 2 * 128 * KV / 2 * p + mask * p
-    assert cpu.activations_gb == pytest.approx(
-        (m.activations_gb * GB - 2 * 2 * (per_layer - gathered)) / GB
-    )
+    # CPU: the document-segment kernel keeps the same (its copies are made again in the
+    # backward pass); packed rows change nothing under CP, on either device
+    for device in ("cpu", "cuda"):
+        for packed in (False, True):
+            other = memory_per_gpu(cfg, tp=2, cp=2, pp=2, dp_shard=2, micro_batches=4,
+                                   device_type=device, packed=packed, **kwargs)  # fmt: skip
+            assert other.activations_gb == m.activations_gb
     gpipe = memory_per_gpu(cfg, tp=2, cp=2, pp=2, dp_shard=2, micro_batches=4,
                            pp_schedule="gpipe", **kwargs)  # fmt: skip
     assert gpipe.activations_gb > m.activations_gb  # all 4 micro-batches in flight
@@ -244,7 +325,7 @@ def test_tensor_parallelism_grows_until_the_layer_fits():
     smaller = memory_per_gpu(model, seq_len=8192, micro_batch_size=1, num_gpus=8,
                              param_dtype_bytes=2, optimizer="adamw", fsdp=True,
                              activation_checkpointing=plan.activation_checkpointing,
-                             tp=plan.layout.tp // 2, masked=True)  # fmt: skip
+                             tp=plan.layout.tp // 2, packed=True)  # fmt: skip
     assert smaller.total_gb > HEADROOM * 24
     at_80 = choose_layout(model, 8192, 1, hw, gpu_mem_gb=80, **kwargs)
     assert at_80.layout.tp < plan.layout.tp or at_80.activation_checkpointing == "none"

@@ -17,7 +17,7 @@ PER_BLOCK = (CFG.num_parameters(non_embedding=True) - C) / CFG.num_layers
 
 def _memory(**changes):
     kwargs = dict(seq_len=256, micro_batch_size=2, num_gpus=2, param_dtype_bytes=2,
-                  optimizer="adamw", fsdp=True, activation_checkpointing="none", masked=True)  # fmt: skip
+                  optimizer="adamw", fsdp=True, activation_checkpointing="none", packed=True)  # fmt: skip
     return memory_per_gpu(CFG, **{**kwargs, **changes})
 
 
