@@ -44,6 +44,7 @@ from llmflow.tasks.framework.hashing import digest, versioned_fields
 from llmflow.tasks.framework.step import Metrics, report_markdown, step
 
 CARD_FILE = "README.md"
+LONG_CONTEXT_REPORT = "ruler.md"  # the ruler step's report
 CONFIG_FILE = "llmflow_config.yaml"
 BASE_DATA_UNKNOWN = "the base's own pretraining data: unknown"
 
@@ -86,21 +87,39 @@ def card_config(config: BaseModel, label: str) -> CardConfig:
 
 @step("card", version=2)  # 2: an imported base's own pretraining data is unknown
 def model_card(
-    cfg: CardConfig, model: Path, evaluation: Path, out: Path, safety: Path | None = None
+    cfg: CardConfig,
+    model: Path,
+    evaluation: Path,
+    out: Path,
+    safety: Path | None = None,
+    long_context: Path | None = None,
 ) -> Metrics:
-    """Write the model's Hugging Face folder with its card (README.md) into hf/."""
+    """Write the model's Hugging Face folder with its card (README.md) into hf/;
+    ``long_context``: a ruler output (RULER beside passkey and loss by position)."""
     folder = out / "hf"
     link_folder(hf_dir(model), folder)
     facts = training_facts(model)
     if cfg.base_model is None:
         cfg = cfg.model_copy(update={"base_model": facts["base_model"]})
     results = _json(evaluation / RESULTS_FILE) or {}
-    text = render_card(cfg, facts, results, safety_metrics(safety), safety_classifier(safety))
+    text = render_card(
+        cfg, facts, results, safety_metrics(safety), safety_classifier(safety),
+        long_context=long_context_report(long_context),
+    )  # fmt: skip
     write_new(folder / CARD_FILE, text)
     if cfg.config_yaml:
         write_new(folder / CONFIG_FILE, cfg.config_yaml)
     report_markdown("model-card", text, f"Model card of {cfg.model_name}")
     return {"card": f"hf/{CARD_FILE}", "eval_results": len(eval_results(results))}
+
+
+def long_context_report(output: Path | None) -> str | None:
+    """A ruler output's report (RULER by length beside passkey and loss by position), as the
+    card's long-context section; None without one."""
+    if output is None:
+        return None
+    path = Path(output) / LONG_CONTEXT_REPORT
+    return path.read_text(encoding="utf-8") if path.exists() else NOT_RECORDED
 
 
 def link_folder(source: Path, dest: Path) -> None:
@@ -158,14 +177,17 @@ def render_card(
     results: dict[str, Any],
     safety: dict[str, Any] | None,
     classifier: dict[str, Any] | None = None,
+    long_context: str | None = None,
 ) -> str:
-    """The whole README.md: YAML metadata between ``---`` lines, then the sections."""
+    """The whole README.md: YAML metadata between ``---`` lines, then the sections (a long
+    context section only when ``long_context`` is given)."""
     data = card_data(cfg, facts, results)
     sections = [
         f"# {cfg.model_name}\n\n" + origin_line(cfg, facts),
         "## How it was trained\n\n" + training_section(facts),
         "## Evaluation\n\n"
         + evaluation_section(results, facts.get("posttrain_contamination"), facts.get("external")),
+        *([f"## Long context\n\n{long_context}"] if long_context else []),
         "## Bias and toxicity\n\n" + safety_section(safety, classifier),
         "## Intended use and limitations\n\n" + limitations_section(cfg, facts),
         "## How to reproduce\n\n" + reproduce_section(cfg),

@@ -48,8 +48,10 @@ def leaderboard(
     models: list[Path],
     out: Path,
     cards: list[Path] | None = None,
+    long_context: list[Path] | None = None,
 ) -> Metrics:
-    """Every evaluated model x task in one table, plots against tokens seen, signal quality."""
+    """Every evaluated model x task in one table, plots against tokens seen, signal quality;
+    ``long_context``: outputs scoring one of the models (RULER), each its row's extra tasks."""
     if not len(cfg.labels) == len(evaluations) == len(models):
         raise BadInputError(
             f"leaderboard: {len(cfg.labels)} labels, {len(evaluations)} evaluations and "
@@ -59,6 +61,8 @@ def leaderboard(
         _record(label, evaluation, model)
         for label, evaluation, model in zip(cfg.labels, evaluations, models, strict=True)
     ]
+    for output in long_context or []:
+        add_labelled_metrics(records, cfg.labels, output)
     summary = build_leaderboard(records, out)
     wide = json.loads((out / "leaderboard.json").read_text())
     quality = (out / "signal_quality.md").read_text()
@@ -114,9 +118,23 @@ def add_model_metrics(record: dict[str, Any], model: Path) -> None:
     model's row: ``leaderboard_metrics.json`` beside the model holds ``metrics`` and
     ``higher_is_better`` per task, like ``results.json``."""
     path = Path(model) / MODEL_METRICS
-    if not path.exists():
-        return
-    extra = json.loads(path.read_text())
+    if path.exists():
+        _merge_metrics(record, json.loads(path.read_text()))
+
+
+def add_labelled_metrics(records: list[dict[str, Any]], labels: list[str], output: Path) -> None:
+    """Tasks another step scored on one of the models (the ruler step's RULER scores of the
+    extended checkpoint) join that model's row: ``leaderboard_metrics.json`` in ``output``,
+    with the model's ``label`` beside ``metrics`` and ``higher_is_better``."""
+    extra = json.loads((Path(output) / MODEL_METRICS).read_text())
+    if extra["label"] not in labels:
+        raise BadInputError(
+            f"leaderboard: {output} scores the model {extra['label']!r}, not one of {labels}"
+        )
+    _merge_metrics(records[labels.index(extra["label"])], extra)
+
+
+def _merge_metrics(record: dict[str, Any], extra: dict[str, Any]) -> None:
     record["metrics"] = {**record["metrics"], **extra["metrics"]}
     higher = record.setdefault("higher_is_better", {})
     higher.update(extra.get("higher_is_better", {}))

@@ -67,6 +67,64 @@ class LongContextEvalConfig(BaseModel):
         return value
 
 
+RULER_TASKS = (
+    "niah_single_1",
+    "niah_single_2",
+    "niah_single_3",
+    "niah_multikey_1",
+    "niah_multikey_2",
+    "niah_multikey_3",
+    "niah_multivalue",
+    "niah_multiquery",
+    "vt",
+    "cwe",
+    "fwe",
+)
+"""RULER's synthetic tasks; its QA tasks need SQuAD and HotpotQA from the network."""
+MIN_RULER_LENGTH = 128  # RULER's templates and answers alone take about this many tokens
+
+
+class RulerConfig(BaseModel):
+    """RULER's synthetic tasks (lm-eval's generators) on the model of every extension stage."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(True, description="Score the extension stages on RULER.")
+    tasks: list[str] = Field(
+        default_factory=lambda: list(RULER_TASKS),
+        description=f"RULER tasks to score, of {', '.join(RULER_TASKS)}.",
+    )
+    lengths: list[int] | None = Field(
+        None,
+        description="Context lengths (tokens, generation included) every stage's model is "
+        f"scored at; None: the stages' own seq_len (those of at least {MIN_RULER_LENGTH}).",
+    )
+    samples: int = Field(2, ge=1, description="Prompts per task and length.")
+    seed: int = Field(0, description="Seed of needles, words, chains and their placement.")
+
+    @field_validator("tasks")
+    @classmethod
+    def _known_tasks(cls, value: list[str]) -> list[str]:
+        unknown = [t for t in value if t not in RULER_TASKS]
+        if unknown or not value or len(set(value)) != len(value):
+            raise ValueError(
+                f"tasks must be distinct names of {', '.join(RULER_TASKS)}; got {value}"
+            )
+        return value
+
+    @field_validator("lengths")
+    @classmethod
+    def _increasing_lengths(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and (
+            not value or value != sorted(set(value)) or value[0] < MIN_RULER_LENGTH
+        ):
+            raise ValueError(
+                f"lengths must be strictly increasing, each at least {MIN_RULER_LENGTH}; "
+                f"got {value}"
+            )
+        return value
+
+
 class ExtendConfig(BaseModel):
     """Staged context extension, YaRN for inference, and the long-context evaluation."""
 
@@ -81,6 +139,12 @@ class ExtendConfig(BaseModel):
     beta_fast: float = Field(32.0, gt=0, description="YaRN beta_fast.")
     beta_slow: float = Field(1.0, gt=0, description="YaRN beta_slow.")
     eval: LongContextEvalConfig = Field(default_factory=LongContextEvalConfig)
+    ruler: RulerConfig = Field(
+        default_factory=RulerConfig,
+        description="RULER on each extension stage's model. Hashed through the ruler step's "
+        "config only (the longctx step does not read it).",
+        json_schema_extra=UNVERSIONED,
+    )
 
     @model_validator(mode="after")
     def _increasing(self) -> ExtendConfig:
@@ -88,6 +152,13 @@ class ExtendConfig(BaseModel):
         if lengths != sorted(set(lengths)):  # empty: no extension (the base is the last model)
             raise ValueError(f"stages[].seq_len must be strictly increasing, got {lengths}")
         return self
+
+    def ruler_lengths(self) -> list[int]:
+        """The context lengths RULER scores: ``ruler.lengths``, else the stages' seq_len (a
+        stage shorter than RULER's prompts is left out)."""
+        if self.ruler.lengths is not None:
+            return self.ruler.lengths
+        return [s.seq_len for s in self.stages if s.seq_len >= MIN_RULER_LENGTH]
 
     def yarn_scaling(self) -> dict:
         """transformers-style rope parameters for inference past the last trained length."""
