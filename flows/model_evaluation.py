@@ -109,6 +109,7 @@ def add_model_evaluation(
     heldout: Input | None = None,
     corpus: Input | None = None,
     phase: str = "evaluate",
+    long_context: Input | None = None,
 ) -> Evaluated:
     """Evaluate ``model`` on ``suite``, measure its safety (when ``safety_inputs``), write its card.
 
@@ -123,6 +124,7 @@ def add_model_evaluation(
         heldout: A tokenize output whose held-out documents feed the perplexity tasks.
         corpus: A decontaminated corpus whose share of each task's items the scores carry.
         phase: The phase of the three nodes (``--until`` cuts by phase).
+        long_context: A ruler output whose scores (of the checkpoint exported) join the card.
     """
     scores = graph.add(
         evaluate, suite, name, phase=phase, model=model, heldout=heldout, corpus=corpus
@@ -139,13 +141,17 @@ def add_model_evaluation(
             data=safety_inputs.data,
         )
     written = graph.add(
-        model_card, card, name, phase=phase, model=model, evaluation=scores, safety=checked
-    )
+        model_card, card, name, phase=phase, model=model, evaluation=scores, safety=checked,
+        long_context=long_context,
+    )  # fmt: skip
     return Evaluated(label, model, scores, written, checked)
 
 
-def add_leaderboard(graph: Graph, name: str, entries: list[Evaluated]) -> Node:
-    """Every evaluated model x task in one table, with each model's card."""
+def add_leaderboard(
+    graph: Graph, name: str, entries: list[Evaluated], long_context: list[Input] | None = None
+) -> Node:
+    """Every evaluated model x task in one table, with each model's card (and the RULER scores
+    of ``long_context``'s ruler outputs in their models' rows)."""
     return graph.add(
         leaderboard,
         LeaderboardConfig(labels=[e.label for e in entries]),
@@ -153,4 +159,5 @@ def add_leaderboard(graph: Graph, name: str, entries: list[Evaluated]) -> Node:
         evaluations=[e.scores for e in entries],
         models=[e.model for e in entries],
         cards=[e.card for e in entries],
+        long_context=long_context,
     )

@@ -6,7 +6,7 @@
 scheduled evaluation build their own graphs from the same steps.
 
     sample ─► ingest ─► curate ─► tokenizer ─► tokenize ─► mixtures ─► pretrain 1..n ─► extend
-       ─► longctx ─► export ─► evaluate ─► sft ─► evaluate ─► dpo ─► evaluate ─► leaderboard
+       ─► longctx, ruler ─► export ─► evaluate ─► sft ─► evaluate ─► dpo ─► evaluate ─► leaderboard
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from llmflow.tasks.evaluation.export import ExportConfig, export
 from llmflow.tasks.evaluation.external import STEP_NAME as EXTERNAL_STEP
 from llmflow.tasks.extend.config import extension_mixture, extension_train_config
 from llmflow.tasks.extend.longctx import LongContextEval, longctx
+from llmflow.tasks.extend.ruler import RulerEval, ruler
 from llmflow.tasks.framework.errors import BadInputError
 from llmflow.tasks.framework.graph import Graph, Node, Raw
 from llmflow.tasks.ingest.hub import data_sources
@@ -93,8 +94,9 @@ def recipe(config: PipelineConfig) -> Graph:
     base = curriculum(graph, config, tokenized, init=imported)
     averaged = average_checkpoints(graph, config, base) if config.average.enabled else None
     extended = extension(graph, config, tokenized, base)
+    long_context = None
     if config.extend.stages:  # long-context scores before vs after the extension
-        graph.add(
+        passkey = graph.add(
             longctx,
             LongContextEval(extend=config.extend),
             config.name,
@@ -104,6 +106,7 @@ def recipe(config: PipelineConfig) -> Graph:
             tokenizer=tokenizer,
             tokenized=tokenized,
         )
+        long_context = ruler_scores(graph, config, tokenizer, tokenized, passkey)
     checks = safety_inputs(graph, config, curated)
     models = [export_and_evaluate(graph, config, "base", base, tokenizer, tokenized, checks)]
     long_export = models[0].model  # post-training starts from the extended export, else this
@@ -115,13 +118,34 @@ def recipe(config: PipelineConfig) -> Graph:
         rope = yarn_rope(config)
         models.append(
             export_and_evaluate(
-                graph, config, "extended", extended, tokenizer, tokenized, checks, **rope
+                graph, config, "extended", extended, tokenizer, tokenized, checks,
+                long_context=long_context, **rope,
             )
-        )
+        )  # fmt: skip
         long_export = models[-1].model
     models += posttraining(graph, config, checks, long_export, tokenized)
-    add_leaderboard(graph, config.name, models)
+    add_leaderboard(
+        graph, config.name, models, long_context=[long_context] if long_context else None
+    )
     return graph
+
+
+def ruler_scores(
+    graph: Graph, config: PipelineConfig, tokenizer: Node, tokenized: Node, passkey: Node
+) -> Node | None:
+    """RULER on every extension stage's checkpoint, beside the passkey and loss-by-position
+    results; None when ``extend.ruler`` is off or no stage is long enough for its prompts."""
+    settings, lengths = config.extend.ruler, config.extend.ruler_lengths()
+    if not settings.enabled or not lengths:
+        return None
+    stages = graph.find(step="pretrain", phase="extend")
+    return graph.add(
+        ruler,
+        RulerEval(ruler=settings, labels=[n.name.rsplit("-", 1)[-1] for n in stages],
+                  lengths=lengths),
+        config.name, phase="extend", models=stages, tokenizer=tokenizer, tokenized=tokenized,
+        longctx=passkey,
+    )  # fmt: skip
 
 
 def yarn_rope(config: PipelineConfig) -> dict:
@@ -223,10 +247,12 @@ def export_and_evaluate(
     tokenizer: Node,
     tokenized: Node,
     checks: SafetyInputs | None = None,
+    long_context: Node | None = None,
     **rope,
 ) -> Evaluated:
     """Export a checkpoint to Hugging Face format, then evaluate the export (an ``init`` model
-    no stage trains is a model output already: evaluated as it is)."""
+    no stage trains is a model output already: evaluated as it is); ``long_context`` (RULER's
+    scores of the checkpoint) joins its card."""
     exported = checkpoint
     if checkpoint.step.name != EXTERNAL_STEP:
         exported = graph.add(
@@ -237,7 +263,10 @@ def export_and_evaluate(
             checkpoint=checkpoint,
             tokenizer=tokenizer,
         )
-    return evaluate_model(graph, config, checks, label, exported, tokenized, phase="evaluate")
+    return evaluate_model(
+        graph, config, checks, label, exported, tokenized, phase="evaluate",
+        long_context=long_context,
+    )  # fmt: skip
 
 
 def evaluate_model(
@@ -248,12 +277,14 @@ def evaluate_model(
     model: Node,
     tokenized: Node,
     phase: str,
+    long_context: Node | None = None,
 ) -> Evaluated:
     """The recipe's model ``label``: evaluated (perplexity on the run's held-out documents),
-    safety-checked when on, and carded with the resolved config."""
+    safety-checked when on, and carded with the resolved config (and ``long_context``)."""
     return add_model_evaluation(
         graph, model, label, name=f"{config.name}-{label}", suite=config.evaluate,
         card=card_config(config, label), safety_inputs=checks, heldout=tokenized, phase=phase,
+        long_context=long_context,
     )  # fmt: skip
 
 
