@@ -340,6 +340,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_watch(args: argparse.Namespace) -> int:
+    from llmflow.tasks.pretrain.watch import watch
+
+    return watch(args.root, interval=args.interval, once=args.once, recent_s=args.recent)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llmflow", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -432,6 +438,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("names", nargs="*", help="Deployment names (default: all local ones).")
     serve.add_argument("--limit", type=int, help="Concurrent flow runs.")
     serve.set_defaults(func=cmd_serve)
+    wat = sub.add_parser(
+        "watch", help="The running (and recently finished) training stages under a root, live."
+    )
+    wat.add_argument("root", help="Artifact root (a local folder).")
+    wat.add_argument("--interval", type=float, default=2.0, help="Seconds between redraws.")
+    wat.add_argument("--once", action="store_true", help="Print one frame and exit.")
+    wat.add_argument(
+        "--recent", type=float, default=3600.0, help="Show finished stages this many seconds."
+    )
+    wat.set_defaults(func=cmd_watch)
     return parser
 
 
