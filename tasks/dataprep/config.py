@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from llmflow.tasks.framework.hashing import OMIT_DEFAULT
+
 
 class TokenizeConfig(BaseModel):
     """How `tokenize_corpus` turns curated documents into per-domain token arrays."""
@@ -70,6 +72,14 @@ class PackConfig(BaseModel):
 
 class ValidationConfig(PackConfig):
     """How `build_validation` packs the held-out documents (every one exactly once)."""
+
+    by_domain: bool = Field(
+        False,
+        description="Also record each document's domain (segment_domains.bin), so that every "
+        "validation of the stages reads the held-out loss per domain (val_loss_by_domain); it "
+        "costs one more forward pass over the validation batches per domain.",
+        json_schema_extra=OMIT_DEFAULT,
+    )
 
 
 class StageMixture(PackConfig):

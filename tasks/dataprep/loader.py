@@ -63,7 +63,9 @@ class PackedLoader:
     ``position_ids`` (B, T) long restarting at 0 at each document start and at each row start,
     and ``cu_seqlens`` 1-D int32 over the flattened B*T tokens (flash-attn varlen convention;
     every multiple of T is a boundary). Example: B=2, T=4, documents [3, 1 | 4] give
-    ``cu_seqlens = [0, 3, 4, 8]``.
+    ``cu_seqlens = [0, 3, 4, 8]``. With ``with_domains`` (a set packed with its documents'
+    domains), also ``domains`` (B, T) long: the domain of the document each label's target
+    belongs to, an index into ``domain_names``, -1 in the padding.
     """
 
     def __init__(
@@ -73,6 +75,7 @@ class PackedLoader:
         rank: int = 0,
         world_size: int = 1,
         seed: int = 0,
+        with_domains: bool = False,
     ):
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
@@ -89,6 +92,15 @@ class PackedLoader:
         index = self.meta["index"]
         paths = [self.data_dir / s["file"] for s in self.meta["shards"]]
         paths += [self.data_dir / index["doc_offsets"], self.data_dir / index["doc_starts"]]
+        self.with_domains = with_domains
+        self.domain_names: list[str] | None = self.meta.get("domains")
+        if with_domains:
+            if "segment_domains" not in index:
+                raise ValueError(
+                    f"{self.data_dir} records no per-document domains; pack the validation set "
+                    "with validation.by_domain=true"
+                )
+            paths.append(self.data_dir / index["segment_domains"])
         self._files = _Files(paths)
         self._perms: dict[int, np.ndarray] = {}
         self._padding = self._find_padding()
@@ -199,6 +211,13 @@ class PackedLoader:
         starts = _pread(self._files.get(num_shards + 1), np.dtype(np.int32), int(hi - lo), int(lo))
         return tokens, starts
 
+    def _row_domains(self, row: int) -> np.ndarray:
+        """The domain of each segment of one dataset row (pack.py's ``segment_domains``)."""
+        num_shards = len(self._shard_starts) - 1
+        lo, hi = _pread(self._files.get(num_shards), np.dtype(np.int64), 2, row)
+        fd = self._files.get(num_shards + 2)
+        return _pread(fd, np.dtype(np.int32), int(hi - lo) + 1, int(lo) + row)
+
     def _collate(self, rows: np.ndarray) -> dict[str, torch.Tensor]:
         B, T = len(rows), self.seq_len
         tokens = np.empty((B, T + 1), np.int64)
@@ -216,12 +235,19 @@ class PackedLoader:
         idx = np.arange(T)
         last_begin = np.maximum.accumulate(np.where(seg, idx, 0), axis=1)
         cu = np.concatenate([np.flatnonzero(seg.ravel()), [B * T]]).astype(np.int32)
-        return {
+        batch = {
             "input_ids": torch.from_numpy(tokens[:, :T].copy()),
             "labels": torch.from_numpy(labels),
             "position_ids": torch.from_numpy(idx - last_begin),
             "cu_seqlens": torch.from_numpy(cu),
         }
+        if self.with_domains:
+            segment = np.cumsum(begins, axis=1)[:, 1:] - 1  # label t: its target's segment
+            domains = np.stack(
+                [self._row_domains(int(r))[s] for r, s in zip(rows, segment, strict=True)]
+            )
+            batch["domains"] = torch.from_numpy(domains.astype(np.int64))
+        return batch
 
     def close(self) -> None:
         """Close the shard files (also done on garbage collection)."""

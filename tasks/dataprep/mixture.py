@@ -254,9 +254,12 @@ def _selection_order(seed: int, counts: list[np.ndarray]) -> np.ndarray:
     return order[np.random.default_rng([seed, 1]).permutation(len(order))]
 
 
-def _pack_selection(cfg, tokenized_dir, meta, split, counts_by_domain, out_dir, extra_meta):
+def _pack_selection(
+    cfg, tokenized_dir, meta, split, counts_by_domain, out_dir, extra_meta, by_domain=False
+):
     """Shuffle the selected document instances and pack them into ``out_dir`` (units that read
-    the domains by path, see `tasks.dataprep.pack`)."""
+    the domains by path, see `tasks.dataprep.pack`); ``by_domain`` also records each
+    document's domain (``meta["domains"]`` and ``segment_domains.bin``)."""
     names = sorted(counts_by_domain)
     infos = tuple(meta[split][d] for d in names)
     order = _selection_order(cfg.seed, [counts_by_domain[d] for d in names])
@@ -277,7 +280,8 @@ def _pack_selection(cfg, tokenized_dir, meta, split, counts_by_domain, out_dir, 
         pad_id=meta["pad_id"],
         seed=cfg.seed,
         rows_per_shard=cfg.rows_per_shard,
-        extra_meta=extra_meta,
+        extra_meta={**extra_meta, "domains": names} if by_domain else extra_meta,
+        doc_domains=order[:, 0] if by_domain else None,
     )
 
 
@@ -353,7 +357,8 @@ def _mixture_report(tokenized_dir, meta, counts, available) -> dict:
 def build_validation(
     cfg: ValidationConfig, tokenized_dir: Path, out_dir: Path, max_seq_len: int | None = None
 ) -> dict:
-    """Pack every held-out validation document exactly once (for in-training validation loss).
+    """Pack every held-out validation document exactly once (for in-training validation loss;
+    with ``cfg.by_domain``, each document's domain too, for the loss per domain).
 
     The held-out documents as text are in ``{tokenized_dir}/validation_docs`` (a corpus
     directory), for the evaluation step's per-domain perplexity.
@@ -373,7 +378,9 @@ def build_validation(
             for d, i in domains.items()
         }
     }
-    packed = _pack_selection(cfg, tokenized_dir, meta, "validation", counts, out_dir, extra)
+    packed = _pack_selection(
+        cfg, tokenized_dir, meta, "validation", counts, out_dir, extra, cfg.by_domain
+    )
     return {
         "num_sequences": packed["num_sequences"],
         "num_tokens": packed["num_tokens"],

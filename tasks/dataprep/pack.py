@@ -15,6 +15,11 @@ On-disk format of a packed dataset directory (read by `tasks.dataprep.loader.Pac
 - ``doc_offsets.bin`` (int64, N+1) and ``doc_starts.bin`` (int32): CSR index of document starts.
   The starts of row i are ``doc_starts[doc_offsets[i]:doc_offsets[i+1]]``: positions p in
   ``1..T`` where a new document begins (position 0 always begins a segment and is not stored).
+- only when the caller gives each document's domain (a validation set packed ``by_domain``):
+  ``segment_domains.bin`` (int32, ``index["segment_domains"]``), the domain of every segment of
+  every row: row i's segments (the one at position 0, then one per start above) are entries
+  ``doc_offsets[i] + i`` to ``doc_offsets[i+1] + i`` inclusive, each an index into
+  ``meta["domains"]``, -1 for the padding. Without it the folder is byte for byte as before.
 
 Documents are written as ``tokens + [eos]`` back to back; the stream is cut into rows of T+1
 tokens and the last row is filled with ``pad_id`` (labels there are ignored by the loader, which
@@ -49,6 +54,7 @@ from tqdm import tqdm
 from llmflow.tasks.dataprep.units import data_units
 
 INDEX_FILES = {"doc_offsets": "doc_offsets.bin", "doc_starts": "doc_starts.bin"}
+SEGMENT_DOMAINS = "segment_domains.bin"
 UNIT_TOKENS = 8 * 2**20
 """Tokens a unit writes or gathers at least (16 MiB of uint16), so that a unit's start (a Ray
 task, a pickled job, a source opened again) stays small beside its work."""
@@ -103,6 +109,7 @@ def write_packed(
     seed: int,
     rows_per_shard: int,
     extra_meta: dict | None = None,
+    doc_domains: np.ndarray | None = None,
 ) -> dict:
     """Pack a stream of documents into shuffled fixed-length rows under ``out_dir``.
 
@@ -115,6 +122,8 @@ def write_packed(
         seed: Seed of the offline row permutation.
         rows_per_shard: Rows per shard file.
         extra_meta: Merged into ``meta.json``.
+        doc_domains: Each document's domain index (into ``extra_meta["domains"]``), written as
+            ``segment_domains.bin``; None (the default) writes none.
 
     Returns:
         The ``meta.json`` contents.
@@ -134,7 +143,7 @@ def write_packed(
         np.full(num_rows * row_len - num_tokens, pad_id, dtype).tofile(f)
     pack = _Pack(out_dir, stream_path, dtype, row_len, rows_per_shard)
     head = _head(seq_len, dtype, vocab_size, eos_id, pad_id)
-    return _finish(pack, doc_lengths, seed, head, extra_meta, local_map, 1)
+    return _finish(pack, doc_lengths, seed, head, extra_meta, local_map, 1, doc_domains)
 
 
 class DocumentSource(Protocol):
@@ -159,6 +168,7 @@ def write_packed_units(
     seed: int,
     rows_per_shard: int,
     extra_meta: dict | None = None,
+    doc_domains: np.ndarray | None = None,
 ) -> dict:
     """`write_packed` of the documents ``docs`` read by units on `units.data_units` (module
     docstring).
@@ -169,6 +179,8 @@ def write_packed_units(
         doc_lengths: Tokens of each document of ``docs`` (its eos included).
         out_dir, seq_len, vocab_size, eos_id, pad_id, seed, rows_per_shard, extra_meta: As in
             `write_packed`, whose bytes this writes.
+        doc_domains: The domain index of each document of ``docs`` (into the caller's
+            ``extra_meta["domains"]``), written as ``segment_domains.bin``; None writes none.
 
     Returns:
         The ``meta.json`` contents.
@@ -187,7 +199,7 @@ def write_packed_units(
         with data_units() as units:
             map_fn, workers = units.map, units.workers
             _write_stream_units(source, docs, doc_lengths, pack, pad_id, map_fn, workers)
-            return _finish(pack, doc_lengths, seed, head, extra_meta, map_fn, workers)
+            return _finish(pack, doc_lengths, seed, head, extra_meta, map_fn, workers, doc_domains)
     finally:
         pack.stream_path.unlink(missing_ok=True)  # NOTE: a failed unit leaves no meta.json
 
@@ -260,9 +272,12 @@ def _head(seq_len: int, dtype: np.dtype, vocab_size: int, eos_id: int, pad_id: i
     }
 
 
-def _finish(pack: _Pack, doc_lengths, seed, head: dict, extra_meta, map_fn, workers) -> dict:
+def _finish(
+    pack: _Pack, doc_lengths, seed, head: dict, extra_meta, map_fn, workers, doc_domains=None
+) -> dict:
     """Index, permute and shard the padded stream, then write ``meta.json`` (last): ``head``
-    (seq_len, dtype, vocab_size, eos_id, pad_id), the layout, ``extra_meta``."""
+    (seq_len, dtype, vocab_size, eos_id, pad_id), the layout, ``extra_meta``; with
+    ``doc_domains``, each row segment's domain too."""
     out_dir, row_len = pack.out_dir, pack.row_len
     num_tokens = int(doc_lengths.sum())
     num_rows = -(-num_tokens // row_len)
@@ -275,6 +290,11 @@ def _finish(pack: _Pack, doc_lengths, seed, head: dict, extra_meta, map_fn, work
     offsets, starts = _permute_index(offsets, starts, perm)
     offsets.tofile(out_dir / INDEX_FILES["doc_offsets"])
     starts.tofile(out_dir / INDEX_FILES["doc_starts"])
+    index = INDEX_FILES
+    if doc_domains is not None:
+        domains = _segment_domains(offsets, starts, perm, doc_lengths, doc_domains, row_len)
+        domains.tofile(out_dir / SEGMENT_DOMAINS)
+        index = {**INDEX_FILES, "segment_domains": SEGMENT_DOMAINS}
     shards = _write_shards(pack, perm, map_fn, workers)
     pack.stream_path.unlink()
     meta = {
@@ -284,11 +304,30 @@ def _finish(pack: _Pack, doc_lengths, seed, head: dict, extra_meta, map_fn, work
         "num_documents": int(len(doc_lengths)),
         "padding": padding,
         "shards": shards,
-        "index": INDEX_FILES,
+        "index": index,
         **(extra_meta or {}),
     }
     (out_dir / "meta.json").write_text(json.dumps(meta, indent=2))
     return meta
+
+
+def _segment_domains(offsets, starts, perm, doc_lengths, doc_domains, row_len) -> np.ndarray:
+    """The domain of every segment of every stored row (layout in the module docstring): the
+    document that holds the segment's first position in the unshuffled stream, -1 past the
+    last document (padding)."""
+    num_rows = len(perm)
+    counts = np.diff(offsets) + 1  # the segment at position 0, then one per start
+    first = offsets[:-1] + np.arange(num_rows)
+    local = np.zeros(int(counts.sum()), np.int64)
+    later = np.ones(len(local), bool)
+    later[first] = False
+    local[later] = starts  # rows in order, each row's starts in order
+    position = np.repeat(perm.astype(np.int64) * row_len, counts) + local
+    doc = np.searchsorted(np.cumsum(doc_lengths), position, side="right")
+    domains = np.full(len(position), -1, np.int32)
+    inside = doc < len(doc_lengths)
+    domains[inside] = np.asarray(doc_domains)[doc[inside]]
+    return domains
 
 
 def _write_shards(pack: _Pack, perm: np.ndarray, map_fn, workers: int) -> list[dict]:
