@@ -235,10 +235,23 @@ def training_section(facts: dict[str, Any]) -> str:
         "### Curation\n\n" + _table(facts["curation"]),
         "### Decontamination\n\n" + decont_line,
         "### Tokens per stage and schedule\n\n" + _table(facts["stages"]),
+        "### Alerts during training\n\n" + alerts_text(facts.get("alerts")),
         "### Post-training\n\n" + _table(_brief(facts["posttraining"])),
         "### Compute\n\n" + compute_line(facts),
     ]
     return "\n\n".join(parts)
+
+
+def alerts_text(stages: list[dict[str, Any]] | None) -> str:
+    """Each trainer run's alerts (kind, step, message), or "no alerts" for a run without any."""
+    if not stages:
+        return NOT_RECORDED
+    lines = [
+        f"- `{s['stage']}`: " + (f"{len(s['alerts'])} alert(s)" if s["alerts"] else "no alerts")
+        for s in stages
+    ]
+    rows = [{"stage": s["stage"], **alert} for s in stages for alert in s["alerts"]]
+    return "\n".join(lines) + ("\n\n" + markdown_table(rows) if rows else "")
 
 
 def _brief(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -4,11 +4,15 @@ safety results. A fact that is missing is left out (the card writes "not recorde
 
 from __future__ import annotations
 
+import contextlib
+import json
 from pathlib import Path
 from typing import Any
 
 from llmflow.tasks.decontam.lineage import read_json, upstream_records
 from llmflow.tasks.evaluation.external import STEP_NAME as EXTERNAL_STEP
+from llmflow.tasks.framework.s3config import filesystem
+from llmflow.tasks.pretrain.alerts import EVENTS
 from llmflow.tasks.summaries import CurationReport, ModelSize, PretrainSummary
 
 IMPORT_STEP = "import-model"  # tasks/ingest/import_model.py (the recipe's init)
@@ -50,6 +54,7 @@ def training_facts(model: Path) -> dict[str, Any]:
         "decontamination": _metrics_of(by_step, "decontaminate"),
         "posttrain_contamination": posttrain_contamination(by_step),
         "stages": training_stages(by_step),
+        "alerts": stage_alerts(by_step),
         "posttraining": [
             {"step": s, "name": r.get("name"), **(r.get("metrics") or {})}
             for s in ("sft", "dpo", "grpo")
@@ -174,6 +179,37 @@ def training_stages(by_step: dict) -> list[dict[str, Any]]:
                 "device-hours": hours,
             }
         )
+    return rows
+
+
+def stage_alerts(by_step: dict) -> list[dict[str, Any]]:
+    """Each trainer run's alerts (kind, step, message), from its ``events.jsonl``, in order."""
+    return [
+        {
+            "stage": record.get("name"),
+            "alerts": [
+                {"kind": row.get("kind"), "step": row.get("step"), "message": row.get("message")}
+                for row in _alert_rows(uri)
+            ],
+        }
+        for uri, record in by_step.get("pretrain", [])
+    ]
+
+
+def _alert_rows(uri: str) -> list[dict[str, Any]]:
+    """The alert rows of a stage output's ``events.jsonl`` (none when it has none)."""
+    try:
+        fs, path = filesystem(f"{uri}/{EVENTS}")
+        with fs.open(path, "r") as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        return []
+    rows = []
+    for line in lines:
+        with contextlib.suppress(ValueError):
+            row = json.loads(line)
+            if isinstance(row, dict) and row.get("event") == "alert":
+                rows.append(row)
     return rows
 
 
