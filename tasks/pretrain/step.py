@@ -15,6 +15,7 @@ from pathlib import Path
 from pydantic import ConfigDict, Field
 
 from llmflow.tasks.framework.step import Metrics, checkpoint_saved, step
+from llmflow.tasks.pretrain.alert_events import forward_alerts
 from llmflow.tasks.pretrain.config import TrainConfig
 from llmflow.tasks.pretrain.launch import LaunchSettings, launch_training
 from llmflow.tasks.pretrain.validate import read_meta
@@ -65,14 +66,15 @@ def pretrain(
     init: Path | None = None,
 ) -> Metrics:
     """Train (or resume) one stage; final/ is its checkpoint, summary.json its metrics."""
-    return launch_training(
-        with_data_vocab(cfg.train, data),
-        data,
-        out,
-        val_dir=validation,
-        init_from=init / "final" if init is not None else None,
-        launcher=cfg.build_launcher(),
-        on_line=log.info,
-        on_checkpoint=lambda _notice: checkpoint_saved(),
-        timeout_s=cfg.timeout_s,
-    )
+    with forward_alerts(out):  # each alert the trainer writes: a Prefect event, a log line
+        return launch_training(
+            with_data_vocab(cfg.train, data),
+            data,
+            out,
+            val_dir=validation,
+            init_from=init / "final" if init is not None else None,
+            launcher=cfg.build_launcher(),
+            on_line=log.info,
+            on_checkpoint=lambda _notice: checkpoint_saved(),
+            timeout_s=cfg.timeout_s,
+        )
