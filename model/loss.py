@@ -188,6 +188,9 @@ def _chunked(
             grad_hidden[start : start + rows] = grad @ weight.to(compute_dtype)
         if grad_weight is not None:
             _add_matmul(grad_weight, grad.t(), h.to(compute_dtype))
+        # NOTE: else this block lives on while the next chunk's logits and softmax are made:
+        # three (R, V) blocks at once instead of two
+        del probs, grad
     z_loss = z_sum / num_valid if z_weight else torch.zeros_like(ce_sum)
     return ce_sum / num_valid, z_loss, num_valid, compute_dtype
 
