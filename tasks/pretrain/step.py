@@ -18,6 +18,7 @@ from llmflow.tasks.framework.step import Metrics, checkpoint_saved, step
 from llmflow.tasks.pretrain.alert_events import forward_alerts
 from llmflow.tasks.pretrain.config import TrainConfig
 from llmflow.tasks.pretrain.launch import LaunchSettings, launch_training
+from llmflow.tasks.pretrain.stage_report import LiveReport, publish_stage_report
 from llmflow.tasks.pretrain.validate import read_meta
 
 log = logging.getLogger("llmflow.pretrain")
@@ -66,15 +67,18 @@ def pretrain(
     init: Path | None = None,
 ) -> Metrics:
     """Train (or resume) one stage; final/ is its checkpoint, summary.json its metrics."""
+    label = out.name.rpartition("-")[0]  # the output's {name}-{hash} folder
     with forward_alerts(out):  # each alert the trainer writes: a Prefect event, a log line
-        return launch_training(
+        metrics = launch_training(
             with_data_vocab(cfg.train, data),
             data,
             out,
             val_dir=validation,
             init_from=init / "final" if init is not None else None,
             launcher=cfg.build_launcher(),
-            on_line=log.info,
+            on_line=LiveReport(out, label).follow(log.info),
             on_checkpoint=lambda _notice: checkpoint_saved(),
             timeout_s=cfg.timeout_s,
         )
+    publish_stage_report(out, label)  # plots and alerts, a Prefect artifact with the output
+    return metrics
