@@ -6,7 +6,8 @@ does and runs the pipeline flow as a subflow.
 
 ``prefect deploy --all --prefect-file deployments/prefect.yaml`` registers every deployment with
 its work pool (workers then run them). ``serve()`` registers the one-machine deployments (those of
-the ``llmflow-local`` pool) and runs their flow runs from this process: no pool, no worker.
+the ``llmflow-local`` pool) and runs their flow runs from this process: no pool, no worker; it
+also registers the alert automations of ``deployments/automations.yaml`` (``flows/automations.py``).
 """
 
 from __future__ import annotations
@@ -134,6 +135,9 @@ def serve(
     """
     from prefect import serve as prefect_serve
 
+    from llmflow.flows.automations import register_automations
+
     deployments = local_deployments(names, prefect_file)
+    register_automations()  # alerts become notifications (deployments/automations.yaml)
     os.chdir(PRESET_ROOT)
     prefect_serve(*deployments, limit=limit)
