@@ -15,8 +15,14 @@ training time that checkpoint held up. ``final/`` is always written synchronousl
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +41,61 @@ from llmflow.tasks.pretrain.validate import check_source
 
 if TYPE_CHECKING:
     from llmflow.tasks.pretrain.train import Trainer
+
+HOLDS = ".holds"  # checkpoints/.holds/<step-dir>.<host>.<pid>: a reader's hold on a checkpoint
+HOLD_TTL_S = 600.0  # a hold not refreshed for this long is stale (its holder hung or vanished)
+
+
+@contextlib.contextmanager
+def holds_locked(out_dir: Path) -> Iterator[Path]:
+    """The holds folder of a run, locked: a reader places a hold and a pruner checks the holds
+    under one lock, so a checkpoint is never deleted between the two."""
+    holds = Path(out_dir) / "checkpoints" / HOLDS
+    holds.mkdir(parents=True, exist_ok=True)
+    with open(holds / ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield holds
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def is_held(checkpoint: Path) -> bool:
+    """Whether a live reader holds ``checkpoint``. A hold expires when its holder's process is
+    gone (same host) or it was not refreshed for its ``ttl_s``."""
+    checkpoint = Path(checkpoint)
+    return any(_live_hold(p) for p in (checkpoint.parent / HOLDS).glob(f"{checkpoint.name}.*"))
+
+
+def _live_hold(path: Path) -> bool:
+    try:
+        hold = json.loads(path.read_text())
+        age = time.time() - path.stat().st_mtime
+    except (OSError, ValueError):
+        return False
+    if age > float(hold.get("ttl_s", HOLD_TTL_S)):
+        return False
+    if hold.get("host") == socket.gethostname():
+        try:
+            os.kill(int(hold["pid"]), 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:  # alive, another user's
+            return True
+    return True
+
+
+def prune(out_dir: Path, keep_last: int) -> None:
+    """``checkpoint.prune_checkpoints`` less the checkpoints a reader holds (rank 0); a held one
+    goes at the first save after its hold is released."""
+    if not (Path(out_dir) / "checkpoints" / HOLDS).is_dir():
+        ckpt.prune_checkpoints(out_dir, keep_last)
+        return
+    with holds_locked(out_dir):
+        found = ckpt.list_checkpoints(out_dir)
+        for old in found[: max(len(found) - keep_last, 0)]:
+            if not is_held(old):
+                shutil.rmtree(old, ignore_errors=True)
 
 
 class Checkpointer(Callback):
@@ -107,7 +168,7 @@ class Checkpointer(Callback):
             return
         pending.commit()
         if ckpt.rank_and_world()[0] == 0:
-            ckpt.prune_checkpoints(self.out_dir, self.cfg.keep_last)
+            prune(self.out_dir, self.cfg.keep_last)
             self.announce(pending.path, self.pending_step, False, pending.blocked_s)
 
     def _written_everywhere(self, trainer: Trainer) -> bool:
@@ -134,6 +195,7 @@ class Checkpointer(Callback):
         return {
             "train": trainer.state.state_dict(),
             "guard": trainer.guard.state_dict(),
+            "components": trainer.component_states(),  # the detectors' windows
             "optimizer": trainer.cfg.optimizer.name,
             "world_size": trainer.runtime.world_size,
         }
@@ -165,7 +227,7 @@ class Checkpointer(Callback):
         )
         if trainer.runtime.is_main:
             if not final:
-                ckpt.prune_checkpoints(self.out_dir, self.cfg.keep_last)
+                prune(self.out_dir, self.cfg.keep_last)
             self.announce(path, trainer.state.step, final, time.perf_counter() - started)
 
     def announce(self, path: Path, step: int, final: bool, blocked_s: float) -> None:
@@ -201,6 +263,7 @@ class Checkpointer(Callback):
         check_source(trainer.cfg, latest)
         trainer_state, rank_state = self.load(trainer, latest)
         trainer.guard.load_state_dict(trainer_state["guard"])
+        trainer.load_component_states(trainer_state.get("components", {}))
         if rank_state is None:  # NOTE: written by another world size: the data restarts.
             print("checkpoint from another world size: data loader restarts", flush=True)
             trainer.seed_rng()
