@@ -36,7 +36,7 @@ from llmflow.tasks.evaluation.running import (
     regressions,
     stage_checkpoints,
 )
-from llmflow.tasks.framework.errors import BadInputError
+from llmflow.tasks.framework.errors import BadInputError, ConfigError
 
 RUNNING_STAGES = "pretrain/.partial"  # where the store keeps the stages being trained
 STORE_HASH = re.compile(r"-[0-9a-f]{16}$")
@@ -223,6 +223,11 @@ def evaluate_running(
     config: RunningEvaluationConfig = RunningEvaluationConfig(),  # noqa: B008
 ) -> list[dict[str, Any]]:
     """Score the running stages' new checkpoints against the reference; alert on regressions."""
+    if running_stages(config) and not (config.scoring.heldout or config.scoring.tokenizer):
+        raise ConfigError(
+            "scoring.heldout=None and scoring.tokenizer=None: a checkpoint needs held-out data "
+            "(held-out loss) or a tokenizer (the lm-eval suite) to be scored"
+        )
     scorer = Scorer(config.scoring, config.results_dir(), config.hold_ttl_s)
     started = time.monotonic()
     seen: dict[tuple[str, int | None], dict[str, Any]] = {}

@@ -185,3 +185,27 @@ def test_a_clean_run_with_another_seed_does_not_alert_and_is_scored_once(
     assert not any(r["cached"] for r in rows)
     again = evaluate_running(_config(stage1, run))
     assert all(r["cached"] for r in again) and rf.read_alerts(run) == []
+
+
+def test_the_deployment_runs_every_ten_minutes_one_at_a_time():
+    from llmflow.flows.deploy import local_deployments
+
+    (deployment,) = local_deployments(["running-evaluation"])
+    (schedule,) = deployment.schedules
+    assert schedule.schedule.cron == "*/10 * * * *" and schedule.active
+    assert deployment.concurrency_limit == 1
+
+
+def test_a_root_without_running_stages_scores_nothing(prefect_harness, tmp_path):
+    from llmflow.flows.evaluate_running import RunningEvaluationConfig, evaluate_running
+
+    assert evaluate_running(RunningEvaluationConfig(root=str(tmp_path), niceness=0)) == []
+
+
+def test_nothing_to_score_is_a_config_error(prefect_harness, tmp_path):
+    from llmflow.flows.evaluate_running import RunningEvaluationConfig, evaluate_running
+    from llmflow.tasks.framework.errors import ConfigError
+
+    _checkpoints(tmp_path / "pretrain" / ".partial" / "stage1-0123456789abcdef", [4])
+    with pytest.raises(ConfigError, match="scoring.heldout=None and scoring.tokenizer=None"):
+        evaluate_running(RunningEvaluationConfig(root=str(tmp_path), niceness=0))

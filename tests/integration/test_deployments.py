@@ -25,6 +25,7 @@ def test_serve_builds_every_local_deployment_with_its_schedule():
         "data",
         "pretrain",
         "scheduled-evaluation",
+        "running-evaluation",
         "evaluate-models",
     }
     assert deployments["quickstart"].parameters == {"run": {"preset": "quickstart"}}
