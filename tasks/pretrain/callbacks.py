@@ -23,6 +23,7 @@ import torch
 
 from llmflow.model.loss import IGNORE_INDEX
 from llmflow.tasks.dataprep.loader import PackedLoader
+from llmflow.tasks.dataprep.pack import read_meta
 from llmflow.tasks.pretrain.config import TrainConfig
 from llmflow.tasks.pretrain.distributed import sharding_report
 from llmflow.tasks.pretrain.parallel.cp import shard_batch
@@ -158,23 +159,38 @@ def _memory_gib() -> float:
 
 
 class Validator(Callback):
-    """Held-out loss every ``eval_interval`` steps and at the stage's last step (all ranks)."""
+    """Held-out loss every ``eval_interval`` steps and at the stage's last step (all ranks); per
+    domain too (``val_loss_by_domain``) when the held-out set records its documents' domains
+    (packed with ``validation.by_domain``)."""
 
     def __init__(self, val_dir: Path, eval_interval: int):
         self.val_dir, self.eval_interval = Path(val_dir), eval_interval
+        self.by_domain = "segment_domains" in read_meta(self.val_dir)["index"]
 
     def on_step_end(self, trainer: Trainer, out: StepOutput) -> None:
         if out.step % self.eval_interval == 0 or out.step == trainer.state.end_step:
-            out.metrics["val_loss"] = trainer.state.val_loss = self.evaluate(trainer)
+            loss, by_domain = self.measure(trainer)
+            out.metrics["val_loss"] = trainer.state.val_loss = loss
+            if by_domain is not None:
+                out.metrics["val_loss_by_domain"] = by_domain
+                trainer.state.val_loss_by_domain = by_domain
+
+    def evaluate(self, trainer: Trainer) -> float:
+        """The held-out loss alone (see :meth:`measure`)."""
+        return self.measure(trainer)[0]
 
     @torch.no_grad()
-    def evaluate(self, trainer: Trainer) -> float:
-        """Token-mean cross-entropy on the first ``eval_batches`` batches of the held-out set.
+    def measure(self, trainer: Trainer) -> tuple[float, dict[str, float] | None]:
+        """Token-mean cross-entropy on the first ``eval_batches`` batches of the held-out set,
+        and by domain (None when the set records no domains).
 
         The loss is the train step's (``Trainer.forward_backward``), forward only: each
         context-parallel rank takes its shard of every row, the output projection is fused into
         the loss (vocabulary-parallel under TP), so no rank holds full rows or full logits; the
         sums go over the data- and context-parallel ranks. Under PP the schedule's forward.
+        A domain's loss is the same forward with every other domain's labels ignored, one pass
+        per domain on every rank (the fused loss gives no per-token losses); a domain with no
+        token in these batches is left out.
         """
         rt, cfg, model = trainer.runtime, trainer.cfg, trainer.model
         # NOTE: by data-parallel rank: tensor-parallel ranks must see the same sequences
@@ -184,21 +200,34 @@ class Validator(Callback):
             trainer.dp_rank,
             trainer.layout.dp,
             seed=cfg.seed,
+            with_domains=self.by_domain,
         )
         batches = [loader.next_batch() for _ in range(cfg.eval_batches)]
+        names = loader.domain_names if self.by_domain else []
         loader.close()
+        domains = [b.pop("domains") for b in batches] if self.by_domain else []
+        passes = [batches] + [_only_domain(batches, domains, d) for d in range(len(names))]
         model.eval()
-        totals = torch.zeros(2, dtype=torch.float64, device=rt.device)
-        pipeline = getattr(trainer, "pipeline", None)
-        if pipeline is not None:  # PP: the schedule's forward over all batches (parallel/pp.py)
-            with trainer.autocast:
-                totals[0] += pipeline.evaluate(batches)
-            totals[1] += sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)
-        else:
-            totals += self._loss_sums(trainer, batches)
+        totals = torch.zeros(len(passes), 2, dtype=torch.float64, device=rt.device)
+        for k, part in enumerate(passes):
+            totals[k] = self._sums(trainer, part)
         model.train()
-        total, count = trainer.dp_sum(totals).tolist()
-        return total / max(count, 1)
+        sums = trainer.dp_sum(totals).tolist()
+        loss = sums[0][0] / max(sums[0][1], 1)
+        if not self.by_domain:
+            return loss, None
+        return loss, {n: s / c for n, (s, c) in zip(names, sums[1:], strict=True) if c > 0}
+
+    def _sums(self, trainer: Trainer, batches: list[dict]) -> torch.Tensor:
+        """(cross-entropy summed over tokens, tokens) of this rank's part of ``batches``."""
+        pipeline = getattr(trainer, "pipeline", None)
+        if pipeline is None:
+            return self._loss_sums(trainer, batches)
+        # PP: the schedule's forward over all batches (parallel/pp.py), the sum on every stage
+        with trainer.autocast:
+            total = pipeline.evaluate(batches)
+        count = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)
+        return torch.stack([total.double(), total.new_tensor(float(count), dtype=torch.float64)])
 
     @staticmethod
     def _loss_sums(trainer: Trainer, batches: list[dict]) -> torch.Tensor:
@@ -215,6 +244,15 @@ class Validator(Callback):
             count = (batch["labels"] != IGNORE_INDEX).sum()
             totals += torch.stack([metrics["ce"].double() * count, count.double()])
         return totals
+
+
+def _only_domain(batches: list[dict], domains: list[torch.Tensor], domain: int) -> list[dict]:
+    """``batches`` with the labels of every other domain ignored (whole rows, before any
+    context-parallel sharding, so each shard keeps its part of the mask)."""
+    return [
+        {**b, "labels": b["labels"].masked_fill(d != domain, IGNORE_INDEX)}
+        for b, d in zip(batches, domains, strict=True)
+    ]
 
 
 class RankInfo(Callback):

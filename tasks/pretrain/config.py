@@ -217,6 +217,57 @@ class GuardConfig(_Section):
     )
 
 
+class MonitorConfig(_Section):
+    """Health metrics and the detectors that alert on them (execution only: no output moves).
+
+    The defaults stay quiet on a healthy run: an alert needs a large, sustained change.
+    """
+
+    layer_stats_every: int = Field(
+        50,
+        ge=0,
+        description="Per-layer gradient norms and update/weight ratios every this many steps "
+        "(0: never).",
+    )
+    throughput_drop: float = Field(
+        0.5,
+        gt=0,
+        lt=1,
+        description="Alert when tokens/s falls below (1 - this) x the median of the recent log "
+        "rows.",
+    )
+    throughput_window: int = Field(
+        20, ge=3, description="Log rows whose median tokens/s is the reference."
+    )
+    throughput_min_rows: int = Field(
+        5, ge=2, description="Rows the window needs before a drop can alert."
+    )
+    throughput_sustain: int = Field(
+        3, ge=1, description="Consecutive low rows that make a drop (one slow row is noise)."
+    )
+    warmup_rows: int = Field(
+        2, ge=0, description="Log rows ignored after the start, a resume or a rewind."
+    )
+    stall_s: float = Field(
+        300.0, gt=0, description="A batch waited for longer than this many seconds is a stall."
+    )
+    spike_top_layers: int = Field(
+        3, ge=1, description="Layers a spike or NaN event names (largest gradient-norm jump)."
+    )
+    spike_history: int = Field(
+        8, ge=1, description="Per-layer gradient norms kept for the median a jump is measured by."
+    )
+
+    @model_validator(mode="after")
+    def _window_holds_min_rows(self) -> MonitorConfig:
+        if self.throughput_min_rows > self.throughput_window:
+            raise ValueError(
+                f"monitor.throughput_min_rows={self.throughput_min_rows} exceeds "
+                f"monitor.throughput_window={self.throughput_window}"
+            )
+        return self
+
+
 class TrackerConfig(_Section):
     """Where metrics go besides metrics.jsonl."""
 
@@ -300,6 +351,11 @@ class TrainConfig(_Section):
     )
     tracker: TrackerConfig = Field(
         default_factory=TrackerConfig, description="Trackers.", json_schema_extra=UNVERSIONED
+    )
+    monitor: MonitorConfig = Field(
+        default_factory=MonitorConfig,
+        description="Health metrics and detectors (alerts).",
+        json_schema_extra=UNVERSIONED,
     )
 
     def compute_dtype(self, device_type: str) -> torch.dtype:

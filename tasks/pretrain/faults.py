@@ -9,8 +9,13 @@ and ``{"sigkill_after_step": 8}`` sends the process SIGKILL after step 8 (with a
 of step 8 in flight, if one was started); ``{"sigterm_after_step": 5}`` sends it SIGTERM, as a
 preempting scheduler would. ``{"error_at_start": "config"}`` raises a ``ConfigError`` before the
 first step (``"value"``: a ``ValueError``, ``"io"``: an ``OSError``), as a config the launcher's
-checks let through would. ``"ranks": [1]`` limits every fault to those ranks. Unset, the trainer
-has no such component at all.
+checks let through would. Slow and stalled data storage: ``{"slow_reads_from_step": 10,
+"read_delay_s": 0.2}`` makes every batch read from step 10 on take 0.2 s longer (or, with
+``"read_slowdown": 10``, 10 times as long); ``{"stall_read_at_step": 12, "stall_s": 5}`` blocks
+the first read of step 12 for 5 s (once per process). ``{"scale_weights_at_step": 8,
+"scale_layer": 1, "weight_scale": 50}`` multiplies the weights of ``layers.1`` by 50 before step 8
+(once per process), as a corrupted block would. ``"ranks": [1]`` limits every fault to those
+ranks. Unset, the trainer has no such component at all.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch.distributed.checkpoint import FileSystemWriter
 
 from llmflow.tasks.framework.errors import ConfigError
@@ -55,7 +61,15 @@ class FaultInjector(Callback):
     slow_storage_after_step: int | None = None
     checkpoint_write_delay_s: float = 60.0
     error_at_start: str | None = None
-    fired: set[int] = field(default_factory=set)
+    slow_reads_from_step: int | None = None
+    read_delay_s: float = 0.0
+    read_slowdown: float = 1.0
+    stall_read_at_step: int | None = None
+    stall_s: float = 0.0
+    scale_weights_at_step: int | None = None
+    scale_layer: int = 0
+    weight_scale: float = 10.0
+    fired: set[int | str] = field(default_factory=set)
     loss_fn: Callable[..., Any] | None = None
 
     @classmethod
@@ -81,6 +95,23 @@ class FaultInjector(Callback):
         if fire:
             self.fired.add(step)
         trainer.loss_fn = self._scaled if fire else self.loss_fn
+        slow = self.slow_reads_from_step is not None and step >= self.slow_reads_from_step
+        stall = step == self.stall_read_at_step and "stall" not in self.fired
+        if stall:
+            self.fired.add("stall")
+        _slow_loader(trainer.loader, self, slow, stall)
+        if step == self.scale_weights_at_step and "weights" not in self.fired:
+            self.fired.add("weights")
+            self._scale_weights(trainer)
+
+    def _scale_weights(self, trainer: Trainer) -> None:
+        """Multiply every weight of block ``scale_layer`` by ``weight_scale`` (this rank's part)."""
+        prefix = f"layers.{self.scale_layer}."
+        with torch.no_grad():
+            for name, param in trainer.model.named_parameters():
+                if name.replace("_orig_mod.", "").startswith(prefix):
+                    param.mul_(self.weight_scale)
+        print(f"fault injection: {prefix[:-1]} weights x{self.weight_scale:g}", flush=True)
 
     def _scaled(self, *args: Any, **kwargs: Any) -> Any:
         loss, parts = self.loss_fn(*args, **kwargs)
@@ -107,6 +138,31 @@ class FaultInjector(Callback):
             for callback in trainer.callbacks:
                 if isinstance(callback, Preemption):
                     callback.wait_for_signal(timeout_s=10.0)
+
+
+def _slow_loader(loader: Any, fault: FaultInjector, slow: bool, stall: bool) -> None:
+    """Set this step's reads (each step decides again): with ``slow`` every read waits
+    ``read_delay_s`` more or takes ``read_slowdown`` times its own time; with ``stall`` the
+    first read also blocks ``stall_s``; with neither, the loader's own ``next_batch``."""
+    read = getattr(loader.next_batch, "__wrapped__", loader.next_batch)
+    if not (slow or stall):
+        loader.next_batch = read
+        return
+    pending_stall = [stall]
+
+    def next_batch() -> Any:
+        started = time.perf_counter()
+        batch = read()
+        if slow:
+            took = time.perf_counter() - started
+            time.sleep(fault.read_delay_s + (fault.read_slowdown - 1) * took)
+        if pending_stall[0]:
+            pending_stall[0] = False
+            time.sleep(fault.stall_s)
+        return batch
+
+    next_batch.__wrapped__ = read  # type: ignore[attr-defined]
+    loader.next_batch = next_batch
 
 
 class SlowWriter(FileSystemWriter):

@@ -38,6 +38,8 @@ class TrainState:
     """Losses of the last accepted steps (``final_loss`` is their mean)."""
     val_loss: float | None = None
     """The latest validation loss."""
+    val_loss_by_domain: dict[str, float] | None = None
+    """The latest validation loss per domain (a held-out set packed with its domains)."""
 
     @property
     def total_tokens_seen(self) -> int:

@@ -340,6 +340,7 @@ class Trainer:
     def summary(self) -> dict[str, Any]:
         """Headline metrics (JSON scalars) for summary.json."""
         state, recent = self.state, self.state.recent_losses
+        by_domain = state.val_loss_by_domain
         return PretrainSummary.written(
             {
                 "final_loss": sum(recent) / len(recent) if recent else None,
@@ -357,6 +358,8 @@ class Trainer:
                 "precision": "bf16" if self.compute_dtype == torch.bfloat16 else "fp32",
                 # the kernels attention ran (model/kernels.py): sdpa-causal, sdpa-buckets, ...
                 "attention": chosen_kernels(),
+                # NOTE: only when measured: other stages' summary.json stay as they were
+                **({"val_loss_by_domain": by_domain} if by_domain is not None else {}),
             }
         )
 
