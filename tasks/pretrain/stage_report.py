@@ -106,12 +106,17 @@ def _layer_order(name: str) -> tuple:
     return (1, int(found.group(1)), name) if found else (2, 0, name)
 
 
+def _marker(xs: list) -> str | None:
+    """Dots while a series has few points (a line of one point draws nothing)."""
+    return "." if len(xs) < 40 else None
+
+
 def plot_loss(rows: list[dict[str, Any]]) -> bytes | None:
     steps, loss = _series(rows, "loss")
     if not steps:
         return None
     fig, (ax,) = _figure(height=3.2)
-    ax.plot(steps, loss, lw=1, label="train loss")
+    ax.plot(steps, loss, lw=1, marker=_marker(steps), label="train loss")
     val_steps, val = _series(rows, "val_loss")
     if val_steps:
         ax.plot(val_steps, val, "o-", ms=3, lw=1.5, label="held-out loss")
@@ -136,7 +141,7 @@ def plot_throughput(rows: list[dict[str, Any]]) -> bytes | None:
     split = {k: v for k, v in TIME_FIELDS.items() if any(k in r for r in rows)}
     fig, axes = _figure(rows=2 if split else 1, height=2.6)
     ax = axes[0]
-    ax.plot(steps, tps, lw=1, color="C0")
+    ax.plot(steps, tps, lw=1, marker=_marker(steps), color="C0")
     ax.set(ylabel="tokens/s", title="Throughput")
     ax.grid(alpha=0.3)
     mfu_steps, mfu = _series(rows, "mfu")
@@ -180,13 +185,15 @@ def plot_layers(rows: list[dict[str, Any]]) -> bytes | None:
     if not panels:
         return None
     fig, axes = _figure(rows=len(panels), height=3.0)
+    every = sorted({n for key, _ in panels for n in _by_layer(rows, key)[1]}, key=_layer_order)
+    color = {layer: f"C{i % 10}" for i, layer in enumerate(every)}  # one colour per layer
     for ax, (key, title) in zip(axes, panels, strict=True):
         steps, layers, values = _by_layer(rows, key)
         if len(layers) > MAX_LINES or len(steps) == 1:
             _heatmap(fig, ax, steps, layers, values)
         else:
-            for i, (layer, ys) in enumerate(zip(layers, values, strict=True)):
-                ax.plot(steps, ys, lw=1, label=layer, color=f"C{i % 10}")
+            for layer, ys in zip(layers, values, strict=True):
+                ax.plot(steps, ys, lw=1, marker=_marker(steps), label=layer, color=color[layer])
             ax.set_yscale("log")
             ax.legend(fontsize=6, ncol=4)
             ax.grid(alpha=0.3)
