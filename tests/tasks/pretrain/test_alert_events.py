@@ -136,3 +136,75 @@ def test_without_prefect_the_alerts_are_logged_not_sent(tmp_path, captured, capl
             record_alert(tmp_path, "stall", 5, "stage1", "stalled")
     assert captured() == []
     assert "llmflow alert [stall] stage stage1 step 5: stalled" in caplog.messages
+
+
+@pytest.mark.slow
+def test_the_stage_task_sends_the_trainers_alerts_as_it_trains(
+    tmp_path, prefect_harness, captured, monkeypatch
+):
+    """The pretrain step under a Prefect task: an alert row written while the trainer runs is
+    one event on the flow run's stage resource, related to the task run, and one line logged
+    in the task run's context."""
+    import threading
+
+    from conftest import make_packed, tiny_config
+    from prefect import flow, task
+
+    from llmflow.tasks.pretrain.faults import ENV
+    from llmflow.tasks.pretrain.step import StageRun, pretrain
+
+    monkeypatch.delenv(ENV, raising=False)
+    data = make_packed(tmp_path / "data", num_docs=300)
+    out = tmp_path / "s1-0123abcd"
+    cfg = StageRun(train=tiny_config(max_steps=8, checkpoint={"interval": 4, "keep_last": 1}))
+
+    def plant() -> None:  # rank 0's detector, once the trainer logs its first row
+        deadline = time.monotonic() + 120
+        while not (out / "metrics.jsonl").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        record_alert(out, "throughput", 3, "s1", "tokens/s fell", cause="compute")
+
+    @task(name="pretrain-s1")
+    def stage() -> None:
+        pretrain(cfg, data=data, out=out)
+
+    @flow(name="alert-events-test")
+    def run() -> str:
+        from prefect.runtime import flow_run
+
+        stage()
+        return flow_run.name
+
+    lines: list[tuple[str, str | None]] = []  # the forwarder's lines, with their task run
+
+    class Lines(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            from prefect.context import TaskRunContext
+
+            if record.threadName != "planter":  # not record_alert's own line
+                context = TaskRunContext.get()
+                lines.append((record.getMessage(), context and str(context.task_run.id)))
+
+    handler = Lines()
+    logging.getLogger("llmflow.alert").addHandler(handler)
+    planter = threading.Thread(target=plant, name="planter", daemon=True)
+    planter.start()
+    try:
+        name = run()
+    finally:
+        planter.join(5)
+        logging.getLogger("llmflow.alert").removeHandler(handler)
+
+    (event,) = captured()
+    assert event.event == "llmflow.alert.throughput"
+    assert event.resource.id == f"llmflow.stage.{name}.s1"
+    assert (event.resource["step"], event.resource["cause"]) == ("3", "compute")
+    roles = {r.role for r in event.related}
+    assert {"flow-run", "task-run"} <= roles
+    task_run = next(r.id for r in event.related if r.role == "task-run").rsplit(".", 1)[1]
+    # NOTE: the task's log reaches the API through "llmflow.*" only where llmflow.flows set
+    # PREFECT_LOGGING_EXTRA_LOGGERS before Prefect was imported (tests/flows/
+    # test_flow_run_logging.py checks that); here: the line, logged in the task's context
+    assert [(line, task) for line, task in lines if "[throughput]" in line] == [
+        ("llmflow alert [throughput] stage s1 step 3: tokens/s fell", task_run)
+    ]
