@@ -77,6 +77,7 @@ class MetricsLogger(Callback):
         self.writer = self.bar = None
         self.trackers: list[Any] = []
         self.tokens, self.seconds = 0, 0.0
+        self.last_row: dict[str, Any] | None = None  # what the detectors judge
 
     def on_train_start(self, trainer: Trainer) -> None:
         start, cfg = trainer.state.step, self.cfg
@@ -104,7 +105,8 @@ class MetricsLogger(Callback):
             self.tokens, self.seconds = 0, 0.0
 
     def row(self, trainer: Trainer, out: StepOutput) -> dict[str, Any]:
-        """The metric row of ``out``: throughput over the steps since the last row."""
+        """The metric row of ``out``: throughput and where the time went since the last row,
+        per-layer statistics when some were measured."""
         tokens_per_s = self.tokens / max(self.seconds, 1e-9)
         row = {
             "step": out.step,
@@ -116,16 +118,25 @@ class MetricsLogger(Callback):
             "skipped_batches": trainer.guard.num_skipped,
             "memory_gib": _memory_gib(),
         }
+        clock = getattr(trainer, "clock", None)
+        if clock is not None:  # the step split (health.py)
+            split = clock.take()
+            row.update(split, time_step_s=self.seconds)
+            row["data_share"] = split["time_data_s"] / max(self.seconds, 1e-9)
         mfu = trainer.mfu(tokens_per_s)
         if mfu is not None:
             row["mfu"] = mfu
+        layer_stats = getattr(trainer, "layer_stats", None)
+        if layer_stats is not None:
+            row.update(layer_stats.take())
         return {**row, **out.metrics}
 
     def log(self, row: dict[str, Any]) -> None:
         """Record one row (must hold ``step``)."""
         step = row["step"]
+        self.last_row = row
         append_jsonl(self.path, {**row, "time": time.time()})
-        scalars = {k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "step"}
+        scalars = _scalars(row)
         if self.writer is not None:
             for key, value in scalars.items():
                 self.writer.add_scalar(f"train/{key}", value, step)
@@ -148,6 +159,20 @@ class MetricsLogger(Callback):
             tracker.finish(trainer.summary())
         if self.bar is not None:
             self.bar.close()
+
+
+def _scalars(row: dict[str, Any]) -> dict[str, float]:
+    """The numbers of a row for TensorBoard and trackers; a dict of numbers (per layer) becomes
+    ``key/name`` scalars."""
+    scalars = {}
+    for key, value in row.items():
+        if isinstance(value, dict):
+            for name, sub in value.items():
+                if isinstance(sub, (int, float)):
+                    scalars[f"{key}/{name}"] = sub
+        elif isinstance(value, (int, float)) and key != "step":
+            scalars[key] = value
+    return scalars
 
 
 def _memory_gib() -> float:

@@ -41,6 +41,7 @@ from llmflow.tasks.dataprep.loader import PackedLoader
 from llmflow.tasks.pretrain.callbacks import Callback, MetricsLogger, RankInfo, Validator
 from llmflow.tasks.pretrain.checkpointer import Checkpointer
 from llmflow.tasks.pretrain.config import TrainConfig
+from llmflow.tasks.pretrain.detectors import StallDetector, ThroughputDetector
 from llmflow.tasks.pretrain.distributed import (
     all_reduce_sum,
     apply_activation_checkpointing,
@@ -53,6 +54,7 @@ from llmflow.tasks.pretrain.distributed import (
 )
 from llmflow.tasks.pretrain.faults import FaultInjector
 from llmflow.tasks.pretrain.guard import StabilityGuard
+from llmflow.tasks.pretrain.health import LayerStats, StepClock
 from llmflow.tasks.pretrain.init_weights import is_weights_only, load_weights
 from llmflow.tasks.pretrain.launch import die_with_launcher, failure_report
 from llmflow.tasks.pretrain.optim import build_optimizers, set_lr
@@ -121,8 +123,10 @@ class Trainer:
             if self.compute_dtype != torch.float32 and self.fsdp_ranks == 1
             else contextlib.nullcontext()
         )
-        self.guard = StabilityGuard(cfg.guard)
+        self.guard = StabilityGuard(cfg.guard, cfg.monitor)
         self.checkpointer = Checkpointer(cfg.checkpoint, self.out_dir)
+        self.clock = StepClock()  # where the step's time goes (health.py)
+        self.layer_stats = LayerStats(self, cfg.monitor.layer_stats_every)
         self.callbacks = self._components(val_dir)
         self._start(init_from)
 
@@ -183,17 +187,34 @@ class Trainer:
         handle = linear.register_forward_hook(hook)
 
     def _components(self, val_dir: Path | None) -> list[Callback]:
-        """The components in hook order; the fault injector only under ``LLMFLOW_FAULTS``."""
+        """The components in hook order; the fault injector only under ``LLMFLOW_FAULTS``.
+
+        The detectors (rank 0) come after the logger: they judge the row it just wrote.
+        """
+        main, monitor, stage = self.runtime.is_main, self.cfg.monitor, self.out_dir.name
         found: list[Callback | None] = [
             self.guard,
             Validator(val_dir, self.cfg.eval_interval) if val_dir is not None else None,
-            MetricsLogger(self.cfg, self.out_dir) if self.runtime.is_main else None,
+            MetricsLogger(self.cfg, self.out_dir) if main else None,
+            ThroughputDetector(monitor, self.out_dir, stage) if main else None,
+            StallDetector(monitor, self.out_dir, stage) if main else None,
             self.checkpointer,
             Preemption(self.cfg.checkpoint.preempt_grace_s),
             RankInfo(self.out_dir),
             FaultInjector.from_env(),
         ]
         return [c for c in found if c is not None]
+
+    def component_states(self) -> dict[str, Any]:
+        """The state of each component that has a ``state_key`` (for checkpoints)."""
+        return {c.state_key: c.state_dict() for c in self.callbacks if hasattr(c, "state_key")}
+
+    def load_component_states(self, states: dict[str, Any]) -> None:
+        """Restore :meth:`component_states` (a component a checkpoint lacks keeps its state)."""
+        for callback in self.callbacks:
+            key = getattr(callback, "state_key", None)
+            if key in states:
+                callback.load_state_dict(states[key])
 
     def _start(self, init_from: Path | None) -> None:
         """Resume this run's latest checkpoint, else start from init_from, else fresh."""
@@ -233,15 +254,25 @@ class Trainer:
     # ----------------------------------------------------------------------------- the step
     def train_step(self) -> StepOutput | None:
         """One optimizer step on the next global batch; None when the guard refused it."""
-        started, step = time.perf_counter(), self.state.step
+        started, step, clock = time.perf_counter(), self.state.step, self.clock
         first = self.state.batches_drawn
-        batches = self.next_batches(step)
-        loss, num_tokens = self.forward_backward(batches)
-        grad_norm = self.clip_gradients()
+        with clock.timing("data"):
+            batches = self.next_batches(step)
+        with clock.timing("compute"):
+            loss, num_tokens = self.forward_backward(batches)
+        layers = self.layer_stats if self.layer_stats.due(step) else None
+        if layers is not None:
+            layers.before_update()
+        with clock.timing("optimizer"):
+            grad_norm = self.clip_gradients()
         if not self.guard.admit(self, loss, grad_norm, [first, self.state.batches_drawn]):
             self.state.train_time_s += time.perf_counter() - started
             return None
-        lr = self.optimizer_step(step)
+        with clock.timing("optimizer"):
+            lr = self.optimizer_step(step)
+        if layers is not None:
+            layers.after_update()
+            self.guard.remember_layers(layers.last_grad_norms, layers.last_weight_norms)
         self.state.advance(loss, num_tokens)
         seconds = time.perf_counter() - started
         self.state.train_time_s += seconds
@@ -335,7 +366,12 @@ class Trainer:
 
     def _hook(self, name: str, *args: Any) -> None:
         for callback in self.callbacks:
-            getattr(callback, name)(self, *args)
+            part = _CLOCKED.get(type(callback))  # time outside the step that blocks training
+            if part is None:
+                getattr(callback, name)(self, *args)
+                continue
+            with self.clock.timing(part):
+                getattr(callback, name)(self, *args)
 
     def summary(self) -> dict[str, Any]:
         """Headline metrics (JSON scalars) for summary.json."""
@@ -375,6 +411,9 @@ class Trainer:
         dense = mc.num_parameters(non_embedding=True) + mc.vocab_size * mc.hidden_size
         flops = 6 * dense + 12 * mc.num_layers * mc.hidden_size * self.loader.seq_len
         return flops * tokens_per_s / (peak * self.runtime.world_size)
+
+
+_CLOCKED = {Checkpointer: "checkpoint", Validator: "validation"}
 
 
 def model_loss(
