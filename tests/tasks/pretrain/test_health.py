@@ -73,7 +73,7 @@ def test_layer_stats_match_a_hand_computation():
     update: dict[str, float] = {}
     weight: dict[str, float] = {}
     for name, p in model.named_parameters():
-        layer = layer_of(name)
+        layer, p = layer_of(name), p.detach()
         update[layer] = update.get(layer, 0.0) + float((p - before[name]).double().square().sum())
         weight[layer] = weight.get(layer, 0.0) + float(p.double().square().sum())
     for layer, ratio in got["update_ratio_by_layer"].items():
