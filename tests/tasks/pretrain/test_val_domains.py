@@ -115,6 +115,36 @@ def test_a_set_without_domains_logs_no_val_loss_by_domain(tmp_path, train_data, 
     assert "val_loss_by_domain" not in json.loads((out / "summary.json").read_text())
 
 
+def test_by_domain_moves_only_the_validation_sets_and_what_reads_them():
+    """Off (the default), the flag leaves the hash (so no quickstart address moves: the address
+    tests against earlier commits hold); on, exactly the validation sets and the nodes that read
+    them, directly or not, move."""
+    from llmflow.flows.recipe import recipe
+    from llmflow.tasks.config import load_config
+    from llmflow.tasks.dataprep.config import ValidationConfig
+    from llmflow.tasks.framework.graph import Node
+    from llmflow.tasks.framework.hashing import versioned_fields
+    from tests.tasks.extend.ruler_addresses import addresses
+
+    assert "by_domain" not in versioned_fields(ValidationConfig())
+    off, on = addresses([]), addresses(["validation.by_domain=true"])
+    reads: dict[int, bool] = {}
+    labels: list[str] = []
+    for node in recipe(load_config(None, [])).nodes:  # in order, labelled as addresses() does
+        inputs = [v for value in node.inputs.values()
+                  for v in (value if isinstance(value, list) else [value])]  # fmt: skip
+        upstream = any(reads.get(id(v), False) for v in inputs if isinstance(v, Node))
+        reads[id(node)] = node.step.name == "validation" or upstream
+        label, count = node.label, 1
+        while label in labels:
+            count += 1
+            label = f"{node.label}#{count}"
+        labels.append(label)
+        assert (off[label] != on[label]) == reads[id(node)], label
+    assert sorted(labels) == sorted(off)
+    assert sum(label.startswith("pretrain:") for label in labels if off[label] != on[label]) >= 3
+
+
 def _layout_worker(rank: int, world: int, cfg_json: str, data: str, val: str, out: str) -> None:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
