@@ -139,6 +139,15 @@ def benchmarks(data: Path) -> list[Bench]:
               ["--rounds", "5", "--steps", "5", "--warmup", "3", "--packed", "512"],
               ["--quick", "--rounds", "1", "--steps", "1", "--warmup", "0", "--no-compile",
                "--packed", "16"]),
+        Bench("eval_overhead", "bench_eval_overhead.py", ["--rounds", "3", "--seeds", "5"],
+              ["--quick"],
+              [Goal("slowdown", "<=", 0.10,
+                    "training slowdown, running evaluation on the second of two cores"),
+               Goal("noise.clean_pairs_alerting", "<=", 0,
+                    "clean seed pairs alerting at the default noise band")]),
+        Bench("monitor", "bench_monitor.py", ["--rounds", "7", "--steps", "40"], ["--quick"],
+              [Goal("overhead", "<=", 0.02, "health metrics + detectors, share of a train step"),
+               Goal("clean_alerts", "<=", 0, "trainer alerts on 5 clean seeds")]),
     ]  # fmt: skip
 
 
