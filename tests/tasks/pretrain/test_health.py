@@ -97,3 +97,17 @@ def test_jumped_layers_ranks_by_ratio_to_the_median_and_weight_jumps_first():
     assert rows[0]["weight_ratio"] == pytest.approx(10.0)
     # no history: the largest norms
     assert [r["layer"] for r in jumped_layers(now, [], top=2)] == ["b", "a"]
+
+
+def test_the_monitor_section_moves_no_address_and_checks_its_window():
+    from conftest import tiny_config
+
+    from llmflow.tasks.framework.errors import ConfigError
+    from llmflow.tasks.pretrain.config import versioned_fields
+
+    plain = tiny_config()
+    watched = plain.replaced(monitor={"layer_stats_every": 1, "stall_s": 5.0})
+    assert "monitor" not in versioned_fields(watched)
+    assert versioned_fields(watched) == versioned_fields(plain)
+    with pytest.raises(ConfigError, match="throughput_min_rows"):
+        plain.replaced(monitor={"throughput_window": 4, "throughput_min_rows": 5})
