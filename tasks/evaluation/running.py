@@ -245,7 +245,11 @@ class Scorer:
     _suite_dir: Path | None = None
 
     def cached(self, label: str, step: int | None, key: str) -> dict[str, Any] | None:
+        """The scores stored under ``key``: filed under this label, or under another one (the
+        same weights named as a reference checkpoint and as a stage's)."""
         path = self._path(label, step, key)
+        if not path.is_file():
+            path = next(self.results.glob(f"*/*-{key}.json"), path)
         return json.loads(path.read_text()) if path.is_file() else None
 
     def _path(self, label: str, step: int | None, key: str) -> Path:
@@ -264,7 +268,7 @@ class Scorer:
             key = score_key(self.cfg, identity(folder))
             found = self.cached(label, step, key)
             if found is not None:
-                return {**found, "cached": True}
+                return {**found, "label": label, "checkpoint": str(folder), "cached": True}
             started = time.perf_counter()
             model = read_model(folder)  # NOTE: the only read of the checkpoint's files
         metrics: dict[str, float] = {}

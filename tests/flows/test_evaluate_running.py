@@ -185,6 +185,32 @@ def test_a_clean_run_with_another_seed_does_not_alert_and_is_scored_once(
     assert not any(r["cached"] for r in rows)
     again = evaluate_running(_config(stage1, run))
     assert all(r["cached"] for r in again) and rf.read_alerts(run) == []
+    # the reference as a series of checkpoint folders: the same curve (read from the cache)
+    ref = stage1["reference"]
+    folders = [str(p) for p in sorted((ref / "checkpoints").glob("step-*"))] + [str(ref / "final")]
+    as_folders = evaluate_running(_config(stage1, run, reference={"checkpoints": folders}))
+    assert as_folders == again and rf.read_alerts(run) == []
+
+
+@pytest.mark.slow
+def test_the_trainer_keeps_a_checkpoint_held_by_a_reader(stage1, tmp_path):
+    from llmflow.tasks.evaluation.running import hold
+
+    run = tmp_path / "held"
+    cfg = rf.stage1_config(seed=2, keep_last=2)  # step-4 is pruned at the step-12 save
+    trainer = rf.start_trainer(cfg, stage1["data"], run)
+    first = run / "checkpoints" / "step-000004"
+    try:
+        while not (first / "COMPLETE").exists() and trainer.poll() is None:
+            time.sleep(0.02)
+        with hold(first) as present:
+            assert present and not (run / "checkpoints" / "step-000012").exists()
+            out, _ = trainer.communicate(timeout=240)
+            assert trainer.returncode == 0, out[-3000:]
+            assert _left(run) == ["step-000004", "step-000008", "step-000012"]
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
 
 
 def test_the_deployment_runs_every_ten_minutes_one_at_a_time():
