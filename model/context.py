@@ -17,11 +17,13 @@ the log-sum-exp of its rows:
 
 The parts are merged with their log-sum-exps; the backward pass runs the flash kernel's
 backward on each part with the MERGED output and log-sum-exp (as ring attention does), which
-gives each part's share of the gradients, and sums them. Segments of similar length are padded
-to a length bucket and stacked, so a layer makes about two kernel calls per bucket, not one per
-document; the plan is built once per shard and shared by all layers. Padded query slots are
-dropped; padded key slots come after the real ones (causal diagonal) or are hidden by a (1 x
-key slots) padding bias per segment (past).
+gives each part's share of the gradients, and sums them. For its backward pass it saves the
+k/v of this rank's own tokens, not the whole rows', and all-gathers them again there (when
+they are `gather`'s outputs): the whole rows' k/v live for one layer at a time. Segments of
+similar length are padded to a length bucket and stacked, so a layer makes about two kernel
+calls per bucket, not one per document; the plan is built once per shard and shared by all
+layers. Padded query slots are dropped; padded key slots come after the real ones (causal
+diagonal) or are hidden by a (1 x key slots) padding bias per segment (past).
 
 On CUDA, FlexAttention (compiled) with a block mask of the local queries over the whole rows'
 keys; NOTE: written without a GPU to test it on.
@@ -30,6 +32,7 @@ keys; NOTE: written without a GPU to test it on.
 from __future__ import annotations
 
 import bisect
+import weakref
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -59,21 +62,34 @@ class SequenceShard:
     order: Tensor
     doc_ids: Tensor | None = None
     _plans: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    # id(whole-row tensor from `gather`) -> (weak reference to it, the local tensor it came from)
+    _gathered: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """This rank's queries q (B, H, T, D) over the whole rows' k, v (B, KV, T_full, D),
         causal in row positions and within documents; (B, H, T, D) out. GQA: k and v keep their
-        KV heads."""
+        KV heads.
+
+        When k and v are this shard's own `gather` outputs, the CPU kernel saves their local
+        tokens for its backward pass, not the whole rows, and gathers them again there (the
+        same bytes: the all-gather copies): the whole rows' k/v are then alive for one layer
+        at a time, not for every layer from its forward to its backward."""
         device = q.device.type
+        local_k, local_v = self._local_of(k), self._local_of(v)
+        regather = local_k is not None and local_v is not None
         if torch.is_autocast_enabled(device):  # as SDPA under autocast: in the autocast dtype
             dtype = torch.get_autocast_dtype(device)
             q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+            if regather:  # the same values as the whole rows' cast (the gather only copies)
+                local_k, local_v = local_k.to(dtype), local_v.to(dtype)
         if device == "cuda" and _flex() is not None:
             _log_once("flex", q)
             return self._flex(q, k, v)
         _log_once("split", q)
         plan = self.plan(q.shape[0], q.device)
-        return _split_attend(q, k, v, plan)
+        if not regather:
+            return _split_attend(q, k, v, plan)
+        return _split_attend(q, k, v, plan, _Regather(self.group, self.order), local_k, local_v)
 
     def plan(self, batch: int, device: torch.device) -> _SplitPlan:
         """The CPU kernel's plan for `batch` rows (built on first use, shared by all layers)."""
@@ -125,7 +141,21 @@ class SequenceShard:
     def gather(self, x: Tensor) -> Tensor:
         """(B, N, T, D) local heads -> (B, N, T_full, D) of the whole rows (autograd: the backward
         reduce-scatters the gradient back to the rank that holds each token)."""
-        return _GatherSequence.apply(x, self.group, self.order)
+        if torch.compiler.is_compiling():  # NOTE: compiled, `attend` saves the whole rows
+            return _GatherSequence.apply(x, self.group, self.order)
+        local: list[Tensor] = []
+        out = _GatherSequence.apply(x, self.group, self.order, local)
+        for key in [key for key, (ref, _) in self._gathered.items() if ref() is None]:
+            del self._gathered[key]  # gathered but never attended (and since freed)
+        self._gathered[id(out)] = (weakref.ref(out), local[0])
+        return out
+
+    def _local_of(self, whole: Tensor) -> Tensor | None:
+        """The (T, B, N, D) local tokens `gather` made `whole` from, or None (not its output)."""
+        if torch.compiler.is_compiling():
+            return None
+        ref, local = self._gathered.pop(id(whole), (None, None))
+        return local if ref is not None and ref() is whole else None
 
 
 _WHY = {
@@ -321,14 +351,36 @@ def _split_forward(q: Tensor, k: Tensor, v: Tensor, plan: _SplitPlan) -> tuple[T
     return out, lse
 
 
+@dataclass(frozen=True)
+class _Regather:
+    """How the backward pass gathers the whole rows' k/v again from their local tokens."""
+
+    group: dist.ProcessGroup
+    order: Tensor
+
+    def __call__(self, local: Tensor) -> Tensor:
+        return _gather_rows(local, self.group, self.order)
+
+
 class _SplitAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, plan: _SplitPlan) -> Tensor:
+    def forward(
+        ctx,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        plan: _SplitPlan,
+        regather: _Regather | None,
+        local_k: Tensor | None,
+        local_v: Tensor | None,
+    ) -> Tensor:
         batch, heads, local_len, dim = q.shape
         with torch.autocast(q.device.type, enabled=False):
             out, lse = _split_forward(q, k, v, plan)
+        if regather is not None:  # the local tokens, 1/cp of the whole rows
+            k, v = local_k, local_v
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.plan = plan
+        ctx.plan, ctx.regather = plan, regather
         return out.view(batch, local_len, heads, dim).transpose(1, 2)
 
     @staticmethod
@@ -336,6 +388,8 @@ class _SplitAttention(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         q, k, v, out, lse = ctx.saved_tensors
         plan: _SplitPlan = ctx.plan
+        if ctx.regather is not None:
+            k, v = ctx.regather(k), ctx.regather(v)
         batch, heads, local_len, dim = q.shape
         kv_heads = k.shape[1]
         # NOTE: a token's gradients sum its parts (and keys are seen by several segments):
@@ -373,12 +427,22 @@ class _SplitAttention(torch.autograd.Function):
             t.view(batch, plan.full_len, kv_heads, dim).transpose(1, 2).to(k.dtype)
             for t in (dk, dv)
         )
-        return dq, dk, dv, None
+        return dq, dk, dv, None, None, None, None
 
 
 @torch.compiler.disable  # NOTE: host-side plan and aten CPU kernels: compiled blocks call it eagerly
-def _split_attend(q: Tensor, k: Tensor, v: Tensor, plan: _SplitPlan) -> Tensor:
-    return _SplitAttention.apply(q, k, v, plan)
+def _split_attend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    plan: _SplitPlan,
+    regather: _Regather | None = None,
+    local_k: Tensor | None = None,
+    local_v: Tensor | None = None,
+) -> Tensor:
+    if regather is not None:  # NOTE: detached: saved, not differentiated (k, v carry the graph)
+        local_k, local_v = local_k.detach(), local_v.detach()
+    return _SplitAttention.apply(q, k, v, plan, regather, local_k, local_v)
 
 
 # NOTE: torch 2.13 renamed the dim-0 collectives (`*_into_tensor` / `*_tensor` are deprecated).
@@ -386,15 +450,24 @@ _ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
+def _gather_rows(local: Tensor, group: dist.ProcessGroup, order: Tensor) -> Tensor:
+    """(T, B, N, D) contiguous local tokens -> (B, N, T_full, D) of the whole rows."""
+    world = dist.get_world_size(group)
+    gathered = local.new_empty((world * local.shape[0], *local.shape[1:]))
+    _ALL_GATHER(gathered, local, group=group)
+    return gathered.index_select(0, order).movedim(0, 2)
+
+
 class _GatherSequence(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, group: dist.ProcessGroup, order: Tensor) -> Tensor:
-        world = dist.get_world_size(group)
+    def forward(
+        ctx, x: Tensor, group: dist.ProcessGroup, order: Tensor, sink: list | None = None
+    ) -> Tensor:
         local = x.movedim(2, 0).contiguous()  # (T, B, N, D): the collective cuts dim 0
-        gathered = local.new_empty((world * local.shape[0], *local.shape[1:]))
-        _ALL_GATHER(gathered, local, group=group)
-        ctx.group, ctx.order, ctx.world = group, order, world
-        return gathered.index_select(0, order).movedim(0, 2)  # (B, N, T_full, D)
+        if sink is not None:  # what `attend` may save in place of the whole rows
+            sink.append(local)
+        ctx.group, ctx.order, ctx.world = group, order, dist.get_world_size(group)
+        return _gather_rows(local, group, order)  # (B, N, T_full, D)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -404,4 +477,4 @@ class _GatherSequence(torch.autograd.Function):
         rank_major.index_copy_(0, ctx.order, full)  # back to the all-gather's layout
         local = rank_major.new_empty((rank_major.shape[0] // ctx.world, *rank_major.shape[1:]))
         _REDUCE_SCATTER(local, rank_major, group=ctx.group)  # summed over ranks
-        return local.movedim(0, 2), None, None
+        return local.movedim(0, 2), None, None, None

@@ -212,3 +212,70 @@ def test_kernel_calls_follow_length_buckets_not_documents():
     with Count():
         shard.attend(q, k, v)  # the next layer: the same plan
     assert len(calls) == 2 * buckets and shard.plan(4, q.device) is plan
+
+
+def _regather_rank(rank: int, init_file: str, out: str) -> None:
+    """One of two gloo ranks: gather + attend + backward on its zig-zag tokens, once on the
+    gather's own outputs and once on copies of them, fp32 and under bf16 autocast; what each
+    run's autograd saved (bytes, by storage), its output and its local q/k/v gradients."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    doc_ids = document_ids(2, SEQ_LEN, None, _cu_seqlens(LAYOUTS["crossing"]))
+    index = zigzag_index(SEQ_LEN, 2, rank)
+    (q, k, v), grad = _inputs(4, 2, torch.float32)  # the whole rows, the same on both ranks
+    results = {}
+    for autocast in (False, True):
+        for copied in (False, True):
+            shard = SequenceShard(dist.group.WORLD, index, gather_order(SEQ_LEN, 2), doc_ids)
+            ql, kl, vl = (t[:, :, index].detach().requires_grad_() for t in (q, k, v))
+            saved = {}
+
+            def pack(t, saved=saved):
+                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+                return t
+
+            with (
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+                torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast),
+            ):
+                kw, vw = shard.gather(kl), shard.gather(vl)
+                if copied:  # not the gather's outputs: the attention saves the whole rows
+                    kw, vw = kw.clone(), vw.clone()
+                local = shard.attend(ql, kw, vw)
+            (local.float() * grad[:, :, index]).sum().backward()
+            results[autocast, copied] = {
+                "saved": sum(saved.values()),
+                "tensors": [local.detach(), ql.grad, kl.grad, vl.grad],
+            }
+    torch.save(results, f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+def test_gathered_kv_saved_as_local_tokens_and_gathered_again(tmp_path):
+    """Two gloo ranks: on the gather's own outputs the attention saves each rank's local k/v
+    (T/cp tokens) for its backward pass, not the whole rows', and gathers them again there:
+    autograd saves 2 x (T_full - T_local) x B x KV x D elements less (16 KiB in fp32, 8 KiB
+    in bf16 under autocast; 0 before: the whole rows were saved), and the output and q/k/v
+    gradients are bit for bit those of the same attention on copies of the whole rows."""
+    import multiprocessing as mp
+
+    from tests.tasks.pretrain.parallel.ranks import join_ranks
+
+    ctx = mp.get_context("spawn")
+    out = str(tmp_path / "rank")
+    procs = [
+        ctx.Process(target=_regather_rank, args=(r, str(tmp_path / "pg"), out)) for r in (0, 1)
+    ]
+    join_ranks(procs, 120)
+    kv_elements = 2 * 2 * (SEQ_LEN - SEQ_LEN // 2) * 2 * 16  # k and v, B=2, KV=2, D=16
+    for rank in (0, 1):
+        results = torch.load(f"{out}.{rank}")
+        for autocast in (False, True):
+            local, whole = results[autocast, False], results[autocast, True]
+            size = 2 if autocast else 4
+            assert whole["saved"] - local["saved"] == kv_elements * size, (rank, autocast)
+            for name, a, b in zip(["out", "dq", "dk", "dv"], local["tensors"], whole["tensors"],
+                                  strict=True):  # fmt: skip
+                assert torch.equal(a, b), (rank, autocast, name)

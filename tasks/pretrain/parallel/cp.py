@@ -22,10 +22,10 @@ width D, L layers, b bytes per element:
 
 - everything per token (residual stream, norms, q/k/v/o projections' inputs, MLP, loss chunks)
   is T/cp: the one-process activation memory divided by cp;
-- plus, per layer, the all-gathered keys and values ``2 * B * KV * T * D * b``, which the
-  attention saves for its backward pass (with their KV heads, on CPU and CUDA alike): held for
+- plus, per layer, the all-gathered keys and values ``2 * B * KV * T * D * b`` (KV heads):
+  on CPU alive only while one layer's attention runs (its backward saves the local k/v, T/cp,
+  and gathers them again); on CUDA FlexAttention saves them for its backward pass: held for
   all L layers without activation checkpointing, one layer's while it is recomputed with it;
-  the local k/v are T/cp;
 - plus, per layer, the attention's log-sum-exp ``B * H * (T/cp) * 4`` bytes (float32); its
   output is the output projection's input (the same storage);
 - plus, once for all layers, the shard's plan (CPU: token indices, tens of bytes a token) or block
@@ -34,10 +34,10 @@ width D, L layers, b bytes per element:
   (up to 25% padding), and in the backward pass the gradients of the whole rows' k and v
   (float32 under bf16) before they are reduce-scattered.
 
-No term grows as T x T/cp, so activation memory per rank falls as 1/cp until the all-gathered
-K/V (linear in T, not divided by cp) are the floor. ``benchmarks/bench_cp_memory.py`` measures
-one forward/backward's peak RSS per rank at cp=2 against one process (goal: at most 0.55 of it
-at 8,192 tokens of 512-token documents).
+No term grows as T x T/cp, so activation memory per rank falls as 1/cp (on CUDA until the
+all-gathered K/V, linear in T and not divided by cp, are the floor).
+``benchmarks/bench_cp_memory.py`` measures one forward/backward's peak RSS per rank at cp=2
+against one process (goal: at most 0.55 of it at 8,192 tokens of 512-token documents).
 
 Compiled blocks (``train.compile``) run the gather too: a 2-rank check of the YaRN/NoPE debug
 model on CPU gave the eager loss exactly and gradients within 8e-8 (not in the test suite: the
