@@ -40,6 +40,7 @@ EXECUTION = (
     "train.eval_interval",
     "train.progress_bar",
     "train.tracker",
+    "train.monitor",
 )
 
 
