@@ -260,7 +260,7 @@ class Scorer:
         """The scores of one checkpoint or model folder (cached); None when it is gone (pruned
         before its hold was placed)."""
         folder = Path(folder)
-        held = folder.parent.name == "checkpoints"  # a running stage's step checkpoint
+        held = folder.parent.name == "checkpoints" and still_training(folder.parent.parent)
         with hold(folder, self.hold_ttl_s) if held else contextlib.nullcontext(True) as present:
             if not present:
                 return None
@@ -307,6 +307,14 @@ class Scorer:
         if self._suite_dir is not None:
             shutil.rmtree(self._suite_dir, ignore_errors=True)
             self._suite_dir = None
+
+
+def still_training(stage: Path) -> bool:
+    """Whether a stage may still prune: it has not written ``final/`` (a finished stage, such
+    as a reference run's, is read without a hold: it prunes no more, and may be read-only)."""
+    from llmflow.tasks.pretrain.checkpoint import is_complete
+
+    return not is_complete(Path(stage) / "final")
 
 
 def stage_checkpoints(stage: Path) -> list[Path]:

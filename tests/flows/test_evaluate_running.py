@@ -190,6 +190,7 @@ def test_a_clean_run_with_another_seed_does_not_alert_and_is_scored_once(
     folders = [str(p) for p in sorted((ref / "checkpoints").glob("step-*"))] + [str(ref / "final")]
     as_folders = evaluate_running(_config(stage1, run, reference={"checkpoints": folders}))
     assert as_folders == again and rf.read_alerts(run) == []
+    assert not (ref / "checkpoints" / ".holds").exists()  # a finished run is read unheld
 
 
 @pytest.mark.slow
