@@ -101,7 +101,9 @@ class RunningEvaluationConfig(BaseModel):
     )
     follow: bool = Field(False, description="Poll until every stage has written final/.")
     poll_s: float = Field(30.0, description="Seconds between passes when following.")
-    max_wait_s: float | None = Field(None, description="Stop following after this long.")
+    max_wait_s: float | None = Field(
+        None, description="Stop following after this long (a configured stage never started)."
+    )
     threads: int = Field(1, description="Torch threads for scoring (one core beside training).")
     niceness: int = Field(10, description="How much nicer this process becomes (0: as is).")
     hold_ttl_s: float = Field(600.0, description="A hold not refreshed for this long expires.")
@@ -213,9 +215,13 @@ def evaluate_pass(
 
 
 def finished(config: RunningEvaluationConfig) -> bool:
-    """Every stage has written final/ (or left the running area: committed)."""
+    """Every stage has written final/. A stage found under the root may also have left the
+    running area (committed); a configured one that is not there yet has not started."""
     stages = running_stages(config)
-    return all((s / "final" / "COMPLETE").exists() or not s.exists() for s in stages)
+    gone_is_done = not config.stages
+    return all(
+        (s / "final" / "COMPLETE").exists() or (gone_is_done and not s.exists()) for s in stages
+    )
 
 
 @flow(name="llmflow-running-evaluation", log_prints=True)

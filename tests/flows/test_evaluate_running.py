@@ -236,3 +236,16 @@ def test_nothing_to_score_is_a_config_error(prefect_harness, tmp_path):
     _checkpoints(tmp_path / "pretrain" / ".partial" / "stage1-0123456789abcdef", [4])
     with pytest.raises(ConfigError, match="scoring.heldout=None and scoring.tokenizer=None"):
         evaluate_running(RunningEvaluationConfig(root=str(tmp_path), niceness=0))
+
+
+def test_following_ends_when_every_stage_has_written_final(tmp_path):
+    from llmflow.flows.evaluate_running import RunningEvaluationConfig, finished
+
+    stage = tmp_path / "pretrain" / ".partial" / "stage1-0123456789abcdef"
+    _checkpoints(stage, [4])
+    found = RunningEvaluationConfig(root=str(tmp_path))
+    named = RunningEvaluationConfig(root=str(tmp_path), stages=[str(tmp_path / "not-yet")])
+    assert not finished(found) and not finished(named)  # training; not started yet
+    (stage / "final").mkdir()
+    (stage / "final" / "COMPLETE").write_text("ok\n")
+    assert finished(found)
