@@ -193,8 +193,12 @@ def evaluate_pass(
         for checkpoint in stage_checkpoints(stage):
             try:
                 point = scorer.score(stage.name, checkpoint)
-            except FileNotFoundError as err:  # the stage was committed (moved) meanwhile
-                print(f"{checkpoint}: gone while scored ({err}); skipped")
+            except Exception as err:
+                # NOTE: a stage committed (moved) while it was read, or a checkpoint pruned by a
+                # save that checked for holds before the run's first hold existed: skip it.
+                if (checkpoint / "COMPLETE").exists():
+                    raise
+                print(f"{checkpoint}: gone while it was read ({type(err).__name__}); skipped")
                 continue
             if point is None:  # pruned before it could be held
                 continue

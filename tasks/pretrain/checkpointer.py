@@ -88,6 +88,8 @@ def _live_hold(path: Path) -> bool:
 def prune(out_dir: Path, keep_last: int) -> None:
     """``checkpoint.prune_checkpoints`` less the checkpoints a reader holds (rank 0); a held one
     goes at the first save after its hold is released."""
+    # NOTE: a run no reader ever held prunes without the lock (and leaves no .holds folder);
+    # a reader whose first hold races such a prune finds the checkpoint gone and skips it.
     if not (Path(out_dir) / "checkpoints" / HOLDS).is_dir():
         ckpt.prune_checkpoints(out_dir, keep_last)
         return

@@ -249,3 +249,23 @@ def test_following_ends_when_every_stage_has_written_final(tmp_path):
     (stage / "final").mkdir()
     (stage / "final" / "COMPLETE").write_text("ok\n")
     assert finished(found)
+
+
+def test_a_checkpoint_gone_while_read_is_skipped_and_a_broken_one_fails(tmp_path):
+    import shutil
+
+    from llmflow.flows.evaluate_running import RunningEvaluationConfig, evaluate_pass
+
+    stage = tmp_path / "stage1"
+    gone, broken = _checkpoints(stage, [4, 8])
+
+    class Scorer:
+        def score(self, label, folder):
+            if folder == gone:  # pruned (or the stage moved) under the reader
+                shutil.rmtree(folder)
+            raise OSError(f"cannot read {folder}")
+
+    config = RunningEvaluationConfig(stages=[str(stage)], scoring={"heldout": str(tmp_path)})
+    with pytest.raises(OSError, match="step-000008"):
+        evaluate_pass(config, Scorer(), [])
+    assert not gone.exists() and broken.exists()
