@@ -55,6 +55,15 @@ class ReferencePoint(BaseModel):
         None, description="Its place on the token axis (needed where the folder has no record)."
     )
 
+    @model_validator(mode="after")
+    def _hub_needs_tokens(self) -> ReferencePoint:
+        if self.source.startswith("hf://") and self.tokens_seen is None:
+            raise ValueError(
+                f"reference.checkpoints source={self.source!r} has tokens_seen=None: a Hub "
+                "revision records no tokens seen; give {source, tokens_seen}"
+            )
+        return self
+
 
 class ReferenceConfig(BaseModel):
     """The curve a running stage is compared with, scored once (cached) like the stage."""

@@ -109,6 +109,13 @@ def test_config_errors_name_the_field():
         RunningEvaluationConfig(noise_band={"heldout_loss": -1})
     with pytest.raises(ValidationError, match="threads=0 must be >= 1"):
         RunningEvaluationConfig(threads=0)
+    hub = "hf://models/HuggingFaceTB/SmolLM3-3B-checkpoints@stage1-step-40000"
+    with pytest.raises(ValidationError, match="source='hf://.*tokens_seen=None"):
+        RunningEvaluationConfig(reference={"checkpoints": [hub]})
+    config = RunningEvaluationConfig(
+        reference={"checkpoints": [{"source": hub, "tokens_seen": 160_000_000_000}, "/a/folder"]}
+    )
+    assert [p.tokens_seen for p in config.reference.checkpoints] == [160_000_000_000, None]
 
 
 # -- slow: quickstart-shaped stage-1 runs ----------------------------------------------------
