@@ -1,6 +1,6 @@
 """What evaluating a running stage costs its training, and how far clean runs differ by seed.
 
-    python benchmarks/bench_eval_overhead.py [--rounds 3] [--steps 64] [--seeds 5] [--quick]
+    python benchmarks/bench_eval_overhead.py [--rounds 3] [--steps 200] [--seeds 5] [--quick]
 
 Overhead: a quickstart-shaped stage 1 (the quickstart's trainer settings, shrunk; tests/flows/
 running_fixtures.py) trains on one thread, alone and with the running evaluation following it
@@ -39,13 +39,15 @@ from benchmarks.common import emit, order  # noqa: E402
 from tests.flows import running_fixtures as rf  # noqa: E402
 
 
-def _follow(config_json: str, stop_file: str) -> None:
+def _follow(config_json: str, ready_file: str, stop_file: str) -> None:
     """The running evaluation's passes over one stage until it writes final/ (a process)."""
     from llmflow.flows.evaluate_running import RunningEvaluationConfig, evaluate_pass, finished
     from llmflow.tasks.evaluation.running import Scorer, one_core
 
     config = RunningEvaluationConfig.model_validate_json(config_json)
     scorer = Scorer(config.scoring, config.results_dir())
+    scorer.suite_dir()
+    Path(ready_file).touch()  # NOTE: imports and the suite ready: the trainer starts now
     with one_core(config.threads, config.niceness):
         while not Path(stop_file).exists():
             done = finished(config)
@@ -56,24 +58,31 @@ def _follow(config_json: str, stop_file: str) -> None:
     scorer.close()
 
 
-def train_round(work: Path, data: Path, steps: int, evaluate: dict | None) -> float:
-    """Train one stage (one thread); with ``evaluate``, the evaluation follows it. Tokens/s."""
+def train_round(
+    work: Path, data: Path, steps: int, evaluate: dict | None, scored: list[int]
+) -> float:
+    """Train one stage (one thread); with ``evaluate``, the evaluation follows it from its first
+    checkpoint (started, imports done, before the trainer). Tokens/s; appends to ``scored``
+    how many checkpoints the evaluation scored while the stage trained."""
     out = Path(tempfile.mkdtemp(dir=work, prefix="run-"))
-    trainer = rf.start_trainer(rf.stage1_config(keep_last=2, steps=steps), data, out)
     follower = None
     if evaluate is not None:
         from llmflow.flows.evaluate_running import RunningEvaluationConfig
 
         config = RunningEvaluationConfig.model_validate(
-            {**evaluate, "stages": [str(out)], "results": str(out / "scores"), "poll_s": 0.2}
+            {**evaluate, "stages": [str(out)], "results": str(work / "scores"), "poll_s": 0.2}
         )
         follower = multiprocessing.get_context("spawn").Process(
-            target=_follow, args=(config.model_dump_json(), str(out / "stop"))
+            target=_follow, args=(config.model_dump_json(), str(out / "ready"), str(out / "stop"))
         )
         follower.start()
+        while not (out / "ready").exists() and follower.is_alive():
+            time.sleep(0.1)
+    trainer = rf.start_trainer(rf.stage1_config(keep_last=2, steps=steps), data, out)
     output, _ = trainer.communicate(timeout=1800)
     assert trainer.returncode == 0, output[-3000:]
     if follower is not None:
+        scored.append(len(list((work / "scores" / out.name).glob("step-*.json"))))
         (out / "stop").touch()
         follower.join(timeout=600)
     return json.loads((out / "summary.json").read_text())["tokens_per_s"]
@@ -132,14 +141,14 @@ def noise(work: Path, data: Path, heldout: Path, steps: int, seeds: int, band: f
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3, help="0: the noise band only")
-    parser.add_argument("--steps", type=int, default=64, help="training steps per round")
+    parser.add_argument("--steps", type=int, default=200, help="training steps per round")
     parser.add_argument("--seeds", type=int, default=5, help="clean runs for the noise band")
     parser.add_argument("--noise-steps", type=int, default=16)
     parser.add_argument("--items", type=int, default=40, help="cloze items per checkpoint")
     parser.add_argument("--quick", action="store_true", help="seconds: a smoke run")
     args = parser.parse_args()
     if args.quick:
-        args.rounds, args.steps, args.seeds, args.noise_steps, args.items = 1, 8, 2, 8, 8
+        args.rounds, args.steps, args.seeds, args.noise_steps, args.items = 1, 12, 2, 8, 8
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from llmflow.tasks.evaluation.running import DEFAULT_NOISE_BAND, HELDOUT_LOSS
 
@@ -157,9 +166,10 @@ def main() -> None:
             "threads": 1,
             "niceness": 10,
         }
+        scored: list[int] = []
         sides = {
-            "alone": lambda: train_round(work, data, args.steps, None),
-            "with_eval": lambda: train_round(work, data, args.steps, evaluate),
+            "alone": lambda: train_round(work, data, args.steps, None, scored),
+            "with_eval": lambda: train_round(work, data, args.steps, evaluate, scored),
         }
         tokens_per_s: dict[str, list[float]] = {name: [] for name in sides}
         for name in order(list(sides), args.rounds):
@@ -178,6 +188,7 @@ def main() -> None:
         slowdown=slowdown,
         slowdown_rounds=[round(r - 1, 3) for r in per_round],
         tokens_per_s=tokens_per_s,
+        checkpoints_scored_while_training=scored,
         rounds=args.rounds,
         steps=args.steps,
         cores=os.cpu_count(),
