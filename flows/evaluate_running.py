@@ -203,8 +203,7 @@ def evaluate_pass(
             try:
                 point = scorer.score(stage.name, checkpoint)
             except Exception as err:
-                # NOTE: a stage committed (moved) while it was read, or a checkpoint pruned by a
-                # save that checked for holds before the run's first hold existed: skip it.
+                # NOTE: a stage committed (moved) while it was read: skip its checkpoints.
                 if (checkpoint / "COMPLETE").exists():
                     raise
                 print(f"{checkpoint}: gone while it was read ({type(err).__name__}); skipped")

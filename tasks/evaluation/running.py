@@ -101,6 +101,7 @@ def hold(checkpoint: Path, ttl_s: float | None = None) -> Iterator[bool]:
     out_dir = checkpoint.parent.parent
     host = socket.gethostname()
     with holds_locked(out_dir) as holds:
+        holds.mkdir(exist_ok=True)
         path = holds / f"{checkpoint.name}.{host}.{os.getpid()}.{threading.get_ident()}"
         path.write_text(json.dumps({"pid": os.getpid(), "host": host, "ttl_s": ttl_s}))
         present = is_complete(checkpoint)  # NOTE: checked under the lock, after the hold

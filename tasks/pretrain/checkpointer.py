@@ -48,16 +48,17 @@ HOLD_TTL_S = 600.0  # a hold not refreshed for this long is stale (its holder hu
 
 @contextlib.contextmanager
 def holds_locked(out_dir: Path) -> Iterator[Path]:
-    """The holds folder of a run, locked: a reader places a hold and a pruner checks the holds
-    under one lock, so a checkpoint is never deleted between the two."""
-    holds = Path(out_dir) / "checkpoints" / HOLDS
-    holds.mkdir(parents=True, exist_ok=True)
-    with open(holds / ".lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield holds
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    """A run's ``checkpoints/`` locked (``flock`` on the folder itself); yields its holds folder
+    (not created here). A reader places a hold and a pruner checks the holds under this one lock,
+    so a checkpoint is never deleted between the two."""
+    root = Path(out_dir) / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    fd = os.open(root, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield root / HOLDS
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def is_held(checkpoint: Path) -> bool:
@@ -88,11 +89,6 @@ def _live_hold(path: Path) -> bool:
 def prune(out_dir: Path, keep_last: int) -> None:
     """``checkpoint.prune_checkpoints`` less the checkpoints a reader holds (rank 0); a held one
     goes at the first save after its hold is released."""
-    # NOTE: a run no reader ever held prunes without the lock (and leaves no .holds folder);
-    # a reader whose first hold races such a prune finds the checkpoint gone and skips it.
-    if not (Path(out_dir) / "checkpoints" / HOLDS).is_dir():
-        ckpt.prune_checkpoints(out_dir, keep_last)
-        return
     with holds_locked(out_dir):
         found = ckpt.list_checkpoints(out_dir)
         for old in found[: max(len(found) - keep_last, 0)]:
