@@ -260,9 +260,17 @@ class Scorer:
     def score(self, label: str, folder: Path, tokens_seen: int | None = None) -> dict | None:
         """The scores of one checkpoint or model folder (cached); None when it is gone (pruned
         before its hold was placed)."""
+        from llmflow.tasks.pretrain.checkpoint import is_complete
+
         folder = Path(folder)
-        held = folder.parent.name == "checkpoints" and still_training(folder.parent.parent)
-        with hold(folder, self.hold_ttl_s) if held else contextlib.nullcontext(True) as present:
+        step_checkpoint = folder.parent.name == "checkpoints"
+        if step_checkpoint and still_training(folder.parent.parent):
+            held = hold(folder, self.hold_ttl_s)
+        else:  # NOTE: a stage that wrote final/ meanwhile may have pruned it before
+            held = contextlib.nullcontext(
+                is_complete(folder) if step_checkpoint else folder.is_dir()
+            )
+        with held as present:
             if not present:
                 return None
             step, seen = progress_of(folder)

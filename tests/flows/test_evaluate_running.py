@@ -276,3 +276,14 @@ def test_a_checkpoint_gone_while_read_is_skipped_and_a_broken_one_fails(tmp_path
     with pytest.raises(OSError, match="step-000008"):
         evaluate_pass(config, Scorer(), [])
     assert not gone.exists() and broken.exists()
+
+
+def test_a_checkpoint_pruned_before_the_stage_finished_is_not_read(tmp_path):
+    from llmflow.tasks.evaluation.running import Scorer, ScoringConfig
+
+    stage = tmp_path / "stage1"
+    (stage / "final").mkdir(parents=True)
+    (stage / "final" / "COMPLETE").write_text("ok\n")  # finished: read without a hold
+    scorer = Scorer(ScoringConfig(heldout=str(tmp_path)), tmp_path / "scores")
+    # listed while the stage trained, pruned before the reader got to it
+    assert scorer.score("stage1", stage / "checkpoints" / "step-000168") is None
