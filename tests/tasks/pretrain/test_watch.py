@@ -98,7 +98,7 @@ def test_watch_live_redraws_until_ctrl_c(root, held, monkeypatch):
     assert watch(str(root), interval=0.5, out=out) == 0
     assert naps == [0.5, 0.5]
     text = out.getvalue()
-    assert "every 0.5 s, Ctrl-C to stop" in text
+    assert "every 0.5 s" in text  # the rest of the title may be cut to the console width
     # the first frame, one redraw in place (cursor up over the frame) and the last on exit
     assert text.count("running") == 3 and "\x1b[1A" in text
 
