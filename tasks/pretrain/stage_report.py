@@ -31,6 +31,7 @@ from llmflow.tasks.pretrain.alerts import EVENTS
 
 METRICS = "metrics.jsonl"
 EVALUATIONS = "evaluations.jsonl"  # one row per evaluated checkpoint (the running evaluation)
+RUNNING_RESULTS = "running-evaluation"  # flows/evaluate_running.py's score files, <root>/...
 TIME_FIELDS = {
     "time_data_s": "data wait",
     "time_compute_s": "forward+backward",
@@ -281,8 +282,32 @@ def stage_plots(out_dir: Path) -> dict[str, bytes | None]:
         "loss": plot_loss(rows),
         "throughput": plot_throughput(rows),
         "layers": plot_layers(rows),
-        "evaluations": plot_evaluations(read_jsonl(out_dir / EVALUATIONS)),
+        "evaluations": plot_evaluations(
+            read_jsonl(out_dir / EVALUATIONS) + running_evaluation_rows(out_dir)
+        ),
     }
+
+
+def running_evaluation_rows(out_dir: Path) -> list[dict[str, Any]]:
+    """The running evaluation's scores of this stage and of its reference, from the flow's
+    default results folder (``<root>/running-evaluation``: one JSON file per checkpoint, under
+    the stage's folder name, the reference's under ``reference*``)."""
+    out_dir = Path(out_dir)
+    results = next(
+        (p / RUNNING_RESULTS for p in list(out_dir.parents)[:3] if (p / RUNNING_RESULTS).is_dir()),
+        None,
+    )
+    if results is None:
+        return []
+    rows = []
+    for pattern, source in ((f"{out_dir.name}/*.json", "run"), ("reference*/*.json", "reference")):
+        for path in sorted(results.glob(pattern)):
+            try:
+                row = json.loads(path.read_text())
+            except (OSError, ValueError):  # NOTE: being replaced by the flow: next refresh
+                continue
+            rows.append({**row, "source": source})
+    return rows
 
 
 # --------------------------------------------------------------------------------- markdown

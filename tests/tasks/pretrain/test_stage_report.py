@@ -158,3 +158,25 @@ def test_the_artifact_is_published_live_and_with_the_output(run, tmp_path, prefe
             artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key]))
         )
     assert len(versions) == 2  # once live, at the first metric line; once with the output
+
+
+def test_the_running_evaluations_score_files_are_plotted_with_the_reference(tmp_path):
+    """The evaluation flow's default results folder (<root>/running-evaluation) is where the
+    stage's report finds its scores and the reference's."""
+    from llmflow.tasks.pretrain.stage_report import evaluation_points, running_evaluation_rows
+
+    stage = tmp_path / "pretrain" / ".partial" / "quickstart-stage1-0123abcd"
+    stage.mkdir(parents=True)
+    results = tmp_path / "running-evaluation"
+    for label, step, loss in (
+        (stage.name, 4, 3.9), (stage.name, 8, 3.5), ("reference-ref-stage1", 4, 3.0),
+    ):  # fmt: skip
+        (results / label).mkdir(parents=True, exist_ok=True)
+        row = {"step": step, "tokens_seen": step * 1000, "metrics": {"heldout_loss": loss}}
+        (results / label / f"step-{step:06d}-k.json").write_text(json.dumps(row))
+    points = evaluation_points(running_evaluation_rows(stage))
+    assert sorted((p["source"], p["tokens"], p["value"]) for p in points) == [
+        ("reference", 4000, 3.0), ("run", 4000, 3.9), ("run", 8000, 3.5),
+    ]  # fmt: skip
+    assert stage_report.stage_plots(stage)["evaluations"] is not None
+    assert running_evaluation_rows(tmp_path / "elsewhere" / "s") == []
