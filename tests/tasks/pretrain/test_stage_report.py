@@ -168,15 +168,15 @@ def test_the_running_evaluations_score_files_are_plotted_with_the_reference(tmp_
     stage = tmp_path / "pretrain" / ".partial" / "quickstart-stage1-0123abcd"
     stage.mkdir(parents=True)
     results = tmp_path / "running-evaluation"
-    for label, step, loss in (
+    for label, at, loss in (
         (stage.name, 4, 3.9), (stage.name, 8, 3.5), ("reference-ref-stage1", 4, 3.0),
     ):  # fmt: skip
         (results / label).mkdir(parents=True, exist_ok=True)
-        row = {"step": step, "tokens_seen": step * 1000, "metrics": {"heldout_loss": loss}}
-        (results / label / f"step-{step:06d}-k.json").write_text(json.dumps(row))
+        row = {"step": at, "tokens_seen": at * 1000, "metrics": {"heldout_loss": loss}}
+        (results / label / f"step-{at:06d}-k.json").write_text(json.dumps(row))
     points = evaluation_points(running_evaluation_rows(stage))
     assert sorted((p["source"], p["tokens"], p["value"]) for p in points) == [
         ("reference", 4000, 3.0), ("run", 4000, 3.9), ("run", 8000, 3.5),
     ]  # fmt: skip
     assert stage_report.stage_plots(stage)["evaluations"] is not None
-    assert running_evaluation_rows(tmp_path / "elsewhere" / "s") == []
+    assert running_evaluation_rows(tmp_path / "b" / "x" / "y" / "s") == []  # none 3 up
