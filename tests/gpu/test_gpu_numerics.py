@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from gpu_helpers import GPU, U
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from llmflow.model.kernels import attend
 from llmflow.model.config import preset
+from llmflow.model.kernels import attend
 from llmflow.model.loss import linear_cross_entropy
 from llmflow.model.transformer import Transformer
 
