@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from llmflow.tasks.framework import live
 from llmflow.tasks.pretrain.alerts import EVENTS, alert_line
 
 EVENT_PREFIX = "llmflow.alert"  # the event of an alert of kind K is "llmflow.alert.K"
@@ -73,57 +74,16 @@ def alert_event_id(out_dir: Path, key: Key) -> uuid.UUID:
 
 def emit_alert(row: dict[str, Any], run: str, out_dir: Path) -> Any:
     """Send one alert row as its Prefect event; the event (None when events are off)."""
-    from prefect.events import emit_event
-
-    return emit_event(
-        event=f"{EVENT_PREFIX}.{row['kind']}",
-        resource=alert_resource(row, run),
-        related=_run_resources(),
-        payload={"alert": row},
-        id=alert_event_id(out_dir, alert_key(row)),
+    return live.emit(
+        f"{EVENT_PREFIX}.{row['kind']}",
+        alert_resource(row, run),
+        {"alert": row},
+        alert_event_id(out_dir, alert_key(row)),
     )
 
 
-def run_name() -> str:
-    """The name of the Prefect flow run this runs in ("local" outside one)."""
-    from prefect.context import FlowRunContext
-
-    context = FlowRunContext.get()
-    if context is not None and context.flow_run is not None:
-        return context.flow_run.name
-    return "local"
-
-
-def events_enabled() -> bool:
-    """Whether events have somewhere to go: inside a Prefect run, or with an API configured.
-
-    NOTE: outside both, Prefect's ``emit_event`` would start an ephemeral API server of its own
-    (seconds of CPU) only to drop the events with it; a trainer run without Prefect sends none.
-    """
-    from prefect.context import FlowRunContext, TaskRunContext
-    from prefect.settings import PREFECT_API_URL
-
-    in_run = FlowRunContext.get() is not None or TaskRunContext.get() is not None
-    return in_run or bool(PREFECT_API_URL.value())
-
-
-def _run_resources() -> list[dict[str, str]]:
-    """The flow run and task run this runs in, so the event shows on their pages."""
-    from prefect.context import FlowRunContext, TaskRunContext
-
-    related = []
-    flow_run = getattr(FlowRunContext.get(), "flow_run", None)
-    task_run = getattr(TaskRunContext.get(), "task_run", None)
-    for kind, run in (("flow-run", flow_run), ("task-run", task_run)):
-        if run is not None:
-            related.append(
-                {
-                    "prefect.resource.id": f"prefect.{kind}.{run.id}",
-                    "prefect.resource.role": kind,
-                    "prefect.resource.name": run.name,
-                }
-            )
-    return related
+run_name = live.run_name
+events_enabled = live.events_enabled
 
 
 class AlertForwarder:

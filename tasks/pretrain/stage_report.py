@@ -426,15 +426,12 @@ class LiveReport:
 
     def publish(self) -> None:
         try:
-            from prefect.artifacts import create_markdown_artifact
-            from prefect.context import TaskRunContext
+            from llmflow.tasks.framework import live
 
-            if TaskRunContext.get() is None:
+            if not live.in_task_run():
                 return
             markdown = stage_markdown(self.out_dir, self.label)
-            create_markdown_artifact(
-                markdown, key=artifact_key(self.label), description=describe(self.label)
-            )
+            live.publish_markdown(artifact_key(self.label), markdown, describe(self.label))
         except Exception as exc:  # NOTE: a report must never stop the training it follows
             log.warning(
                 "live report of %s not published: %s: %s", self.label, type(exc).__name__, exc
