@@ -155,7 +155,7 @@ def plot_throughput(rows: list[dict[str, Any]]) -> bytes | None:
         xs = [r["step"] for r in timed]
         parts = [[float(r.get(k) or 0.0) for r in timed] for k in split]
         axes[1].stackplot(xs, parts, labels=list(split.values()), alpha=0.85)
-        axes[1].set(ylabel="seconds", title="Where the step time goes")
+        axes[1].set(ylabel="seconds per log interval", title="Where the step time goes")
         axes[1].legend(fontsize=7, ncol=3, loc="upper left")
         axes[1].grid(alpha=0.3)
     axes[-1].set_xlabel("step")
