@@ -300,7 +300,14 @@ def watch(
             text.append(("\n" if i else "") + line, style=style or None)
         return text
 
-    console = Console(file=out)
+    # NOTE: rich reads the environment it saw at import (Console._environ); read it now, so
+    # FORCE_COLOR and COLUMNS set since (a test, a wrapper) are honoured
+    columns = os.environ.get("COLUMNS", "")
+    console = Console(
+        file=out,
+        force_terminal=True if os.environ.get("FORCE_COLOR") else None,
+        width=int(columns) if columns.isdigit() else None,
+    )
     try:
         with Live(render(), console=console, auto_refresh=False, screen=False) as live:
             while True:
