@@ -6,14 +6,14 @@ Overhead: a quickstart-shaped stage 1 (the quickstart's trainer settings, shrunk
 running_fixtures.py) trains on one thread, alone and with the running evaluation following it
 in a second process (flows/evaluate_running.py's pass: held-out loss and a 40-item cloze task on
 each checkpoint, one torch thread, niced), in alternating rounds. The figure is the training's
-tokens/s alone over with the evaluation (``slowdown`` = that - 1; goal <= 0.10 when one of two
-cores is free for the evaluation).
+tokens/s alone over with the evaluation (``slowdown`` = that - 1; run_all.py's bound: 0.10, with
+one of two cores free for the evaluation).
 
 Noise band: ``--seeds`` clean runs (seeds 0..N-1) are scored at every checkpoint; the band is the
 largest held-out loss gap between two seeds at equal tokens (``band_measured``), and
 ``band_default`` that times 1.5 rounded up to 0.05 (``DEFAULT_NOISE_BAND`` in
 tasks/evaluation/running.py). It also counts the clean pairs that would alert at the default
-band (goal 0) and the gap of a planted bug (learning rate cut 10x) for contrast.
+band (none should) and the gap of a planted bug (learning rate cut 10x) for contrast.
 
 Prints ONE JSON line (the overhead, with the noise record under ``noise``).
 """

@@ -6,12 +6,13 @@ Three parts, in one process each on the trainer itself (``Trainer``, one rank, C
   statistics every ``--layer-stats-every`` steps, the throughput and stall detectors, metric
   rows every ``--log-interval``) and off (no clock, no per-layer statistics, no detectors),
   ``--steps`` steps per side per round in paired rounds (on/off, then off/on, ...). The headline
-  ``overhead`` is the median over rounds of on/off - 1, with its range; goal <= 2%.
+  ``overhead`` is the median over rounds of on/off - 1, with its range (run_all.py's bound: 2%).
 - **clean**: ``--clean-seeds`` clean runs of ``--clean-steps`` steps (log every step, validated
-  and checkpointed on their cadence): the number of alerts they raise (goal 0).
+  and checkpointed on their cadence): the number of alerts they raise (a healthy run raises none).
 - **noisy neighbour**: a run logging every step; after ``--noisy-at`` steps, ``--neighbours``
   CPU-bound processes (default 4 per core) start beside it and run to the end: the first
-  throughput alert, its cause (goal: ``compute``), and its delay in rows and seconds.
+  throughput alert, its cause (``compute`` when the neighbours are what slowed it), and its
+  delay in rows and seconds.
 
     python benchmarks/bench_monitor.py [--preset debug] [--seq-len 256] [--rounds 5] [--steps 40]
         [--quick]
