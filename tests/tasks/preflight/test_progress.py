@@ -65,3 +65,20 @@ def test_preflight_logs_a_progress_line_per_rehearsal_step(tmp_path, caplog):
     assert _step_lines(caplog.text, "resumed") == [(2, 2)]  # from step 1's checkpoint
     assert _step_lines(caplog.text, "tiny") == [(1, 2), (2, 2)]
     assert caplog.text.index("step 1/2") < caplog.text.index("preflight: train 2 steps: go")
+
+
+def test_a_peak_no_higher_than_the_runtimes_is_reported_not_divided_by(monkeypatch, tmp_path):
+    """A model too small to rise above the runtime's own RSS: the memory row says it cannot be
+    measured here (it raised ZeroDivisionError, failing the whole rehearsal)."""
+    from llmflow.tasks.config import load_config
+    from llmflow.tasks.preflight import rehearsal
+    from llmflow.tasks.preflight.report import Report
+
+    monkeypatch.setattr(rehearsal, "peak_memory_gb", lambda folder: 0.35)
+    monkeypatch.setattr(rehearsal, "runtime_baseline_gb", lambda *a: 0.35)
+    report = Report("smollm3-135m")
+    config = load_config(str(CONFIGS / "smollm3-135m.yaml"), [])
+    rehearsal.memory_vs_plan(report, config, None, tmp_path, None, seq_len=32, micro=1, ranks=1)
+    row = {c.check: c for c in report.checks}["memory vs plan"]
+    assert row.go and "not measurable here" in row.detail, row
+    assert report.numbers["memory"]["error"] is None
