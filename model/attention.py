@@ -30,38 +30,19 @@ def document_ids(
     position_ids: Tensor | None = None,
     cu_seqlens: Tensor | None = None,
 ) -> Tensor | None:
-    """Which document each token belongs to, (B, T), or None when every row is one document.
-
-    Args:
-        batch_size: B.
-        seq_len: T.
-        position_ids: (B, T) positions that restart at 0 at each document start; used only when
-            `cu_seqlens` is absent (a position that is not the previous one plus 1 starts a
-            document, as transformers' `find_packed_sequence_indices` decides).
-        cu_seqlens: cumulative document lengths over the flattened B*T tokens (flash-attn varlen
-            convention: every multiple of T is also a boundary).
-    """
-    if cu_seqlens is not None:
-        if cu_seqlens.numel() == batch_size + 1:  # only the row boundaries: one doc per row
-            return None
-        tokens = torch.arange(batch_size * seq_len, device=cu_seqlens.device)
-        ids = torch.searchsorted(cu_seqlens.to(tokens.dtype), tokens, right=True)
-        return ids.view(batch_size, seq_len)  # (B, T)
-    if position_ids is None:
-        return None
-    position_ids = position_ids.expand(batch_size, -1)
-    diff = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1)
-    ids = (diff != 1).cumsum(-1)  # (B, T)
-    # NOTE: a host sync, as in transformers; pass cu_seqlens to avoid it.
-    return ids if bool((ids[:, -1] != 0).any()) else None
+    """Which document each token belongs to, (B, T), or None when every row is one document
+    (`Documents.of` reads the boundaries: `cu_seqlens` first, else where `position_ids` do not
+    step by 1)."""
+    docs = Documents.of(batch_size, seq_len, position_ids, cu_seqlens)
+    return None if docs is None else docs.ids()
 
 
 def positions_from_cu_seqlens(batch_size: int, seq_len: int, cu_seqlens: Tensor) -> Tensor:
     """Position of each token inside its document, (B, T), restarting at 0 at each start."""
-    tokens = torch.arange(batch_size * seq_len, device=cu_seqlens.device)
-    starts = cu_seqlens.to(tokens.dtype)
-    doc = torch.searchsorted(starts, tokens, right=True) - 1  # index of the doc's start
-    return (tokens - starts[doc]).view(batch_size, seq_len)
+    docs = Documents.of(batch_size, seq_len, cu_seqlens=cu_seqlens)
+    if docs is None:  # one document per row
+        return torch.arange(seq_len, device=cu_seqlens.device).expand(batch_size, -1)
+    return docs.positions()
 
 
 class Attention(nn.Module):
