@@ -145,8 +145,9 @@ class TransformerStage(nn.Module):
         with ``labels``, the micro-batch's token-mean loss instead."""
         if self.is_first:
             x = self.embed(x)  # (B, T, C)
-        batch, seq_len = x.shape[:2]
-        docs = Documents.of(batch, seq_len, position_ids)
+        # NOTE: under sequence parallelism a later stage's x holds T/tp tokens; attention
+        # gathers the whole rows, whose length the positions give
+        docs = Documents.of(x.shape[0], position_ids.shape[-1], position_ids)
         rope = self.rope(position_ids, x.dtype)
         for layer in self.layers:
             x = layer(x, rope, docs)
