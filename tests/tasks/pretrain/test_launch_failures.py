@@ -180,13 +180,19 @@ def _pretrain_run(flow_run_id):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
+    from prefect.events.worker import EventsWorker
+
+    # task-run states reach the API as events, which a long session's server may record late
+    EventsWorker.drain_all()
     mine = FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 240
     with get_client(sync_client=True) as client:
         while True:
             runs = [r for r in client.read_task_runs(flow_run_filter=mine) if "pretrain" in r.name]
-            if (runs and runs[0].state.is_final()) or time.monotonic() > deadline:
+            if runs and runs[0].state.is_final():
                 return runs[0]
+            if time.monotonic() > deadline:
+                pytest.fail(f"the API recorded no final pretrain task run in 240 s: {runs}")
             time.sleep(1)
 
 
