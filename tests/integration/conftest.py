@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from collections.abc import Iterator
@@ -37,6 +38,23 @@ def s3_env(s3_server: S3, monkeypatch: pytest.MonkeyPatch) -> S3:
     return s3_server
 
 
+@contextlib.contextmanager
+def _fresh_events_worker() -> Iterator[None]:
+    """Drain Prefect's events and log workers on entry and exit: a worker is cached per client
+    type, not per API URL, so one started before the URL changed keeps sending to the previous
+    API (a later test's task runs then never reach the API it reads)."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for worker in (EventsWorker, APILogWorker):
+        worker.drain_all()
+    try:
+        yield
+    finally:
+        for worker in (EventsWorker, APILogWorker):
+            worker.drain_all()
+
+
 @pytest.fixture(scope="session")
 def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectServer]:
     """A real Prefect server (SQLite, own PREFECT_HOME); this process's client points at it."""
@@ -67,7 +85,7 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prefect
             "the Prefect server's /api/health",
         )
         assert proc.poll() is None, (home / "server.log").read_text()[-3000:]
-        with temporary_settings(updates={PREFECT_API_URL: url}):
+        with temporary_settings(updates={PREFECT_API_URL: url}), _fresh_events_worker():
             yield server
     finally:
         for worker in reversed(server.processes):

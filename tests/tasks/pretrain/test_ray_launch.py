@@ -90,7 +90,8 @@ def wait_for_port(port: int, head: subprocess.Popen, timeout_s: float) -> None:
 
 
 def stop_group(head: subprocess.Popen) -> None:
-    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+    # NOTE: a `ray start --block` head ignored SIGTERM for the whole 30 s it was once given
+    for sig, wait in ((signal.SIGTERM, 3), (signal.SIGKILL, 10)):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(head.pid, sig)
         with contextlib.suppress(subprocess.TimeoutExpired):
