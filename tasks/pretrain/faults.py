@@ -14,7 +14,9 @@ checks let through would. Slow and stalled data storage: ``{"slow_reads_from_ste
 ``"read_slowdown": 10``, 10 times as long); ``{"stall_read_at_step": 12, "stall_s": 5}`` blocks
 the first read of step 12 for 5 s (once per process). ``{"scale_weights_at_step": 8,
 "scale_layer": 1, "weight_scale": 50}`` multiplies the weights of ``layers.1`` by 50 before step 8
-(once per process), as a corrupted block would. ``"ranks": [1]`` limits every fault to those
+(once per process), as a corrupted block would. ``{"tp_same_init": true}`` gives every
+tensor-parallel rank the shards tp rank 0 drew at a fresh start, as ranks seeded alike would
+(their heads and hidden rows are then copies). ``"ranks": [1]`` limits every fault to those
 ranks. Unset, the trainer has no such component at all.
 """
 
@@ -69,6 +71,7 @@ class FaultInjector(Callback):
     scale_weights_at_step: int | None = None
     scale_layer: int = 0
     weight_scale: float = 10.0
+    tp_same_init: bool = False
     fired: set[int | str] = field(default_factory=set)
     loss_fn: Callable[..., Any] | None = None
 
@@ -89,6 +92,8 @@ class FaultInjector(Callback):
         if self.error_at_start is not None:
             error = START_ERRORS[self.error_at_start]
             raise error(f"fault injection: {error.__name__} before the first step ({ENV})")
+        if self.tp_same_init and trainer.layout.tp > 1 and trainer.state.step == 0:
+            _copy_tp_rank0_shards(trainer)
 
     def on_step_start(self, trainer: Trainer, step: int) -> None:
         fire = step in self.scale_loss_at_steps and step not in self.fired
@@ -138,6 +143,24 @@ class FaultInjector(Callback):
             for callback in trainer.callbacks:
                 if isinstance(callback, Preemption):
                     callback.wait_for_signal(timeout_s=10.0)
+
+
+def _copy_tp_rank0_shards(trainer: Trainer) -> None:
+    """Overwrite each tensor-parallel shard with tp rank 0's (what ranks seeded alike draw)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = trainer.mesh["tp"]
+    copied = 0
+    with torch.no_grad():
+        for param in trainer.model.parameters():
+            if not isinstance(param, DTensor) or param.device_mesh.mesh_dim_names is None:
+                continue
+            names = param.device_mesh.mesh_dim_names
+            if "tp" not in names or not isinstance(param.placements[names.index("tp")], Shard):
+                continue
+            torch.distributed.broadcast(param.to_local(), group=mesh.get_group(), group_src=0)
+            copied += 1
+    print(f"fault injection: {copied} tensor-parallel weights copied from tp rank 0", flush=True)
 
 
 def _slow_loader(loader: Any, fault: FaultInjector, slow: bool, stall: bool) -> None:

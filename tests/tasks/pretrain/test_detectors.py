@@ -1,6 +1,6 @@
 """Detectors: the throughput detector on rows by hand, then each fault planted for real in the
 trainer (slow reads, a stalled read, a corrupted block, a resume), clean runs, and the per-layer
-statistics at fsdp=2 and pp=2 against one process."""
+statistics at fsdp=2, pp=2 and tp=2 against one process."""
 
 from __future__ import annotations
 
@@ -187,8 +187,9 @@ def _layer_rows(out, steps=(1, 2, 3)):
 @pytest.mark.parametrize(
     ("layout", "batch"),
     [({}, {"micro_batch_size": 1, "grad_accum_steps": 2}),  # FSDP2 over 2 data-parallel ranks
-     ({"pp": 2, "pp_schedule": "1f1b"}, CLEAN["batch"])],
-    ids=["fsdp2", "pp2"],
+     ({"pp": 2, "pp_schedule": "1f1b"}, CLEAN["batch"]),
+     ({"tp": 2}, CLEAN["batch"])],
+    ids=["fsdp2", "pp2", "tp2"],
 )  # fmt: skip
 def test_layer_stats_at_two_ranks_match_one_process(tmp_path, train_data, clean_runs, layout,
                                                     batch):  # fmt: skip
