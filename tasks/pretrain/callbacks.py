@@ -119,8 +119,8 @@ class MetricsLogger(Callback):
             "memory_gib": _memory_gib(),
         }
         clock = getattr(trainer, "clock", None)
-        if clock is not None:  # the step split (health.py)
-            split = clock.take()
+        split = clock.take() if clock is not None else {}
+        if split:  # the step split (health.py); a clock that timed nothing has none
             row.update(split, time_step_s=self.seconds)
             row["data_share"] = split["time_data_s"] / max(self.seconds, 1e-9)
         mfu = trainer.mfu(tokens_per_s)
