@@ -94,7 +94,8 @@ def test_deployment_parameters_resolve_the_recipe():
 @pytest.mark.slow
 @pytest.mark.timeout(3600)  # 135m took 729 s at load 30 on 2 cores; 360m about twice that
 @pytest.mark.parametrize(
-    "shape", ["135m", pytest.param("360m", marks=pytest.mark.heavy)]  # 360m: 224 s in CI
+    "shape",
+    ["135m", pytest.param("360m", marks=pytest.mark.heavy)],  # 360m: 224 s in CI
 )
 def test_preflight_passes_with_two_gloo_ranks(shape, tmp_path):
     """Real steps at full width and depth (short sequences), FSDP2 over 2 ranks, and a resume."""

@@ -179,10 +179,9 @@ def _pretrain_run(flow_run_id):
     """The flow run's pretrain task run, once the API has recorded its final state."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-
     from prefect.events.worker import EventsWorker
 
-    # task-run states reach the API as events, which a long session's server may record late
+    # task-run states reach the API as events: send what the events worker still holds
     EventsWorker.drain_all()
     mine = FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
     deadline = time.monotonic() + 240
