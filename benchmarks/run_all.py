@@ -148,7 +148,7 @@ def benchmarks(data: Path) -> list[Bench]:
         Bench("monitor", "bench_monitor.py", ["--rounds", "7", "--steps", "40"], ["--quick"],
               [Goal("overhead", "<=", 0.02, "health metrics + detectors, share of a train step"),
                Goal("clean_alerts", "<=", 0, "trainer alerts on 5 clean seeds")]),
-        Bench("tp_seed_bug", "bench_tp_seed_bug.py", ["--steps", "48", "--seeds", "2"], ["--quick"]),
+        Bench("tp_seed_bug", "bench_tp_seed_bug.py", ["--steps", "48", "--seeds", "3"], ["--quick"]),
     ]  # fmt: skip
 
 
