@@ -100,6 +100,8 @@ class FaultInjector(Callback):
         if fire:
             self.fired.add(step)
         trainer.loss_fn = self._scaled if fire else self.loss_fn
+        if trainer.pipeline is not None:  # PP: the last stage's schedule computes the loss
+            trainer.pipeline.loss_scale = self.loss_scale if fire else 1.0
         slow = self.slow_reads_from_step is not None and step >= self.slow_reads_from_step
         stall = step == self.stall_read_at_step and "stall" not in self.fired
         if stall:

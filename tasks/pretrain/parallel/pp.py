@@ -265,6 +265,7 @@ class PipelineRunner:
         self._built: dict[tuple[Any, ...], Any] = {}
         self._grad_scale = 1.0
         self._loss_sums: list[Tensor] = []
+        self.loss_scale = 1.0  # the loss's factor (fault injection's loss spike; faults.py)
 
     @classmethod
     def on_mesh(
@@ -310,6 +311,8 @@ class PipelineRunner:
 
     def _loss(self, loss: Tensor, labels: Tensor) -> Tensor:
         count = (labels != IGNORE_INDEX).sum()
+        if self.loss_scale != 1.0:
+            loss = loss * self.loss_scale
         if not loss.is_meta:  # NOTE: torch's shape inference calls the loss on meta tensors
             self._loss_sums.append(loss.detach().double() * count)
         return loss * (count * self._grad_scale)

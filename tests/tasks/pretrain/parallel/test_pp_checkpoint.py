@@ -16,7 +16,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/tasks/pretrain/conftest.py
 
-from conftest import TINY_MODEL, losses_by_step, make_packed, run_trainer, tiny_config  # noqa: E402
+from conftest import (  # noqa: E402
+    TINY_MODEL,
+    losses_by_step,
+    make_packed,
+    read_jsonl,
+    run_trainer,
+    tiny_config,
+)
 
 pytestmark = pytest.mark.slow
 DEADLINE_S = 300
@@ -96,3 +103,23 @@ def test_pp_killed_resumes_bitwise(tmp_path, data, pp, layers):
     assert got.keys() == expected.keys()
     for name, value in expected.items():
         assert torch.equal(got[name], value), name
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_pp2_guard_rewind_reloads_both_stages(tmp_path, data, optimizer):
+    """The guard's rewind loads a checkpoint back as a resume does: at pp=2, a loss spike at
+    step 5 rewinds both stages to step 3 and the run trains on as one process's rewind does
+    (before flattened optimizer state, the next step raised KeyError in the other stage)."""
+    guard = {"policy": "rewind", "window": 8, "min_history": 4, "zscore": 5.0}
+    faults = {"scale_loss_at_steps": [5], "loss_scale": 100.0}
+    runs = {}
+    for name, pp in (("one", 1), ("pp2", 2)):
+        out = tmp_path / name
+        cfg = _config(pp, optimizer, max_steps=7, guard=guard)
+        run_trainer(cfg, data, out, num_processes=pp, faults=faults, timeout=DEADLINE_S)
+        events = read_jsonl(out / "events.jsonl")
+        assert [(e["kind"], e["rewound_to"]) for e in events] == [("spike", 3)], events
+        runs[name] = losses_by_step(out)
+    assert sorted(runs["pp2"]) == list(range(1, 8))
+    for step, expected in runs["one"].items():
+        assert abs(runs["pp2"][step] - expected) <= 1e-4 * expected, (step, runs)
