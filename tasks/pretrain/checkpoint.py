@@ -3,11 +3,13 @@
 Layout of one checkpoint folder (``checkpoints/step-000100/`` or ``final/``)::
 
     dcp/                 model + optimizer state, sharded by DCP (reshardable on load)
-    rank-00000.pt        per-rank RNG states and data-loader state
-    trainer_state.json   step, start step, tokens seen, guard state, ... (rank 0)
+    rank-00000.pt        each rank's own registered parts: RNG, data-loader position, ...
+    trainer_state.json   rank 0's registered parts: run counters, guard, detectors, ...
     model_config.json    the architecture, checked on resume and init_from
     checksums.json       size and sha256 of every other file (rank 0, after every rank wrote)
     COMPLETE             written last; a folder without it is not a checkpoint
+
+What the two small files hold is the trainer's registry of named parts (``state_registry.py``).
 
 A resume checks the newest checkpoint against its ``checksums.json`` and falls back to the
 previous good one when a file is missing, truncated or changed (:func:`latest_intact`).
@@ -240,12 +242,13 @@ def save_checkpoint(
     path: Path,
     model: torch.nn.Module,
     optimizers: list[torch.optim.Optimizer],
-    trainer_state: dict[str, Any],
-    loader_state: dict[str, Any],
+    main_state: dict[str, Any],
+    rank_state: dict[str, Any],
     model_config: Any,
     write_extra: Callable[[Path], None] | None = None,
 ) -> None:
-    """Write a checkpoint atomically to ``path`` (all ranks must call this).
+    """Write a checkpoint atomically to ``path`` (all ranks must call this): the tensors by DCP,
+    ``main_state`` (rank 0's, JSON) and ``rank_state`` (this rank's) beside them.
 
     ``write_extra(tmp_dir)`` runs on rank 0 before the folder is marked complete.
     """
@@ -254,7 +257,7 @@ def save_checkpoint(
     with _no_space_named(tmp, path, state):
         with _quiet_single_process():
             dcp.save(state, checkpoint_id=str(tmp / "dcp"), planner=tp.CanonicalSavePlanner())
-        _write_small(tmp, trainer_state, loader_state, model_config, write_extra)
+        _write_small(tmp, main_state, rank_state, model_config, write_extra)
         _commit(tmp, path)
 
 
@@ -307,16 +310,16 @@ def _prepare(path: Path) -> Path:
 
 def _write_small(
     tmp: Path,
-    trainer_state: dict[str, Any],
-    loader_state: dict[str, Any],
+    main_state: dict[str, Any],
+    rank_state: dict[str, Any],
     model_config: Any,
     write_extra: Callable[[Path], None] | None,
 ) -> None:
-    """Per-rank RNG/loader state; rank 0 adds the trainer state, the architecture, extras."""
+    """This rank's own state; rank 0 adds its JSON state, the architecture, extras."""
     rank, _ = rank_and_world()
-    torch.save({"rng": rng_state(), "loader": loader_state}, tmp / f"rank-{rank:05d}.pt")
+    torch.save(rank_state, tmp / f"rank-{rank:05d}.pt")
     if rank == 0:
-        (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
+        (tmp / "trainer_state.json").write_text(json.dumps(main_state, indent=1))
         (tmp / "model_config.json").write_text(json.dumps(dataclasses.asdict(model_config)))
         if write_extra is not None:
             write_extra(tmp)
@@ -393,8 +396,8 @@ def start_async_save(
     path: Path,
     model: torch.nn.Module,
     optimizers: list[torch.optim.Optimizer],
-    trainer_state: dict[str, Any],
-    loader_state: dict[str, Any],
+    main_state: dict[str, Any],
+    rank_state: dict[str, Any],
     model_config: Any,
     storage_writer: Callable[[Path], dcp.StorageWriter] | None = None,
 ) -> PendingSave:
@@ -422,7 +425,7 @@ def start_async_save(
             no_dist=group is None,
         )
     response.upload_completion.add_done_callback(lambda _: stager.close())
-    _write_small(tmp, trainer_state, loader_state, model_config, None)
+    _write_small(tmp, main_state, rank_state, model_config, None)
     written = response.upload_completion
     pending = PendingSave(
         Path(path), tmp, response.staging_completion, written, _hash_when_written(written, tmp)
@@ -471,13 +474,14 @@ def load_checkpoint(
     *,
     load_optimizer: bool = True,
 ) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """Load model (and optimizer) state in place; return ``(trainer_state, rank_state)``.
+    """Load model (and optimizer) state in place; return ``(main_state, rank_state)``: rank 0's
+    ``trainer_state.json`` and this rank's own state (``state_registry.py``).
 
-    ``rank_state`` holds this rank's RNG and loader state, or None when the checkpoint was
-    written by fewer ranks (a resharded load: the caller restarts the data loader).
+    ``rank_state`` is None on every rank when the checkpoint was written by fewer ranks (a
+    resharded load: the caller restarts the data loader).
     """
     path = Path(path)
-    rank, _ = rank_and_world()
+    rank, world = rank_and_world()
     optim_sd = None
     if load_optimizer:
         model_sd, optim_sd = get_state_dict(model, optimizers, options=FLAT_OPTIM)
@@ -506,10 +510,12 @@ def load_checkpoint(
             optim_state_dict=state["optim"],
             options=FLAT_OPTIM,
         )
-    trainer_state = json.loads((path / "trainer_state.json").read_text())
+    main_state = json.loads((path / "trainer_state.json").read_text())
     rank_file = path / f"rank-{rank:05d}.pt"
     rank_state = torch.load(rank_file, weights_only=False) if rank_file.exists() else None
-    return trainer_state, rank_state
+    if main_state.get("world_size", world) < world:
+        rank_state = None  # NOTE: every rank alike, not only those without a file of their own
+    return main_state, rank_state
 
 
 def _nested_groups(dcp_dir: Path) -> list[dict[str, None]] | None:

@@ -152,8 +152,8 @@ class Checkpointer(Callback):
             path,
             trainer.model,
             trainer.optimizers,
-            self.trainer_state(trainer),
-            trainer.loader.state_dict(),
+            trainer.registry.main_state(),
+            trainer.registry.rank_state(),
             trainer.model_config,
             self.storage_writer,
         )
@@ -188,21 +188,11 @@ class Checkpointer(Callback):
         if self.pending is not None:
             self.pending.wait_staged()
 
-    def trainer_state(self, trainer: Trainer) -> dict[str, Any]:
-        """The run state a checkpoint records besides tensors."""
-        return {
-            "train": trainer.state.state_dict(),
-            "guard": trainer.guard.state_dict(),
-            "components": trainer.component_states(),  # the detectors' windows
-            "optimizer": trainer.cfg.optimizer.name,
-            "world_size": trainer.runtime.world_size,
-        }
-
     def save(self, trainer: Trainer, path: Path, final: bool = False) -> None:
         """Write a checkpoint synchronously (all ranks); final ones also hold model.safetensors."""
         self.finish_pending()
         started = time.perf_counter()
-        trainer_state = self.trainer_state(trainer)
+        main_state, rank_state = trainer.registry.main_state(), trainer.registry.rank_state()
         full = None
         if final:  # NOTE: collective: every rank takes part, rank 0 receives the tensors.
             pipeline = getattr(trainer, "pipeline", None)  # PP: each rank holds one stage
@@ -216,8 +206,8 @@ class Checkpointer(Callback):
             path,
             trainer.model,
             trainer.optimizers,
-            trainer_state,
-            trainer.loader.state_dict(),
+            main_state,
+            rank_state,
             trainer.model_config,
             write_extra=(lambda tmp: save_model(full, trainer.model_config, tmp))
             if final
@@ -238,17 +228,20 @@ class Checkpointer(Callback):
         )
 
     # ------------------------------------------------------------------------- loading
-    def load(self, trainer: Trainer, path: Path) -> tuple[dict[str, Any], dict[str, Any] | None]:
-        """Load weights, optimizer state and ``TrainState`` from ``path`` (all ranks).
+    def load(
+        self, trainer: Trainer, path: Path, parts: tuple[str, ...] | None = ("train",)
+    ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """Load weights, optimizer state and the registered ``parts`` (all when None; by
+        default the run counters, ``TrainState``) from ``path`` (all ranks).
 
-        Returns the checkpoint's ``trainer_state.json`` and this rank's RNG/loader state (None
-        when another world size wrote it).
+        Returns the checkpoint's ``trainer_state.json`` and this rank's own state (None when
+        fewer ranks wrote it).
         """
         self.finish_pending()
-        trainer_state, rank_state = ckpt.load_checkpoint(path, trainer.model, trainer.optimizers)
+        main_state, rank_state = ckpt.load_checkpoint(path, trainer.model, trainer.optimizers)
         trainer.reset_base_lrs()
-        trainer.state.load_state_dict(trainer_state["train"])
-        return trainer_state, rank_state
+        trainer.registry.load(main_state, rank_state, parts)
+        return main_state, rank_state
 
     def resume(self, trainer: Trainer) -> Path | None:
         """Continue exactly from this run's latest checkpoint, if any; return it."""
@@ -259,15 +252,10 @@ class Checkpointer(Callback):
         if latest is None:
             return None
         check_source(trainer.cfg, latest)
-        trainer_state, rank_state = self.load(trainer, latest)
-        trainer.guard.load_state_dict(trainer_state["guard"])
-        trainer.load_component_states(trainer_state.get("components", {}))
-        if rank_state is None:  # NOTE: written by another world size: the data restarts.
+        _, rank_state = self.load(trainer, latest, parts=None)  # every registered part
+        if rank_state is None:  # NOTE: written by fewer ranks: the data restarts.
             print("checkpoint from another world size: data loader restarts", flush=True)
             trainer.seed_rng()
-        else:
-            ckpt.set_rng_state(rank_state["rng"])
-            trainer.loader.load_state_dict(rank_state["loader"])
         self.resumed_from = latest
         print(f"resumed from {latest} at step {trainer.state.step}", flush=True)
         return latest
@@ -285,5 +273,5 @@ class Checkpointer(Callback):
                     f"continue_data: {source} was written by another world size; its data "
                     "position cannot be continued"
                 )
-            trainer.loader.load_state_dict(rank_state["loader"])  # refuses other data
+            trainer.registry.load({}, rank_state, ["loader"])  # refuses other data
             print(f"data continues at sequence {trainer.loader.position}", flush=True)

@@ -32,6 +32,8 @@ __all__ = ["EVENTS", "StabilityGuard"]
 class StabilityGuard(Callback):
     """Classifies each step's loss and grad norm as ok, non-finite or spike; applies the policy."""
 
+    state_key = "guard"  # checkpointed (state_registry.py)
+
     def __init__(self, cfg: GuardConfig, monitor: MonitorConfig | None = None) -> None:
         self.cfg, self.monitor = cfg, monitor or MonitorConfig()
         self.history: deque[float] = deque(maxlen=cfg.window)

@@ -64,6 +64,7 @@ from llmflow.tasks.pretrain.parallel.mesh import build_mesh
 from llmflow.tasks.pretrain.preemption import Preemption
 from llmflow.tasks.pretrain.schedule import lr_multiplier, micro_batch_size, steps_for_tokens
 from llmflow.tasks.pretrain.state import StepOutput, TrainState
+from llmflow.tasks.pretrain.state_registry import Info, RngState, StateRegistry
 from llmflow.tasks.pretrain.validate import check_data, check_world_size
 from llmflow.tasks.summaries import PretrainSummary
 
@@ -128,6 +129,7 @@ class Trainer:
         self.clock = StepClock()  # where the step's time goes (health.py)
         self.layer_stats = LayerStats(self, cfg.monitor.layer_stats_every)
         self.callbacks = self._components(val_dir)
+        self.registry = self._state_registry()
         self._start(init_from)
 
     # ----------------------------------------------------------------------------- setup
@@ -205,16 +207,18 @@ class Trainer:
         ]
         return [c for c in found if c is not None]
 
-    def component_states(self) -> dict[str, Any]:
-        """The state of each component that has a ``state_key`` (for checkpoints)."""
-        return {c.state_key: c.state_dict() for c in self.callbacks if hasattr(c, "state_key")}
-
-    def load_component_states(self, states: dict[str, Any]) -> None:
-        """Restore :meth:`component_states` (a component a checkpoint lacks keeps its state)."""
-        for callback in self.callbacks:
-            key = getattr(callback, "state_key", None)
-            if key in states:
-                callback.load_state_dict(states[key])
+    def _state_registry(self) -> StateRegistry:
+        """What a checkpoint holds besides the model and optimizer tensors: the run counters,
+        the optimizer's name and the world size (rank 0), each rank's RNG and data position,
+        and every component that declares a ``state_key`` (the guard, the detectors)."""
+        registry = StateRegistry()
+        registry.register("train", self.state)
+        registry.register("optimizer", Info(lambda: self.cfg.optimizer.name))
+        registry.register("world_size", Info(lambda: self.runtime.world_size))
+        registry.register("rng", RngState(), per_rank=True)
+        registry.register("loader", self.loader, per_rank=True)
+        registry.register_components(self.callbacks)
+        return registry
 
     def _start(self, init_from: Path | None) -> None:
         """Resume this run's latest checkpoint, else start from init_from, else fresh."""
