@@ -351,7 +351,7 @@ def _start_ray() -> float:
     fixed cost, not a per-shard one."""
     import ray
 
-    from llmflow.tasks.framework.engine import init_ray
+    from llmflow.tasks.framework.ray_cluster import init_ray
 
     started = time.perf_counter()
     init_ray("local", num_cpus=WORKERS)

@@ -51,8 +51,8 @@ from llmflow.flows.sweep import (
 )
 from llmflow.tasks.config import PipelineConfig
 from llmflow.tasks.framework.executor import Executor
+from llmflow.tasks.framework.ray_cluster import RayClusterUnreachable, check_reachable
 from llmflow.tasks.framework.store import Store
-from llmflow.tasks.pretrain.ray_launch import RayClusterUnreachable, check_reachable
 from llmflow.tasks.scaling.space import SweepSpace
 from llmflow.tasks.scaling.trial import run_trial, segment_runs, trial_train_config
 
@@ -123,7 +123,7 @@ def connect(space: SweepSpace) -> bool:
     if env:  # the run's own settings reach the trials on every node
         options["runtime_env"] = {"env_vars": env}
     if space.ray_address is None:
-        from llmflow.tasks.framework.engine import init_ray
+        from llmflow.tasks.framework.ray_cluster import init_ray
 
         init_ray(None, num_cpus=space.concurrency, **options)  # on 127.0.0.1 only
         return True

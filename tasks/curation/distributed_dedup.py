@@ -152,7 +152,7 @@ def data_map(address: str | None = None, max_in_flight: int = 0) -> Iterator[Map
         return
     import ray
 
-    from llmflow.tasks.framework.engine import init_ray
+    from llmflow.tasks.framework.ray_cluster import init_ray
 
     init_ray(address, log_to_driver=False)
     try:

@@ -19,7 +19,6 @@ shard computed (not found committed) appends its name to LOG.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import contextlib
 import functools
 import json
 import logging
@@ -290,12 +289,12 @@ class RayEngine(Engine):
     ):
         import ray
 
-        from llmflow.tasks.pretrain.ray_launch import check_reachable, worker_env
+        from llmflow.tasks.framework.ray_cluster import check_reachable, forwarded_env, init_ray
 
         self.started = False
         if not ray.is_initialized():
             check_reachable(address)
-            init_ray(address, runtime_env={"env_vars": worker_env(dict(os.environ))})
+            init_ray(address, runtime_env={"env_vars": forwarded_env(dict(os.environ))})
             self.started = True
         self.ray = ray
         self.cpus = cpus
@@ -330,48 +329,6 @@ class RayEngine(Engine):
         if self.started:
             self.ray.shutdown()
             self.started = False
-
-
-def init_ray(address: str | None, num_cpus: int | None = None, **options: Any) -> None:
-    """Join the Ray cluster at ``address``, or start one (``local`` or None) on 127.0.0.1 only,
-    with ``num_cpus`` (default: this machine's cores). The data engine, the partitioned dedup,
-    the trainer's Ray launcher and the Ray sweep all start Ray here."""
-    import ray
-
-    if address not in (None, "local"):
-        ray.init(address=address, **options)
-        return
-    with _loopback_only():
-        ray.init(
-            num_cpus=num_cpus or os.cpu_count(),
-            include_dashboard=False,
-            _node_ip_address="127.0.0.1",
-            **options,
-        )
-
-
-@contextlib.contextmanager
-def _loopback_only():
-    """The environment Ray's processes start in for a local cluster: loopback only.
-
-    NOTE: ``_node_ip_address="127.0.0.1"`` alone still leaves the GCS and the raylet listening
-    on every interface: Ray binds them to loopback only as a single-machine ("Windows or OSX")
-    cluster, a flag Ray reads when it is imported, so it is set here for the start; and no
-    usage report phoning home.
-    """
-    from ray._private import ray_constants
-
-    changed = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
-    saved = {key: os.environ.get(key) for key in changed}
-    os.environ.update({k: v for k, v in changed.items() if saved[k] is None})
-    enabled, ray_constants.ENABLE_RAY_CLUSTER = ray_constants.ENABLE_RAY_CLUSTER, False
-    try:
-        yield
-    finally:
-        ray_constants.ENABLE_RAY_CLUSTER = enabled
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
 
 
 def make_engine(runner: Any) -> Engine:

@@ -27,23 +27,17 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import socket
 import sys
 import tempfile
 from collections.abc import Callable
 from typing import Any, Literal
-from urllib.parse import urlparse
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from llmflow.tasks.framework.ray_cluster import check_reachable, forwarded_env, init_ray
 from llmflow.tasks.pretrain.notices import LAUNCHER_HOST_ENV, LAUNCHER_PID_ENV
 
-CONNECT_TIMEOUT_S = 5.0
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
-
-
-class RayClusterUnreachable(RuntimeError):
-    """The configured Ray address does not answer."""
 
 
 class RaySettings(BaseModel):
@@ -92,22 +86,6 @@ def build_ray_command(train_args: list[str], settings: RaySettings) -> list[str]
     return [sys.executable, "-m", __name__, *settings.arguments(), "--", *train_args]
 
 
-def check_reachable(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
-    """Fail in seconds, naming the address, when a HOST:PORT or ray:// head does not answer."""
-    if address in ("local", "auto"):
-        return
-    parsed = urlparse(address if "://" in address else f"tcp://{address}")
-    if parsed.hostname is None or parsed.port is None:
-        raise RayClusterUnreachable(f"ray address {address!r} is not HOST:PORT or ray://HOST:PORT")
-    try:
-        socket.create_connection((parsed.hostname, parsed.port), timeout=timeout_s).close()
-    except OSError as exc:
-        raise RayClusterUnreachable(
-            f"no Ray cluster answers at {address!r} ({exc}); start one (`ray start --head`) or "
-            "set pretrain.ray.address"
-        ) from exc
-
-
 class RayLines:
     """The driver's output for people: worker lines once, without Ray's colour codes and its
     controller's state-API chatter (no dashboard runs)."""
@@ -130,8 +108,7 @@ def worker_env(environ: dict[str, str]) -> dict[str, str]:
     """The variables every worker gets: the run's own settings (``LLMFLOW_*``), as torchrun's
     children inherit them, except the launcher's PID and host. A worker may run on another node,
     where that PID names no process (the rank SIGKILLed itself at start) or an unrelated one."""
-    launcher = (LAUNCHER_PID_ENV, LAUNCHER_HOST_ENV)
-    return {k: v for k, v in environ.items() if k.startswith("LLMFLOW_") and k not in launcher}
+    return forwarded_env(environ, exclude=(LAUNCHER_PID_ENV, LAUNCHER_HOST_ENV))
 
 
 def _train_worker(config: dict) -> None:
@@ -176,8 +153,6 @@ def run_on_ray(settings: RaySettings, train_args: list[str]) -> None:
     """Connect (or start a local cluster), run the workers, raise if the run failed."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
-
-    from llmflow.tasks.framework.engine import init_ray
 
     check_reachable(settings.address)
     env = worker_env(dict(os.environ))

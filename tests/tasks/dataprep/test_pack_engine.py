@@ -158,7 +158,7 @@ def test_ray_units_are_byte_identical(corpus, small_units, tmp_path, monkeypatch
     pytest.importorskip("ray")
     import ray
 
-    from llmflow.tasks.framework.engine import init_ray
+    from llmflow.tasks.framework.ray_cluster import init_ray
 
     tokenized, reference = corpus
     monkeypatch.delenv(WORKERS_ENV, raising=False)

@@ -18,8 +18,9 @@ import psutil
 import pytest
 from conftest import run_trainer, tiny_config
 
+from llmflow.tasks.framework.ray_cluster import RayClusterUnreachable
 from llmflow.tasks.pretrain.launch import launch_training
-from llmflow.tasks.pretrain.ray_launch import RayClusterUnreachable, RaySettings
+from llmflow.tasks.pretrain.ray_launch import RaySettings
 
 RAY = Path(sys.executable).with_name("ray")
 
