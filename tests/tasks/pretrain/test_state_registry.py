@@ -62,7 +62,9 @@ def interrupted(cfg, data_dir, out_dir, before: int, after: int):
     return proc
 
 
-@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize(
+    "async_save", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["sync", "async"]
+)
 def test_a_registered_component_resumes_as_the_uninterrupted_run(tmp_path, train_data,
                                                                   async_save):  # fmt: skip
     cfg = tiny_config(checkpoint={"interval": 4, "keep_last": 2, "async_save": async_save})
@@ -77,6 +79,7 @@ def test_a_registered_component_resumes_as_the_uninterrupted_run(tmp_path, train
     assert counters(resumed, 1) == counters(full, 1)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_the_layout_before_the_registry_resumes_exactly(tmp_path, train_data):
     """Checkpoints written before the registry kept the components' state under "components"
     of trainer_state.json (the rank files are unchanged): such a checkpoint resumes bit-equal."""
