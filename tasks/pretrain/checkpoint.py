@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import random
 import re
 import shutil
 import time
@@ -37,7 +36,6 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -217,25 +215,6 @@ def resolve_init_from(path: Path) -> Path:
     if found is None:
         raise BadInputError(f"init_from={path}: no complete checkpoint there")
     return found
-
-
-def rng_state() -> dict[str, Any]:
-    state = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
 
 
 def save_checkpoint(

@@ -20,10 +20,12 @@ leaves that part's state as it is.
 from __future__ import annotations
 
 import dataclasses
+import random
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
-from llmflow.tasks.pretrain import checkpoint as ckpt
+import numpy as np
+import torch
 
 
 class Stateful(Protocol):
@@ -50,10 +52,21 @@ class RngState:
     """This rank's Python, NumPy, torch (and CUDA) generators."""
 
     def state_dict(self) -> dict[str, Any]:
-        return ckpt.rng_state()
+        state = {
+            "python": random.getstate(),
+            "numpy": np.random.get_state(),
+            "torch": torch.get_rng_state(),
+        }
+        if torch.cuda.is_available():
+            state["cuda"] = torch.cuda.get_rng_state()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        ckpt.set_rng_state(state)
+        random.setstate(state["python"])
+        np.random.set_state(state["numpy"])
+        torch.set_rng_state(state["torch"])
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state["cuda"])
 
 
 @dataclasses.dataclass

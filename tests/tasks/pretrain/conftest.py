@@ -104,10 +104,12 @@ def run_trainer(
     check=True,
     timeout=300,
     faults=None,
+    script=None,
 ):
     """Run the trainer as its own process (as production does); return the CompletedProcess.
 
-    ``faults`` (a dict) turns on the fault-injection component through ``LLMFLOW_FAULTS``.
+    ``faults`` (a dict) turns on the fault-injection component through ``LLMFLOW_FAULTS``;
+    ``script`` (a path) runs in place of the trainer's module (the trainer with a test component).
     """
     import json
     import subprocess
@@ -125,8 +127,12 @@ def run_trainer(
     env.pop(ENV, None)
     if faults:
         env[ENV] = json.dumps(faults)
+    command = local_launcher(num_processes).command(args)
+    if script is not None:
+        at = len(command) - len(args) - 2  # "-m <trainer module>" just before the arguments
+        command[at : at + 2] = [str(script)]
     proc = subprocess.run(
-        local_launcher(num_processes).command(args),
+        command,
         cwd=out_dir,
         env=env,
         capture_output=True,

@@ -10,17 +10,12 @@ registry they would restart at 0 and read 8.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import losses_by_step, tiny_config
+from conftest import losses_by_step, run_trainer, tiny_config
 
 from llmflow.tasks.pretrain import checkpoint as ckpt
-from llmflow.tasks.pretrain.faults import ENV
-from llmflow.tasks.pretrain.launch import train_arguments
-from llmflow.tasks.pretrain.launchers import local_launcher
 from llmflow.tasks.pretrain.state_registry import Info, StateRegistry
 
 SCRIPT = Path(__file__).resolve().parent / "counter_trainer.py"
@@ -28,18 +23,9 @@ SCRIPT = Path(__file__).resolve().parent / "counter_trainer.py"
 
 def run_counted(cfg, data_dir, out_dir, processes: int, crash_after: int | None = None):
     """``counter_trainer.py`` as the trainer is run (one process, or torchrun); its process."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    cfg.save(out_dir / "train_config.json")
-    args = train_arguments(out_dir / "train_config.json", data_dir, out_dir, None, None)
-    command = local_launcher(processes).command(args)
-    at = command.index("-m", command.index("-m") + 1) if processes > 1 else command.index("-m")
-    command[at : at + 2] = [str(SCRIPT)]  # NOTE: the script in place of the trainer's module
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop(ENV, None)
-    if crash_after is not None:
-        env[ENV] = json.dumps({"crash_after_step": crash_after})
-    return subprocess.run(command, cwd=out_dir, env=env, capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
+    faults = {"crash_after_step": crash_after} if crash_after is not None else None
+    return run_trainer(cfg, data_dir, out_dir, num_processes=processes, check=False,
+                       faults=faults, script=SCRIPT)  # fmt: skip
 
 
 def counters(out_dir: Path, processes: int) -> dict[str, list[int]]:
