@@ -1,4 +1,4 @@
-"""Data stages at scale: one Prefect task per shard vs one per stage (threads, Ray) vs datatrove.
+"""Data stages at scale: one Prefect task per stage (threads, processes, Ray) vs datatrove.
 
 Corpus: real text (WikiText-2 validation and tinyshakespeare from ``--text-dir``) cut into
 sentences and recombined into ~1.5 KB documents of random sentences, repeated until ``--gb``
@@ -8,9 +8,9 @@ written once as ``--shards`` Parquet shards (a committed store output) before an
 Ways, each in its own driver process (so its peak RSS is its own), 2 workers each, on one
 temporary Prefect server (``prefect_test_harness``) started by this script:
 
-- ``shard``: ``runner.fan_out=shard`` on threads, one Prefect task per shard (the old path),
-  exact dedup with the Bloom filter, near dedup with the single-process union-find;
-- ``stage``: ``runner.fan_out=stage`` on a thread pool, one Prefect task per stage, same dedup;
+- ``stage``: a thread pool, one Prefect task per stage, exact dedup with the Bloom filter, near
+  dedup with the single-process union-find (one Prefect task per shard, the old ``shard`` way,
+  was removed with ``runner.fan_out``; its figures are in the results of 2026-11-26);
 - ``processes`` (opt-in): the same on a pool of 2 spawned processes (``runner.kind=processes``);
 - ``ray``: ``runner.kind=ray`` on a local Ray cluster (127.0.0.1, 2 CPUs), one Prefect task per
   stage, exact and near dedup ``method=partitioned`` (Ray tasks);
@@ -40,7 +40,7 @@ ways measured in the same run. Prints one JSON line per comparison, the first th
 Ratios need a quiet machine (1-minute load < 2.5); the load at start and end is in every line.
 
     python benchmarks/bench_data_scale.py --text-dir ../shared/data/text [--gb 0.05]
-        [--shards 2000] [--ways shard stage ray datatrove [datatrove_ray]] [--stress]
+        [--shards 2000] [--ways stage ray datatrove [processes] [datatrove_ray]] [--stress]
         [--results benchmarks/results/session-20261126.jsonl] [--quick]
 """
 
@@ -71,9 +71,9 @@ from benchmarks.common import emit, load_average  # noqa: E402
 from llmflow.tasks.curation.config import MinhashConfig  # noqa: E402
 from llmflow.tasks.framework.step import Metrics, step  # noqa: E402
 
-WAYS = ("shard", "stage", "ray", "datatrove", "processes", "datatrove_ray")
-DEFAULT_WAYS = WAYS[:4]
-OURS = ("shard", "stage", "processes", "ray")
+WAYS = ("stage", "ray", "datatrove", "processes", "datatrove_ray")
+DEFAULT_WAYS = WAYS[:3]
+OURS = ("stage", "processes", "ray")
 WORKERS = 2
 SHARED_TEXT = ROOT.parent / "shared" / "data" / "text"
 WORDS = ["alpha", "bravo", "delta", "omega", "zeta"]  # near-copy edits, as the sample plants
@@ -291,7 +291,6 @@ def run_ours(
     runner = RunnerConfig(
         kind=kind,
         max_workers=WORKERS,
-        fan_out="shard" if way == "shard" else "stage",
         ray={"address": "local"},
     )
     graph = Graph()
@@ -327,7 +326,7 @@ def run_ours(
     near_peak = sampler.peak_mib(*window)
     runs = task_runs(ids["flow_run"], len(graph.nodes))
     kept = _kept_ids(Path(outcome[final].uri) / "shards")
-    noop = measure(str(root / "noop"), noop_shards, "shard" if way == "shard" else "stage", kind)
+    noop = measure(str(root / "noop"), noop_shards, "stage", kind)
     return {
         "way": way,
         "wall_s": round(wall, 2),
@@ -588,7 +587,7 @@ def main() -> None:
         args.gb, args.shards, args.noop_shards = 0.0003, 8, 8
         args.stress_scales = [50, 100]
         if args.ways == list(DEFAULT_WAYS):
-            args.ways = ["shard", "stage", "datatrove"]
+            args.ways = ["stage", "datatrove"]
     if any(w.startswith("datatrove") for w in args.ways):
         try:
             import datatrove  # noqa: F401
@@ -653,9 +652,9 @@ def main() -> None:
     pairs = [
         (o, p)
         for o, peers in (
-            ("stage", ("shard", "datatrove", "datatrove_ray")),
-            ("processes", ("shard", "datatrove")),
-            ("ray", ("shard", "stage", "processes", "datatrove", "datatrove_ray")),
+            ("stage", ("datatrove", "datatrove_ray")),
+            ("processes", ("stage", "datatrove")),
+            ("ray", ("stage", "processes", "datatrove", "datatrove_ray")),
         )
         for p in peers
         if o in ways and p in ways

@@ -39,7 +39,8 @@ STEP = "overhead-noop"
 
 def worker(root: str, shards: int) -> dict:
     """In a fresh process: the stage, the cached walk, verify, and what the store holds."""
-    from llmflow.tasks.framework.engine import ThreadEngine
+    from llmflow.tasks.framework.backend import ThreadBackend
+    from llmflow.tasks.framework.engine import StageEngine
     from llmflow.tasks.framework.executor import Executor
     from llmflow.tasks.framework.graph import Graph
     from llmflow.tasks.framework.stage_overhead import (
@@ -52,7 +53,7 @@ def worker(root: str, shards: int) -> dict:
     graph = Graph()
     source = graph.add(overhead_shards, OverheadShards(num_shards=shards), "n")
     noop = graph.add(overhead_noop, OverheadShards(), "n", map_over="shard", shard=source)
-    engine = ThreadEngine(2)
+    engine = StageEngine(ThreadBackend(2))
     try:
         Executor(root).run(Graph(nodes=[source]))  # the source, untimed
         started = time.perf_counter()

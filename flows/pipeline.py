@@ -12,7 +12,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from llmflow.flows.recipe import planned
 from llmflow.tasks.config import PipelineConfig
-from llmflow.tasks.framework.executor import PrefectExecutor, task_runner
+from llmflow.tasks.framework.executor import PrefectExecutor
 from llmflow.tasks.framework.step import StepResult
 
 
@@ -37,13 +37,9 @@ def pipeline(config: PipelineConfig) -> list[StepResult]:
 
 
 def run_pipeline(config: PipelineConfig) -> list[StepResult]:
-    """Check the graph builds (no Prefect yet), then run it with the configured task runner.
+    """Check the graph builds (no Prefect yet), then run it.
 
-    With ``runner.fan_out: stage`` (the default) a mapped stage is one task whose shards run on
-    the runner's engine, so the flow's own task runner only ever holds a few tasks."""
+    A mapped stage is one task whose shards run on the runner's backend (``config.runner``), so
+    the flow's own task runner only ever holds a few tasks."""
     planned(config)
-    if config.runner.fan_out == "stage" and config.runner.kind != "dask":
-        runner = ThreadPoolTaskRunner(max_workers=4)
-    else:
-        runner = task_runner(config.runner)
-    return pipeline.with_options(task_runner=runner)(config)
+    return pipeline.with_options(task_runner=ThreadPoolTaskRunner(max_workers=4))(config)

@@ -88,22 +88,39 @@ class RayEngineConfig(BaseModel):
 
 
 class RunnerConfig(BaseModel):
-    """How fanned-out tasks (curation shards) run: execution-only, never in a hash."""
+    """Where data-parallel work runs (`backend.make_backend`): a mapped stage's shards, and the
+    units steps map themselves (ingest's and tokenize's files, the mixture's pack units, the
+    partitioned dedup). Execution-only, never in a hash. Prefect orchestrates the steps; each
+    mapped stage is one Prefect task."""
 
     model_config = ConfigDict(extra="forbid")
 
-    kind: Literal["threads", "processes", "dask", "ray"] = Field(
+    kind: Literal["threads", "processes", "ray"] = Field(
         "threads",
-        description="Where a mapped stage's shards run: a thread or process pool here, or Ray; "
-        "dask (and fan_out: shard) fans out through Prefect's task runner; dask/ray need extras.",
+        description="threads: a mapped stage's shards on a thread pool, a step's own units in "
+        "this process; processes: both on spawned processes (where the GIL binds: Python-heavy "
+        "steps over large inputs); ray: both as Ray tasks (needs the ray extra).",
     )
-    max_workers: int | None = Field(None, ge=1, description="Workers (None: Prefect's default).")
-    fan_out: Literal["stage", "shard"] = Field(
-        "stage",
-        description="stage: each mapped stage is one Prefect task running its shards on the "
-        "engine (O(stages) task runs); shard: one Prefect task per shard (kind dask always).",
+    max_workers: int | None = Field(
+        None, ge=1, description="Threads or processes (None: Python's default for the pool)."
     )
     ray: RayEngineConfig = Field(default_factory=RayEngineConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _removed_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "fan_out" in data:
+            raise ValueError(
+                f"runner.fan_out={data['fan_out']!r} was removed: every mapped stage is one "
+                "Prefect task whose shards run on runner.kind (threads, processes or ray); "
+                "delete the field"
+            )
+        if isinstance(data, dict) and data.get("kind") == "dask":
+            raise ValueError(
+                "runner.kind='dask' was removed: use threads, processes or ray (a stage's "
+                "shards run there, inside its one Prefect task)"
+            )
+        return data
 
 
 class HardwareConfig(BaseModel):
@@ -220,14 +237,12 @@ class PipelineConfig(BaseModel):
 
 def required_extras(config: PipelineConfig) -> set[str]:
     """The optional extras (``pip install 'llmflow[...]'``) a recipe's run needs, from its config:
-    the merge step (mergekit), Ray (launcher or task runner), Dask, and the trackers."""
+    the merge step (mergekit), Ray (launcher or runner), and the trackers."""
     needed = set()
     if config.merge.enabled:
         needed.add("merge")
     if config.pretrain.launcher == "ray" or config.runner.kind == "ray":
         needed.add("ray")
-    if config.runner.kind == "dask":
-        needed.add("dask")
     if config.pretrain.train.tracker.others:
         needed.add("trackers")
     return needed

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from pathlib import Path
@@ -41,3 +42,19 @@ def shared_data() -> Path:
     from tests.needs import shared_path
 
     return shared_path()
+
+
+@pytest.fixture
+def on_backend():
+    """``on_backend(backend)`` makes ``backend`` the run's for the rest of the test (what a
+    step's own units run on, as a run's executor makes its runner's backend); closed after."""
+    from llmflow.tasks.framework.backend import active
+
+    with contextlib.ExitStack() as stack:
+
+        def use(backend):
+            stack.enter_context(backend)
+            stack.enter_context(active(backend))
+            return backend
+
+        yield use

@@ -92,8 +92,8 @@ class ExactDedupConfig(_Strict):
         "bloom",
         description="'bloom': one process streams every hash through a Bloom filter, then an "
         "exact check. 'partitioned': hashes shuffled by prefix into `partitions` files, each "
-        "deduplicated on its own (on Ray when the step runs under a Ray data engine or "
-        "LLMFLOW_RAY_ADDRESS is set): memory per worker bounded by its partition. Same drops.",
+        "deduplicated on its own (on the run's backend: Ray or processes under runner.kind "
+        "ray or processes): memory per worker bounded by its partition. Same drops.",
         json_schema_extra=OMIT_DEFAULT,
     )
     partitions: int = Field(
@@ -133,8 +133,8 @@ class MinhashConfig(_Strict):
         "union_find",
         description="'union_find': one process loads every band key and joins all documents. "
         "'partitioned': band keys shuffled by (band, key) into `partitions` files, each emitting "
-        "its duplicate pairs; the union-find runs on the pairs only (on Ray when the step runs "
-        "under a Ray data engine or LLMFLOW_RAY_ADDRESS is set): memory grows with duplicates, "
+        "its duplicate pairs; the union-find runs on the pairs only (on the run's backend: Ray "
+        "or processes under runner.kind ray or processes): memory grows with duplicates, "
         "not documents. Same clusters and keepers.",
         json_schema_extra=OMIT_DEFAULT,
     )

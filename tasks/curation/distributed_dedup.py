@@ -21,10 +21,10 @@ units (source files, or partitions), and each unit holds only its slice of the d
 The result is the single-process steps' own: the same drops in the same order, the same clusters
 and keepers (tests/tasks/curation/test_distributed_dedup.py compares them).
 
-The stages run through a map function: in-process (`local_map`), on Ray tasks with a bounded
-number in flight (`ray_map`), or on fresh processes (`process_map`, to measure a worker's
-memory). `data_map` picks Ray when this process is already connected to a cluster (the data
-engine connected it) or when ``LLMFLOW_RAY_ADDRESS`` names one, else in-process. The partitions
+The stages run through a map function: in-process (`local_map`), or a backend's ``map``
+(`backend.Backend`: Ray tasks or spawned processes with a bounded number in flight; fresh
+processes per item measure a worker's memory). Without one they run on the run's backend
+(`backend.current`: Ray or processes, else this process). The partitions
 are files in a scratch folder inside the step's output, removed at the end: on Ray, workers must
 see it (one machine, or a volume shared by the nodes).
 
@@ -37,7 +37,6 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-import sys
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -55,8 +54,6 @@ from llmflow.tasks.curation.minhash import UnionFind, _mix
 from llmflow.tasks.curation.shards import shards_in
 from llmflow.tasks.framework.errors import BadInputError
 
-RAY_ADDRESS_ENV = "LLMFLOW_RAY_ADDRESS"
-"""A Ray address ('local', 'auto', HOST:PORT) the global stages run their partitions on."""
 ROW_BITS = 32
 """``pos`` = file index << ROW_BITS | row: rows per source file must stay below 2**32."""
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # spreads the band number over the key's bits
@@ -71,94 +68,6 @@ MapFn = Callable[[Callable[[Any], Any], Sequence[Any]], list]
 def local_map(fn: Callable[[Any], Any], items: Sequence[Any]) -> list:
     """Runs every item in this process, in order."""
     return [fn(item) for item in items]
-
-
-def _call(fn: Callable[[Any], Any], items: Sequence[Any]) -> list:
-    return [fn(item) for item in items]
-
-
-TASKS_PER_CPU = 8
-"""``ray_map`` cuts its items into about this many Ray tasks per CPU (a task costs a few ms)."""
-
-
-def ray_map(max_in_flight: int = 0, num_cpus: float = 1.0) -> MapFn:
-    """A map on Ray tasks of the cluster this process is connected to, at most `max_in_flight`
-    submitted at once (0: twice the cluster's CPUs), so a million units never sit in Ray's
-    queue at once. Consecutive items share a task (about eight tasks per CPU), since a Ray task
-    costs more than a small item. Results come back in the items' order."""
-
-    def run(fn: Callable[[Any], Any], items: Sequence[Any]) -> list:
-        import ray
-
-        cpus = max(1, int(ray.cluster_resources().get("CPU", 1) / num_cpus))
-        limit = max_in_flight or max(1, 2 * cpus)
-        size = max(1, -(-len(items) // (TASKS_PER_CPU * cpus)))
-        remote = ray.remote(num_cpus=num_cpus, max_retries=2)(_call)
-        fn_ref = ray.put(fn)
-        results: list = [None] * len(items)
-        pending: dict[Any, int] = {}
-        for start in range(0, len(items), size):
-            pending[remote.remote(fn_ref, items[start : start + size])] = start
-            while len(pending) >= limit:
-                _collect(ray, pending, results)
-        while pending:
-            _collect(ray, pending, results)
-        return results
-
-    return run
-
-
-def _collect(ray: Any, pending: dict, results: list) -> None:
-    done, _ = ray.wait(list(pending), num_returns=1)
-    for ref in done:
-        start = pending.pop(ref)
-        values = ray.get(ref)
-        results[start : start + len(values)] = values
-
-
-def process_map(max_workers: int = 2, fresh_workers: bool = False) -> MapFn:
-    """A map on a pool of spawned processes, one pool per map (`fresh_workers`: a new process
-    per item, so a worker's peak memory is its own item's)."""
-
-    def run(fn: Callable[[Any], Any], items: Sequence[Any]) -> list:
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor
-
-        context = multiprocessing.get_context("spawn")
-        per_child = 1 if fresh_workers else None
-        with ProcessPoolExecutor(
-            max_workers, mp_context=context, max_tasks_per_child=per_child
-        ) as pool:
-            return list(pool.map(fn, items))
-
-    return run
-
-
-@contextmanager
-def data_map(address: str | None = None, max_in_flight: int = 0) -> Iterator[MapFn]:
-    """The map the global stages run on.
-
-    Ray when this process is connected already, or when `address` (else ``LLMFLOW_RAY_ADDRESS``)
-    names a cluster: 'local' starts one on 127.0.0.1 with this machine's cores (stopped on exit),
-    anything else is passed to ``ray.init(address=...)``. Otherwise in-process.
-    """
-    address = address or os.environ.get(RAY_ADDRESS_ENV) or None
-    ray = sys.modules.get("ray")
-    if ray is not None and ray.is_initialized():
-        yield ray_map(max_in_flight)
-        return
-    if address is None:
-        yield local_map
-        return
-    import ray
-
-    from llmflow.tasks.framework.ray_cluster import init_ray
-
-    init_ray(address, log_to_driver=False)
-    try:
-        yield ray_map(max_in_flight)
-    finally:
-        ray.shutdown()
 
 
 # --- partitioned files -------------------------------------------------------------------------
@@ -522,9 +431,8 @@ def alive_shards_of(filtered: list[Path] | None, enabled: bool) -> list[Path] | 
 
 def run_partitioned(kind: str, *args: Any, map_fn: MapFn | None = None, **kwargs: Any) -> Any:
     """`partitioned_exact` (kind 'exact') or `partitioned_near` ('near') on `map_fn`, else on
-    `data_map()` (Ray when connected or ``LLMFLOW_RAY_ADDRESS`` is set, else in-process)."""
+    the run's backend (`backend.current`)."""
+    from llmflow.tasks.framework import backend
+
     run = {"exact": partitioned_exact, "near": partitioned_near}[kind]
-    if map_fn is not None:
-        return run(*args, map_fn=map_fn, **kwargs)
-    with data_map() as engine_map:
-        return run(*args, map_fn=engine_map, **kwargs)
+    return run(*args, map_fn=map_fn or backend.current().map, **kwargs)

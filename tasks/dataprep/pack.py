@@ -32,9 +32,8 @@ driver knows every document's length up front, so it preallocates ``stream.tmp``
 documents into ranges of about `UNIT_TOKENS` tokens (at most `UNITS_PER_WORKER` per worker); a
 unit writes its range's tokens at their prefix-sum offset, a chunk of documents at a time. The
 shards are cut into runs of files the same way, and a unit gathers its run's rows from the
-stream. Units run on `units.data_units`: Ray tasks when this process is connected to Ray, else
-``LLMFLOW_DATA_WORKERS`` spawned processes, else this process one unit after another (the rule
-ingest and tokenize follow too). The driver holds the lengths, the row index and the permutation,
+stream. Units run on the run's backend (`backend.current`): Ray tasks, spawned processes, or
+this process one unit after another (the rule ingest and tokenize follow too). The driver holds the lengths, the row index and the permutation,
 never the token stream; ``meta.json`` is written last, after every unit succeeded.
 """
 
@@ -51,7 +50,7 @@ from typing import Protocol
 import numpy as np
 from tqdm import tqdm
 
-from llmflow.tasks.dataprep.units import data_units
+from llmflow.tasks.framework import backend
 
 INDEX_FILES = {"doc_offsets": "doc_offsets.bin", "doc_starts": "doc_starts.bin"}
 SEGMENT_DOMAINS = "segment_domains.bin"
@@ -128,8 +127,6 @@ def write_packed(
     Returns:
         The ``meta.json`` contents.
     """
-    from llmflow.tasks.curation.distributed_dedup import local_map
-
     out_dir = Path(out_dir)
     dtype, row_len = token_dtype(vocab_size), seq_len + 1
     stream_path = out_dir / "stream.tmp"
@@ -143,7 +140,8 @@ def write_packed(
         np.full(num_rows * row_len - num_tokens, pad_id, dtype).tofile(f)
     pack = _Pack(out_dir, stream_path, dtype, row_len, rows_per_shard)
     head = _head(seq_len, dtype, vocab_size, eos_id, pad_id)
-    return _finish(pack, doc_lengths, seed, head, extra_meta, local_map, 1, doc_domains)
+    local = backend.LocalBackend()
+    return _finish(pack, doc_lengths, seed, head, extra_meta, local.map, 1, doc_domains)
 
 
 class DocumentSource(Protocol):
@@ -170,7 +168,7 @@ def write_packed_units(
     extra_meta: dict | None = None,
     doc_domains: np.ndarray | None = None,
 ) -> dict:
-    """`write_packed` of the documents ``docs`` read by units on `units.data_units` (module
+    """`write_packed` of the documents ``docs`` read by units on the run's backend (module
     docstring).
 
     Args:
@@ -196,10 +194,10 @@ def write_packed_units(
     pack = _Pack(out_dir, out_dir / "stream.tmp", dtype, row_len, rows_per_shard)
     head = _head(seq_len, dtype, vocab_size, eos_id, pad_id)
     try:
-        with data_units() as units:
-            map_fn, workers = units.map, units.workers
-            _write_stream_units(source, docs, doc_lengths, pack, pad_id, map_fn, workers)
-            return _finish(pack, doc_lengths, seed, head, extra_meta, map_fn, workers, doc_domains)
+        units = backend.current()
+        map_fn, workers = units.map, units.workers
+        _write_stream_units(source, docs, doc_lengths, pack, pad_id, map_fn, workers)
+        return _finish(pack, doc_lengths, seed, head, extra_meta, map_fn, workers, doc_domains)
     finally:
         pack.stream_path.unlink(missing_ok=True)  # NOTE: a failed unit leaves no meta.json
 

@@ -11,11 +11,10 @@ Output directory (read by `tasks.dataprep.mixture`):
   columns (id, text, domain, source), itself a corpus directory for per-domain perplexity.
 - ``rejects.jsonl``: malformed records with a ``reason``.
 
-Parallel encoding (execution only: the output is the same bytes, the address unchanged): when
-this process is connected to Ray (the data engine connected it under ``runner.kind=ray``, or
-``LLMFLOW_RAY_ADDRESS`` names a cluster), each corpus file is encoded by a Ray task; else
-``LLMFLOW_DATA_WORKERS=N`` (N > 1) encodes files on N spawned processes; else this process
-encodes batch by batch (`units.data_units`, the rule ingest and the mixture follow too). A worker returns each of its file's record
+Parallel encoding (execution only: the output is the same bytes, the address unchanged): on
+the run's backend (`backend.current`) each corpus file is encoded by a Ray task
+(``runner.kind: ray``) or a spawned process (``runner.kind: processes``); else this process
+encodes batch by batch (the rule ingest and the mixture follow too). A worker returns each of its file's record
 batches encoded (ids, domains, sources, tokens end to end with each document's length, the
 hold-out mask, the held-out rows, the rejects) and this process writes them in file and batch
 order, exactly the writes of the sequential path (the held-out Parquet gets the same row
@@ -42,7 +41,7 @@ from tqdm import tqdm
 from llmflow.tasks.dataprep.bytelevel import ByteLevelEncoder
 from llmflow.tasks.dataprep.config import TokenizeConfig
 from llmflow.tasks.dataprep.pack import token_dtype
-from llmflow.tasks.dataprep.units import data_units
+from llmflow.tasks.framework import backend
 from llmflow.tasks.framework.errors import BadInputError
 from llmflow.tasks.framework.step import Metrics, step
 from llmflow.tasks.tokenizer.config import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN
@@ -322,13 +321,13 @@ def _encoded_batches(
     cfg: TokenizeConfig, encoder: _Encoder, bpe: Tokenizer, files: list[Path], dtype: np.dtype
 ) -> Iterator[_Batch]:
     """Every record batch of every file encoded, in file and batch order: a file per unit on
-    the data units' engine (`units.data_units`: Ray, or processes), else batch by batch here."""
-    with data_units() as units:
-        if not units.parallel or (units.kind == "processes" and len(files) < 2):
-            for batch in iter_batches(files, cfg.read_batch_rows):
-                yield _encode_batch(cfg, encoder, batch, dtype)
-            return
-        text = bpe.to_str()
-        job = _Job(text, hashlib.sha256(text.encode()).hexdigest(), cfg, dtype.str)
-        for encoded in units.stream(_encode_file, job, [str(f) for f in files]):
-            yield from encoded
+    the run's backend (`backend.current`: Ray, or processes), else batch by batch here."""
+    units = backend.current()
+    if not units.parallel or (units.kind == "processes" and len(files) < 2):
+        for batch in iter_batches(files, cfg.read_batch_rows):
+            yield _encode_batch(cfg, encoder, batch, dtype)
+        return
+    text = bpe.to_str()
+    job = _Job(text, hashlib.sha256(text.encode()).hexdigest(), cfg, dtype.str)
+    for encoded in units.stream(_encode_file, job, [str(f) for f in files]):
+        yield from encoded

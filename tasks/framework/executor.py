@@ -4,10 +4,9 @@ Each node runs through its step's store address, so a node whose output exists i
 shows as Cached in Prefect, whose cache key is the same content hash). A mapped node is one
 stage output whose address is known before its shards run; it fans out over the shards of its
 input, each shard committed on its own inside it; one failing shard retries alone. On
-Prefect, a mapped node given a ``RunnerConfig`` is one task for the whole stage, its shards on
-an engine (threads, processes, Ray: ``engine.py``), so a run of 10,000 shards makes O(stages)
-task runs; without one (or with ``fan_out: shard``) each shard is its own task on the flow's
-task runner. Prefect is imported here and in ``flows/`` only.
+Prefect, a mapped node is one task for the whole stage, its shards on the run's backend
+(``RunnerConfig``: threads, processes or Ray; ``engine.py``, ``backend.py``), so a run of
+10,000 shards makes O(stages) task runs. Prefect is imported here and in ``flows/`` only.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmflow.tasks.framework.audit import unhashed_reads
-from llmflow.tasks.framework.errors import BadInputError
+from llmflow.tasks.framework.backend import active
 from llmflow.tasks.framework.graph import Existing, Graph, Node, Raw
 from llmflow.tasks.framework.step import Mapped, RawFiles, Shard, Step, StepResult
 from llmflow.tasks.framework.store import Store
@@ -136,7 +135,10 @@ class Executor:
     def call(self, step: Step, config: Any, name: str, inputs: dict[str, Any]) -> StepResult:
         """Run one step through the store."""
         reads = None if self.reads is None else self.reads.setdefault(step.name, set())
-        return step.run(self.store, config, name, inputs, reads=reads)
+        if self.engine is None or not step.data_engine:
+            return step.run(self.store, config, name, inputs, reads=reads)
+        with active(self.engine.backend):  # the step maps its own units on the engine's backend
+            return step.run(self.store, config, name, inputs, reads=reads)
 
     def unhashed_reads(self, graph: Graph) -> dict[str, list[str]]:
         """After an audited run: per step, the config fields read that its hash leaves out."""
@@ -198,19 +200,21 @@ def all_cached(graph: Graph, root: str) -> Outcome | None:
 class PrefectExecutor(Executor):
     """The same walk, each step a Prefect task: retries, Cached states, events and artifacts.
 
-    With ``runner`` (and ``runner.fan_out == "stage"``, the default), a mapped step is one task
-    per stage running its shards on that runner's engine; otherwise one task per shard, submitted
-    to the flow's task runner.
+    A mapped step is one task per stage running its shards on the backend of ``runner`` (a
+    ``RunnerConfig``; None: its defaults, a thread pool). Steps that map their own units run
+    them on that backend too (`backend.current`).
     """
 
     def __init__(self, root: str, *, keep_going: bool = False, runner: Any = None):
         super().__init__(root, keep_going=keep_going)
         self._tasks: dict[int, Callable] = {}
-        staged = runner is not None and runner.fan_out == "stage" and runner.kind != "dask"
-        self.runner = runner if staged else None
+        if runner is None:
+            from llmflow.tasks.config import RunnerConfig
+
+            runner = RunnerConfig()
+        self.runner = runner
         self._engine = None
         self._stage_tasks: dict[int, Callable] = {}
-        self._shard_tasks: dict[int, Callable] = {}
 
     def run(self, graph: Graph) -> Outcome:
         try:
@@ -228,12 +232,13 @@ class PrefectExecutor(Executor):
         return self._tasks[id(step)]
 
     def call(self, step: Step, config: Any, name: str, inputs: dict[str, Any]) -> StepResult:
-        if step.data_engine and self.runner is not None and self.runner.kind == "ray":
-            self.engine_started()  # the step maps its own units on the cluster (ingest's files)
         upstream = self._upstream([inputs])
-        return self.task(step)(
-            config, inputs=inputs, root=self.store.root, name=name, upstream=upstream
-        )
+        run = self.task(step)
+        if not step.data_engine:
+            return run(config, inputs=inputs, root=self.store.root, name=name, upstream=upstream)
+        # the step maps its own units (ingest's files) on the run's backend
+        with active(self.engine_started().backend):
+            return run(config, inputs=inputs, root=self.store.root, name=name, upstream=upstream)
 
     def run_info(self) -> dict[str, Any]:
         from llmflow.tasks.framework.prefect_task import run_info
@@ -255,10 +260,7 @@ class PrefectExecutor(Executor):
         mapped: str,
         per_shard: list[tuple[str, dict]],
     ) -> Mapped:
-        """With a runner: ONE Prefect task for the stage, its shards on the runner's engine.
-        Without: the stage in the flow, each shard a task on the flow's task runner."""
-        if self.runner is None:
-            return super().stage(step, config, name, inputs, mapped, per_shard)
+        """ONE Prefect task for the stage, its shards on the runner's backend."""
         from llmflow.tasks.framework.prefect_task import stage_task
 
         self.engine_started()
@@ -274,22 +276,6 @@ class PrefectExecutor(Executor):
             upstream=self._upstream([inputs]),
         )
 
-    def map(
-        self, step: Step, config: Any, stage: str, per_shard: list[tuple[str, dict]]
-    ) -> list[StepResult]:
-        """Each shard its own Prefect task (``fan_out: shard``), on the flow's task runner."""
-        from llmflow.tasks.framework.prefect_task import shard_task
-
-        if id(step) not in self._shard_tasks:
-            self._shard_tasks[id(step)] = shard_task(step)
-        futures = [
-            self._shard_tasks[id(step)].submit(
-                config, stage=stage, label=label, inputs=inputs, root=self.store.root
-            )
-            for label, inputs in per_shard
-        ]
-        return [_unwrap(f.result()) for f in futures]
-
     def engine_started(self) -> Any:
         """The runner's engine, started at its first use (a Ray cluster starts here)."""
         from llmflow.tasks.framework.engine import make_engine
@@ -297,33 +283,3 @@ class PrefectExecutor(Executor):
         if self._engine is None:
             self._engine = make_engine(self.runner)
         return self._engine
-
-
-def _unwrap(value: Any) -> StepResult:
-    from prefect.states import State
-
-    return value.result() if isinstance(value, State) else value
-
-
-def task_runner(cfg: Any):
-    """The Prefect task runner that fans mapped steps out: threads, processes, dask or ray."""
-    from prefect.task_runners import ProcessPoolTaskRunner, ThreadPoolTaskRunner
-
-    if cfg.kind == "threads":
-        return ThreadPoolTaskRunner(max_workers=cfg.max_workers)
-    if cfg.kind == "processes":
-        return ProcessPoolTaskRunner(max_workers=cfg.max_workers)
-    try:
-        if cfg.kind == "dask":
-            from prefect_dask import DaskTaskRunner
-
-            return DaskTaskRunner(
-                cluster_kwargs={"n_workers": cfg.max_workers} if cfg.max_workers else None
-            )
-        from prefect_ray import RayTaskRunner
-
-        return RayTaskRunner()
-    except ImportError as err:
-        raise BadInputError(
-            f"runner.kind={cfg.kind!r} needs the optional extra: pip install 'llmflow[{cfg.kind}]'"
-        ) from err

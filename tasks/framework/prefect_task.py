@@ -8,7 +8,6 @@ never bad input nor a full disk. Each materialized output emits a Prefect asset 
 ``stage_task`` makes a mapped step one task for the whole stage output: its shards run on an
 engine (``engine.py``), and the stage is one asset, linked as one (a Prefect event takes at most
 100 related resources: a global step over 2,000 shards links their stage, not each shard).
-``shard_task`` is one shard of a stage output as its own task (``runner.fan_out: shard``).
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ from prefect.exceptions import MissingContextError
 from prefect.logging import get_run_logger
 from prefect.states import Completed, State
 
-from llmflow.tasks.framework.engine import Engine, Progress, ShardCall
+from llmflow.tasks.framework.engine import Progress, ShardCall, StageEngine
 from llmflow.tasks.framework.errors import BadInputError
 from llmflow.tasks.framework.step import Mapped, Shard, Step, StepResult
 from llmflow.tasks.framework.store import Store, disk_error
@@ -181,7 +180,7 @@ class _StepTask:
         return getattr(self.task, name)
 
 
-def stage_task(step: Step, engine: Engine):
+def stage_task(step: Step, engine: StageEngine):
     """Wrap a mapped step as ONE Prefect task for its whole stage output, shards on ``engine``.
 
     Called as ``t(config, inputs={...}, mapped=NAME, shards=[(label, inputs), ...], root=...,
@@ -223,20 +222,6 @@ def stage_task(step: Step, engine: Engine):
 
     # NOTE: the stage output is checked in the store first thing: no Prefect cache key needed
     return _step_task(step, run, cache_policy=NO_CACHE, persist_result=False)
-
-
-def shard_task(step: Step):
-    """One shard of a stage output as its own Prefect task (``runner.fan_out: shard``):
-    ``t.submit(config, stage=URI, label=..., inputs={...}, root=...)``."""
-
-    def run(config: Any, stage: str, label: str, inputs: dict[str, Any], root: str = "./runs"):
-        result = step.run_shard(Store(root), config, stage, label, inputs)
-        if result.cached:
-            return Completed(message=f"shard exists: {result.uri}", name="Cached", data=result)
-        _publish_artifacts(result.artifacts)
-        return result
-
-    return _step_task(step, run, cache_policy=NO_CACHE, persist_result=False, label="label")
 
 
 def _step_task(step: Step, run, label: str = "name", **caching: Any) -> _StepTask:

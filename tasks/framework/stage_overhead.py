@@ -3,11 +3,10 @@
 Each shard still goes through the store (address, lock, lineage, commit marker), as every
 mapped step does; what differs between the ways is the orchestration around it:
 
-- ``"shard"``: one Prefect task per shard on Prefect's thread pool (the old fan-out);
 - ``"stage"``: one Prefect task for the stage, its shards on the runner's engine;
 - ``"local"``: no Prefect, the shards on the engine (the store's own cost per shard).
 
-``"shard"`` and ``"stage"`` need a Prefect API (a server, or ``prefect_test_harness``).
+``"stage"`` needs a Prefect API (a server, or ``prefect_test_harness``).
 
     from llmflow.tasks.framework.stage_overhead import measure
     measure("/tmp/overhead", 500, "stage")  # {'shards': 500, 'seconds': ..., 'ms_per_shard': ...}
@@ -53,7 +52,7 @@ def measure(root: str, num_shards: int, way: str = "stage", kind: str = "threads
     Args:
         root: An empty folder (a used one would serve the shards Cached).
         num_shards: Shards in the stage.
-        way: ``"shard"``, ``"stage"`` or ``"local"`` (see the module docstring).
+        way: ``"stage"`` or ``"local"`` (see the module docstring).
         kind: The runner for ``"stage"`` and ``"local"``: threads, processes or ray.
     """
     from llmflow.tasks.config import RunnerConfig
@@ -64,7 +63,7 @@ def measure(root: str, num_shards: int, way: str = "stage", kind: str = "threads
     graph = Graph()
     source = graph.add(overhead_shards, OverheadShards(num_shards=num_shards), "n")
     noop = graph.add(overhead_noop, OverheadShards(), "n", map_over="shard", shard=source)
-    runner = RunnerConfig(kind=kind, max_workers=2, fan_out="shard" if way == "shard" else "stage")
+    runner = RunnerConfig(kind=kind, max_workers=2)
     if way == "local":
         engine = make_engine(runner)
         try:

@@ -487,9 +487,9 @@ def step(
         execution: Config fields (dotted paths) the function reads although the hash leaves
             them out (``versioned: False``: worker counts, log intervals). They must not change
             the output; the read audit fails on any other read outside the hash.
-        data_engine: The function spreads its own work over the data engine when this process
-            is connected to one (``distributed_dedup.data_map``): under ``runner.kind: ray`` the
-            executor starts the cluster before it runs, not only before a mapped stage.
+        data_engine: The function spreads its own work over the run's backend
+            (`backend.current`): the executor makes the runner's backend active while it runs
+            (under ``runner.kind: ray`` the cluster starts then, not only before a mapped stage).
     """
 
     def declare(fn: Callable[..., Metrics | None]) -> Step:

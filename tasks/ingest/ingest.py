@@ -5,8 +5,8 @@ not JSON, invalid UTF-8, a missing or non-string text field, an empty or oversiz
 duplicate id) is counted and written to ``rejects.jsonl`` with its reason: ``read + rejected``
 always equals the records seen.
 
-Files are read and parsed in parallel when this process is connected to Ray (each file a Ray
-task) or ``LLMFLOW_DATA_WORKERS=N`` (N > 1) names processes (`units.data_units`' rule): a worker returns one file's (index, record) list and this process takes the files in
+Files are read and parsed in parallel on the run's backend when it is Ray or processes
+(`backend.current`): a worker returns one file's (index, record) list and this process takes the files in
 their sorted order, at most ``2 x workers`` in flight, and checks, numbers, deduplicates and
 shards the records exactly as when it reads them itself: the same documents, ids, rejects and
 shard cut points (execution only). Hub sources come after the files, each read the same way
@@ -327,22 +327,22 @@ def _file_records(job: tuple[str, IngestConfig], uri: str) -> str:
 @contextlib.contextmanager
 def _worker_map(out_dir: Path) -> Iterator[Callable | None]:
     """``stream(fn, job, items)``: ``fn((scratch, job), item)`` per item on the data units'
-    engine (`units.data_units`: Ray, or ``LLMFLOW_DATA_WORKERS`` processes), results in order
-    with a bounded number in flight; None where this process reads everything itself."""
-    from llmflow.tasks.dataprep.units import data_units
+    backend (`backend.current`: Ray or processes), results in order with a bounded number in
+    flight; None where this process reads everything itself."""
+    from llmflow.tasks.framework import backend
 
     scratch = out_dir / SCRATCH
-    # NOTE: one engine (a process pool) for the files and every Hub source: a spawned worker
+    # NOTE: one backend (a process pool) for the files and every Hub source: a spawned worker
     # imports pyarrow and datasets once
-    with data_units() as units:
-        if not units.parallel:
-            yield None
-            return
-        scratch.mkdir()
-        try:
-            yield lambda fn, job, items: units.stream(fn, (str(scratch), job), items)
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
+    units = backend.current()
+    if not units.parallel:
+        yield None
+        return
+    scratch.mkdir()
+    try:
+        yield lambda fn, job, items: units.stream(fn, (str(scratch), job), items)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 @contextlib.contextmanager

@@ -113,12 +113,13 @@ def test_a_ray_worker_killed_mid_stage_rerun_redoes_only_unfinished_shards(
     shards in flight finish; the re-run computes exactly the shards without a marker, and the
     result is byte-identical to a run without the fault."""
     from llmflow.flows.pipeline import planned
-    from llmflow.tasks.framework.engine import RayEngine, ThreadEngine
+    from llmflow.tasks.framework.backend import RayBackend, ThreadBackend
+    from llmflow.tasks.framework.engine import StageEngine
     from llmflow.tasks.framework.executor import Executor
 
     root = tmp_path / "run"
     graph = planned(curate_config(root, "ray"))
-    reference_engine = ThreadEngine(2)
+    reference_engine = StageEngine(ThreadBackend(2))
     try:
         Executor(str(root), engine=reference_engine).run(graph)
     finally:
@@ -132,8 +133,8 @@ def test_a_ray_worker_killed_mid_stage_rerun_redoes_only_unfinished_shards(
     # NOTE: the running cluster's workers were forked without the fault: restart Ray with it
     local_ray.shutdown()
     local_ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1")
-    engine = RayEngine(max_in_flight=4)
-    assert engine.batch_size(total) > 1  # shard 10 dies inside a Ray task of several shards
+    engine = StageEngine(RayBackend(max_in_flight=4))
+    assert engine.backend.unit_size(total) > 1  # shard 10 dies inside a Ray task of several shards
     try:
         with pytest.raises(local_ray.exceptions.RayError):
             Executor(str(root), engine=engine).run(graph)
@@ -178,7 +179,7 @@ def test_address_local_starts_a_loopback_only_cluster_and_shuts_it_down(tmp_path
     noop = graph.add(overhead_noop, OverheadShards(), "n", map_over="shard", shard=source)
     engine = make_engine(curate_config(tmp_path, "ray").runner)
     try:
-        assert engine.started and ray.is_initialized()
+        assert engine.backend.started and ray.is_initialized()
         children = psutil.Process().children(recursive=True)
         listening = {
             c.laddr.ip

@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 NUM_NODES = 10  # sample, ingest, 4 mapped stages, 4 global ones (graph.until("curate"))
 
 
-def curate(server, root: Path, num_math_docs: int, fan_out: str, docs_per_shard: int = 1) -> str:
+def curate(server, root: Path, num_math_docs: int, docs_per_shard: int = 1) -> str:
     """Run the quickstart's curation as a user does (``llmflow run``, its own process, talking to
     the server); the flow run's id.
 
@@ -30,7 +30,6 @@ def curate(server, root: Path, num_math_docs: int, fan_out: str, docs_per_shard:
         f"sample.num_math_docs={num_math_docs}",
         "runner.kind=threads",
         "runner.max_workers=2",
-        f"runner.fan_out={fan_out}",
     ]
     sets = [arg for value in overrides for arg in ("--set", value)]
     argv = [str(BIN / "llmflow"), "run", str(REPO / "configs" / "quickstart.yaml"),
@@ -92,7 +91,7 @@ def shards(root: Path) -> int:
 
 def test_2000_shard_curate_makes_one_task_run_per_stage(prefect_server, tmp_path):  # noqa: F811
     staged = tmp_path / "staged"
-    flow_run = curate(prefect_server, staged, num_math_docs=1700, fan_out="stage")
+    flow_run = curate(prefect_server, staged, num_math_docs=1700)
     assert shards(staged) >= 2000
     runs = settled_task_runs(flow_run, NUM_NODES)
     assert len(runs) == NUM_NODES, sorted(r.name for r in runs)
@@ -100,9 +99,3 @@ def test_2000_shard_curate_makes_one_task_run_per_stage(prefect_server, tmp_path
     assert len(flow_run_logs(flow_run)) < 40 * NUM_NODES  # grows with stages, not shards
     progress = progress_artifacts(flow_run)  # one per mapped stage, at 100% of its shards
     assert len(progress) == 4 and all(float(a.data) == 100.0 for a in progress)
-
-    # The reference: one task per shard on a smaller corpus already makes O(shards) task runs.
-    per_shard = tmp_path / "per-shard"
-    flow_run = curate(prefect_server, per_shard, num_math_docs=0, fan_out="shard", docs_per_shard=4)
-    expected = 4 * shards(per_shard) + NUM_NODES - 4
-    assert len(settled_task_runs(flow_run, expected)) == expected

@@ -1,4 +1,4 @@
-"""Prefect task runners running a mapped step for real, and which failures a step task retries."""
+"""A mapped step on each backend under Prefect for real, and which failures a step task retries."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pydantic import BaseModel, Field
 
 from llmflow.tasks.config import RunnerConfig
 from llmflow.tasks.framework.errors import BadInputError
-from llmflow.tasks.framework.executor import PrefectExecutor, task_runner
+from llmflow.tasks.framework.executor import PrefectExecutor
 from llmflow.tasks.framework.graph import Graph
 from llmflow.tasks.framework.step import Metrics, step
 
@@ -83,9 +83,10 @@ def _run_mapped(kind: str, root: Path) -> tuple[int, set[int]]:
     """Run the mapped graph in a flow on the runner ``kind``; the total and the worker pids."""
     from prefect import flow
 
-    @flow(name=f"runner-{kind}", task_runner=task_runner(RunnerConfig(kind=kind, max_workers=2)))
+    @flow(name=f"runner-{kind}")
     def run() -> int:
-        outcome = PrefectExecutor(str(root)).run(_mapped_graph())
+        runner = RunnerConfig(kind=kind, max_workers=2)
+        outcome = PrefectExecutor(str(root), runner=runner).run(_mapped_graph())
         return outcome.results[_last(outcome)].metrics["total"]
 
     value = run()
@@ -107,15 +108,20 @@ def test_process_pool_runs_each_shard_in_a_worker_process(prefect_harness, tmp_p
     assert pids and os.getpid() not in pids
 
 
-def test_dask_runner_needs_its_extra_or_runs(prefect_harness, tmp_path):
-    try:
-        import prefect_dask  # noqa: F401
-    except ImportError:
-        with pytest.raises(BadInputError, match=r"pip install 'llmflow\[dask\]'"):
-            task_runner(RunnerConfig(kind="dask"))
-        pytest.skip("prefect-dask is not installed (the llmflow[dask] extra)")
-    value, pids = _run_mapped("dask", tmp_path)
-    assert value == sum(n * n for n in NUMBERS) and os.getpid() not in pids
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("runner.fan_out=shard", r"runner.fan_out='shard' was removed: .* delete the field"),
+        ("runner.kind=dask", r"runner.kind='dask' was removed: use threads, processes or ray"),
+    ],
+)
+def test_a_recipe_with_a_removed_runner_field_names_it_and_what_to_use(override, message):
+    from llmflow.tasks.config import load_config
+    from llmflow.tasks.framework.errors import ConfigError
+
+    repo = Path(__file__).resolve().parents[2]
+    with pytest.raises(ConfigError, match=message):
+        load_config(repo / "configs" / "quickstart.yaml", [override])
 
 
 @pytest.mark.slow

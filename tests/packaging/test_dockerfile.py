@@ -152,7 +152,7 @@ def test_dockerignore_keeps_the_context_small_but_not_the_sources():
 
 # --- the image's extras cover what every recipe and manifest runs -------------------------------
 
-EXTRA_FEATURES = ("merge", "ray", "sweep", "trackers", "dask")
+EXTRA_FEATURES = ("merge", "ray", "sweep", "trackers")
 """The extras that turn on a feature (test and bench are for development)."""
 
 

@@ -13,12 +13,13 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from llmflow.tasks.curation import distributed_dedup
+from llmflow.tasks.config import RunnerConfig
 from llmflow.tasks.curation.config import ExactDedupConfig, MinhashConfig
-from llmflow.tasks.curation.distributed_dedup import RAY_ADDRESS_ENV, data_map, local_map, ray_map
 from llmflow.tasks.curation.exact_dedup import exact_dedup, exact_hashes, text_hash
 from llmflow.tasks.curation.minhash import minhash_signatures, near_dedup
 from llmflow.tasks.curation.shards import write_drops
+from llmflow.tasks.framework import backend as backend_module
+from llmflow.tasks.framework.backend import RayBackend, active, make_backend
 from llmflow.tasks.framework.hashing import versioned_fields
 from tests.tasks.curation.helpers import near_copy, prose, real_documents, write_shards
 
@@ -255,19 +256,17 @@ def test_partitioned_near_dedup_on_held_in_corpus(tmp_path, shared_data):
 
 
 @pytest.mark.slow
-def test_data_map_starts_and_stops_ray_from_the_env(tmp_path, monkeypatch):
-    """Runs before the module's cluster starts: data_map starts one from the env and stops it."""
+def test_a_ray_backend_starts_and_stops_a_local_cluster(tmp_path, monkeypatch):
+    """Runs before the module's cluster starts: ``runner.kind: ray`` starts one on 127.0.0.1
+    and closing the backend stops it; outside a run, a step's units run in this process."""
     ray = _ray_pickling_this_module()
     assert not ray.is_initialized()
-    monkeypatch.setenv(RAY_ADDRESS_ENV, "local")
     monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
-    with data_map() as run:
+    with make_backend(RunnerConfig(kind="ray")) as backend:
         assert ray.is_initialized()
-        assert run(_tagged, [1, 2])[1][0] == 2
+        assert backend.map(_tagged, [1, 2])[1][0] == 2
     assert not ray.is_initialized()
-    monkeypatch.delenv(RAY_ADDRESS_ENV)
-    with data_map() as run:
-        assert run is local_map
+    assert backend_module.current().kind == "local"
 
 
 def _ray_pickling_this_module():
@@ -296,16 +295,21 @@ def _tagged(value: int) -> tuple[int, int]:
 @pytest.mark.slow
 def test_ray_map_keeps_order_with_one_in_flight(local_ray):
     items = list(range(7))
-    results = ray_map(max_in_flight=1)(_tagged, items)
+    results = RayBackend(max_in_flight=1, items_per_task=2).map(_tagged, items)
     assert [v for v, _ in results] == items
     assert {pid for _, pid in results} != {os.getpid()}  # they ran in Ray's workers
 
 
 @pytest.mark.slow
 def test_steps_on_ray_equal_union_find_and_reference(tmp_path, local_ray, shared_data, monkeypatch):
-    """Under a connected Ray (as the data engine leaves it), the partitioned steps run their
-    partitions as Ray tasks and give the single-process steps' drops."""
-    monkeypatch.setattr(distributed_dedup, "local_map", None)  # nothing runs in-process
+    """On a Ray backend (as a run under ``runner.kind: ray`` makes active), the partitioned
+    steps run their partitions as Ray tasks and give the single-process steps' drops."""
+    monkeypatch.setattr(backend_module, "_LOCAL", None)  # nothing may run in-process
+    with active(RayBackend()):
+        _steps_on_ray(tmp_path, shared_data)
+
+
+def _steps_on_ray(tmp_path, shared_data):
     records = _exact_corpus(seed=5)
     shards = write_shards(tmp_path / "in", records, num_shards=4)
     hashes = _mkdir(tmp_path / "hashes")
@@ -409,7 +413,7 @@ def test_quickstart_curate_on_the_ray_engine_with_partitioned_dedup(
     root = tmp_path / "run"
     run_pipeline(config(root, "runner.kind=threads"))
     shutil.move(root, tmp_path / "threads")
-    monkeypatch.setattr(distributed_dedup, "local_map", None)  # the partitions must go to Ray
+    monkeypatch.setattr(backend_module, "_LOCAL", None)  # the partitions must go to Ray
     partitioned = (
         "curate.exact_dedup.method=partitioned",
         "curate.exact_dedup.partitions=8",

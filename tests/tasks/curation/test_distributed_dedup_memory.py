@@ -24,6 +24,7 @@ import pytest
 from llmflow.tasks.curation import distributed_dedup as dd
 from llmflow.tasks.curation.config import MinhashConfig
 from llmflow.tasks.curation.shards import write_drops
+from llmflow.tasks.framework.backend import ProcessBackend
 
 REPO = Path(__file__).resolve().parents[3]
 NUM_BUCKETS = MinhashConfig().num_buckets
@@ -79,10 +80,11 @@ class PeakMap:
     """A map on spawned workers that also keeps the largest peak any worker reached."""
 
     def __init__(self, workers: int = 2):
-        self.inner, self.peak = dd.process_map(workers), 0.0
+        self.workers, self.peak = workers, 0.0
 
     def __call__(self, fn, items):
-        done = self.inner(partial(_with_peak, fn), items)
+        with ProcessBackend(self.workers) as backend:  # fresh workers for each stage
+            done = backend.map(partial(_with_peak, fn), items)
         self.peak = max([self.peak, *(peak for _, peak in done)])
         return [result for result, _ in done]
 

@@ -26,7 +26,7 @@ from llmflow.tasks.dataprep import pack as pack_module
 from llmflow.tasks.dataprep.config import StageMixture, ValidationConfig
 from llmflow.tasks.dataprep.mixture import build_mixture, build_validation
 from llmflow.tasks.dataprep.pack import token_dtype, write_packed
-from llmflow.tasks.dataprep.units import WORKERS_ENV
+from llmflow.tasks.framework.backend import ProcessBackend, RayBackend, active
 from tests.tasks.dataprep.packed_rows import read_all_rows
 
 MIX = StageMixture(
@@ -111,7 +111,6 @@ def corpus(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"pack_engine_{request.param}")
     tokenized = make_tokenized(root / "tokenized", request.param, 800_000)
     with pytest.MonkeyPatch.context() as patch:
-        patch.delenv(WORKERS_ENV, raising=False)
         patch.setattr(mixture_module, "write_packed_units", _single_process)
         reference = _build(tokenized, root / "reference")
     assert "ray" not in sys.modules or not sys.modules["ray"].is_initialized()
@@ -135,16 +134,15 @@ def small_units(monkeypatch) -> list[int]:
 
 def test_in_process_units_are_byte_identical(corpus, small_units, tmp_path, monkeypatch):
     tokenized, reference = corpus
-    monkeypatch.delenv(WORKERS_ENV, raising=False)
     assert _build(tokenized, tmp_path) == reference
     # stream and shard runs of the mixture, then of the validation set: one worker, 8 units
     assert small_units[:2] == [8, 8] and len(small_units) == 4, small_units
     assert len(reference[0]) > 20 and "meta.json" in reference[0]
 
 
-def test_process_pool_units_are_byte_identical(corpus, small_units, tmp_path, monkeypatch):
+def test_process_pool_units_are_byte_identical(corpus, small_units, tmp_path, on_backend):
     tokenized, reference = corpus
-    monkeypatch.setenv(WORKERS_ENV, "2")
+    on_backend(ProcessBackend(2))
     start = time.perf_counter()
     assert _build(tokenized, tmp_path) == reference
     assert small_units[:2] == [16, 16], small_units
@@ -161,11 +159,11 @@ def test_ray_units_are_byte_identical(corpus, small_units, tmp_path, monkeypatch
     from llmflow.tasks.framework.ray_cluster import init_ray
 
     tokenized, reference = corpus
-    monkeypatch.delenv(WORKERS_ENV, raising=False)
     init_ray("local", num_cpus=2, log_to_driver=False)
     try:
         start = time.perf_counter()
-        assert _build(tokenized, tmp_path) == reference
+        with RayBackend() as backend, active(backend):
+            assert _build(tokenized, tmp_path) == reference
         seconds = time.perf_counter() - start
     finally:
         ray.shutdown()
@@ -233,7 +231,6 @@ def test_stream_units_put_every_document_at_its_prefix_sum(vocab_size, tmp_path,
 def test_units_pack_the_same_rows_as_write_packed(tmp_path, monkeypatch):
     """`write_packed_units` and `write_packed` on the same documents (empty ones included):
     the same files, and the rows hold the documents in order."""
-    monkeypatch.delenv(WORKERS_ENV, raising=False)
     monkeypatch.setattr(pack_module, "UNIT_TOKENS", 500)
     rng = np.random.default_rng(5)
     lengths = rng.integers(0, 40, 400)
@@ -256,7 +253,6 @@ def test_units_pack_the_same_rows_as_write_packed(tmp_path, monkeypatch):
 
 
 def test_lengths_that_disagree_with_the_source_fail(tmp_path, monkeypatch):
-    monkeypatch.delenv(WORKERS_ENV, raising=False)
     arrays = tuple(np.full(n, 5, np.uint16) for n in (3, 4, 5))
     kwargs = dict(seq_len=3, vocab_size=1000, eos_id=1, pad_id=0, seed=0, rows_per_shard=2)
     with pytest.raises(ValueError, match="the stream units wrote"):
@@ -278,12 +274,13 @@ def test_cuts_cover_every_item_in_nonempty_units(monkeypatch):
 
 
 @pytest.mark.parametrize("workers", ["0", "2"])
-def test_a_failed_unit_leaves_no_meta(workers, tmp_path, monkeypatch):
+def test_a_failed_unit_leaves_no_meta(workers, tmp_path, monkeypatch, on_backend):
     """A unit that raises (a domain's tokens gone: the driver reads only the offsets, the units
     the tokens) fails the step and leaves no meta.json nor stream.tmp."""
     tokenized = make_tokenized(tmp_path / "tokenized", 1000, 100_000)
     (tokenized / "train" / "code" / "tokens.bin").unlink()
-    monkeypatch.setenv(WORKERS_ENV, workers)
+    if workers == "2":
+        on_backend(ProcessBackend(2))
     monkeypatch.setattr(pack_module, "UNIT_TOKENS", UNIT)
     (tmp_path / "mix").mkdir()
     with pytest.raises(FileNotFoundError, match="tokens.bin"):

@@ -19,8 +19,7 @@ import pytest
 from llmflow.tasks.dataprep.config import StageMixture, TokenizeConfig
 from llmflow.tasks.dataprep.mixture import build_mixture
 from llmflow.tasks.dataprep.tokenize import tokenize_corpus
-from llmflow.tasks.dataprep.units import WORKERS_ENV, data_workers, process_stream, ray_stream
-from llmflow.tasks.framework.errors import BadInputError
+from llmflow.tasks.framework.backend import ProcessBackend, RayBackend, active
 from llmflow.tasks.ingest.ingest import IngestConfig, ingest, list_files
 from llmflow.tasks.ingest.sample import SampleConfig, make_sample
 from llmflow.tasks.tokenizer.config import TokenizerConfig
@@ -73,7 +72,6 @@ def _tokenize_and_mix(root: Path, out: Path) -> tuple[dict, dict, float]:
 def sequential(quickstart, tmp_path_factory):
     """The reference: this process alone."""
     assert "ray" not in sys.modules or not sys.modules["ray"].is_initialized()
-    os.environ.pop(WORKERS_ENV, None)
     return _tokenize_and_mix(quickstart, tmp_path_factory.mktemp("seq"))
 
 
@@ -85,8 +83,8 @@ def test_quickstart_corpus_has_several_files(quickstart, sequential):
     assert any(name.startswith("train/") for name in tokenized) and mix
 
 
-def test_process_pool_output_is_byte_identical(quickstart, sequential, tmp_path, monkeypatch):
-    monkeypatch.setenv(WORKERS_ENV, "2")
+def test_process_pool_output_is_byte_identical(quickstart, sequential, tmp_path, on_backend):
+    on_backend(ProcessBackend(2))
     tokenized, mix, seconds = _tokenize_and_mix(quickstart, tmp_path)
     print(f"tokenize: sequential {sequential[2]:.2f} s, 2 processes {seconds:.2f} s")
     assert tokenized == sequential[0]
@@ -108,8 +106,8 @@ def test_a_changed_corpus_changes_the_sha256s(quickstart, sequential, tmp_path, 
             table = table.set_column(1, "text", pa.array(texts, pa.string()))
         pq.write_table(table, corpus / path.name)
     (tmp_path / "tok").symlink_to(quickstart / "tok")
-    monkeypatch.setenv(WORKERS_ENV, "2")
-    tokenized, _, _ = _tokenize_and_mix(tmp_path, tmp_path / "out")
+    with ProcessBackend(2) as backend, active(backend):
+        tokenized, _, _ = _tokenize_and_mix(tmp_path, tmp_path / "out")
     changed = {k for k in tokenized if tokenized[k] != sequential[0].get(k)}
     assert any(k.endswith("tokens.bin") for k in changed), changed
 
@@ -138,15 +136,8 @@ def _check_order_and_bound(stream_fn, limit: int) -> None:
 
 
 def test_process_stream_keeps_the_items_order_with_a_bounded_number_in_flight():
-    _check_order_and_bound(lambda fn, job, items: process_stream(fn, job, items, 2), 4)
-
-
-def test_bad_worker_count_names_the_variable(monkeypatch):
-    monkeypatch.setenv(WORKERS_ENV, "two")
-    with pytest.raises(BadInputError, match=WORKERS_ENV):
-        data_workers()
-    monkeypatch.setenv(WORKERS_ENV, "3")
-    assert data_workers() == 3
+    with ProcessBackend(2) as backend:
+        _check_order_and_bound(backend.stream, 4)
 
 
 @pytest.mark.slow
@@ -159,9 +150,10 @@ def test_ray_output_is_byte_identical(quickstart, sequential, tmp_path):
     ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     try:
         started = time.perf_counter() - start
-        tokenized, mix, seconds = _tokenize_and_mix(quickstart, tmp_path)
-        tokenized_again, _, again = _tokenize_and_mix(quickstart, tmp_path / "again")
-        _check_order_and_bound(lambda fn, job, items: ray_stream(fn, job, items, 3), 3)
+        with RayBackend(max_in_flight=3) as backend, active(backend):
+            tokenized, mix, seconds = _tokenize_and_mix(quickstart, tmp_path)
+            tokenized_again, _, again = _tokenize_and_mix(quickstart, tmp_path / "again")
+            _check_order_and_bound(backend.stream, 3)
     finally:
         ray.shutdown()
     print(
@@ -195,20 +187,20 @@ def test_pipeline_under_ray_runner_tokenizes_on_ray_with_the_same_addresses(
     mixture's addresses and files are the threads run's."""
     import shutil
 
-    import llmflow.tasks.dataprep.units as units_module
     from llmflow.flows.pipeline import run_pipeline
     from llmflow.tasks.config import load_config
 
     pytest.importorskip("ray")
     monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
     streamed: list[tuple[str, int]] = []
-    original = units_module.ray_stream
+    original = RayBackend.stream
 
-    def counting(fn, job, items, max_in_flight=0):
+    def counting(self, fn, job, items, errors=False):
+        items = list(items)
         streamed.append((fn.__name__, len(items)))
-        return original(fn, job, items, max_in_flight)
+        return original(self, fn, job, items, errors)
 
-    monkeypatch.setattr(units_module, "ray_stream", counting)
+    monkeypatch.setattr(RayBackend, "stream", counting)
     repo = Path(__file__).resolve().parents[3]
     root, walls = tmp_path / "run", {}
     for kind in ("threads", "ray"):

@@ -15,12 +15,8 @@ import pytest
 from pydantic import BaseModel, Field
 
 from llmflow.tasks.config import RunnerConfig
-from llmflow.tasks.framework.engine import (
-    ProcessEngine,
-    Progress,
-    ThreadEngine,
-    make_engine,
-)
+from llmflow.tasks.framework.backend import ProcessBackend, ThreadBackend
+from llmflow.tasks.framework.engine import Progress, StageEngine, make_engine
 from llmflow.tasks.framework.errors import BadInputError
 from llmflow.tasks.framework.executor import Executor, Mapped
 from llmflow.tasks.framework.graph import Graph
@@ -66,7 +62,7 @@ def run_closing(engine, root: Path, graph: Graph):
 def test_thread_engine_gives_the_sequential_walks_outputs(tmp_path):
     graph, node = graph_of(12)
     reference = Executor(str(tmp_path / "seq")).run(graph)[node]
-    mapped = run_closing(ThreadEngine(2), tmp_path / "thr", graph)[node]
+    mapped = run_closing(StageEngine(ThreadBackend(2)), tmp_path / "thr", graph)[node]
     assert isinstance(mapped, Mapped) and mapped.labels == reference.labels
     assert [r.hash for r in mapped.results] == [r.hash for r in reference.results]
     assert (
@@ -77,7 +73,9 @@ def test_thread_engine_gives_the_sequential_walks_outputs(tmp_path):
 
 def test_a_failing_shard_stops_new_shards_and_those_in_flight_commit(tmp_path):
     graph, _ = graph_of(40, fail_at=5)
-    engine = ThreadEngine(1)  # two in flight: after shard 5 fails, at most shard 6 finishes
+    engine = StageEngine(
+        ThreadBackend(1)
+    )  # two in flight: after shard 5 fails, at most shard 6 finishes
     root = tmp_path / "store"
     with pytest.raises(BadInputError, match="shard 5 is bad"):
         run_closing(engine, root, graph)
@@ -90,7 +88,7 @@ def test_rerun_after_a_failure_keeps_committed_shards(tmp_path):
     """The same config again, once the cause is gone (a flag file): only uncommitted shards run."""
     graph, node = graph_of(30)
     root = tmp_path / "store"
-    engine = ThreadEngine(1)
+    engine = StageEngine(ThreadBackend(1))
     try:
         Executor(str(root), engine=engine).run(graph)
         (stage_marker,) = root.glob("engine-double/*/_COMMITTED")
@@ -106,27 +104,27 @@ def test_rerun_after_a_failure_keeps_committed_shards(tmp_path):
     assert len(values(root)) == 30
 
 
-class BatchedThreads(ThreadEngine):
-    """A thread engine that submits shards in units of ``size``, as the Ray engine does."""
+class BatchedThreads(ThreadBackend):
+    """A thread backend that submits shards in units of ``size``, as the Ray backend does."""
 
     def __init__(self, size: int):
         super().__init__(1)
         self.size, self.units = size, []
 
-    def batch_size(self, shards: int) -> int:
+    def unit_size(self, items: int) -> int:
         return self.size
 
-    def submit(self, step, config, root, stage, batch):
-        self.units.append([name for name, _ in batch])
-        return super().submit(step, config, root, stage, batch)
+    def submit(self, fn, job, items):
+        self.units.append([name for name, _ in items])
+        return super().submit(fn, job, items)
 
 
 def test_batched_units_give_every_shard_its_own_output_in_order(tmp_path):
     graph, node = graph_of(11)
-    engine = BatchedThreads(4)
-    mapped = run_closing(engine, tmp_path / "b", graph)[node]
+    backend = BatchedThreads(4)
+    mapped = run_closing(StageEngine(backend), tmp_path / "b", graph)[node]
     reference = Executor(str(tmp_path / "seq")).run(graph)[node]
-    assert [len(u) for u in engine.units] == [4, 4, 3]
+    assert [len(u) for u in backend.units] == [4, 4, 3]
     assert [r.hash for r in mapped.results] == [r.hash for r in reference.results]
     assert values(tmp_path / "b") == values(tmp_path / "seq")
 
@@ -135,20 +133,20 @@ def test_a_failure_inside_a_unit_commits_the_shards_before_it_and_starts_none_af
     """Units of 4, shard 5 bad: shards 0-4 commit (unit 0, and 4 in unit 1), shard 6-7 of its
     unit never start, and no unit is submitted after the failure (at most one more in flight)."""
     graph, _ = graph_of(40, fail_at=5)
-    engine = BatchedThreads(4)
+    backend = BatchedThreads(4)
     root = tmp_path / "store"
     with pytest.raises(BadInputError, match="shard 5 is bad"):
-        run_closing(engine, root, graph)
+        run_closing(StageEngine(backend), root, graph)
     markers = root.glob("engine-double/*/shards/*/_COMMITTED")
     done = sorted(int(p.parent.name.split("-")[1]) for p in markers)
     assert done[:5] == [0, 1, 2, 3, 4]
     assert 6 not in done and 7 not in done
-    assert len(engine.units) <= 3 and set(done) <= {0, 1, 2, 3, 4, 8, 9, 10, 11}
+    assert len(backend.units) <= 3 and set(done) <= {0, 1, 2, 3, 4, 8, 9, 10, 11}
 
 
 def test_process_engine_runs_shards_in_other_processes(tmp_path):
     graph, node = graph_of(6)
-    mapped = run_closing(ProcessEngine(2), tmp_path / "p", graph)[node]
+    mapped = run_closing(StageEngine(ProcessBackend(2)), tmp_path / "p", graph)[node]
     reference = Executor(str(tmp_path / "seq")).run(graph)[node]
     assert [r.hash for r in mapped.results] == [r.hash for r in reference.results]
     pids = {
@@ -188,8 +186,8 @@ def test_an_event_links_at_most_100_assets():
 
 
 def test_unknown_engine_kind_names_the_field():
-    with pytest.raises(BadInputError, match=r"runner.kind='dask' has no stage engine"):
-        make_engine(RunnerConfig(kind="dask"))
+    with pytest.raises(BadInputError, match=r"runner.kind='dask': use threads, processes or ray"):
+        make_engine(RunnerConfig.model_construct(kind="dask"))
 
 
 class Flaky(BaseModel):

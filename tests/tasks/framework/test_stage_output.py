@@ -13,7 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 from pydantic import BaseModel
 
-from llmflow.tasks.framework.engine import ThreadEngine
+from llmflow.tasks.framework.backend import ThreadBackend
+from llmflow.tasks.framework.engine import StageEngine
 from llmflow.tasks.framework.errors import BadInputError
 from llmflow.tasks.framework.executor import Executor
 from llmflow.tasks.framework.graph import Graph
@@ -127,7 +128,9 @@ def test_the_stage_address_is_known_before_any_shard_runs(tmp_path):
 def test_a_failed_stage_looks_incomplete_and_its_rerun_computes_only_missing_shards(tmp_path):
     graph, nodes = graph_of(20)
     FAILING.add(7)
-    engine = ThreadEngine(1)  # two in flight: once shard 7 fails, at most shard 8 also commits
+    engine = StageEngine(
+        ThreadBackend(1)
+    )  # two in flight: once shard 7 fails, at most shard 8 also commits
     try:
         with pytest.raises(BadInputError, match="shard 7 refused"):
             Executor(str(tmp_path), engine=engine).run(graph)

@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from llmflow.tasks.dataprep.units import WORKERS_ENV
+from llmflow.tasks.framework.backend import ProcessBackend, RayBackend, active
 from llmflow.tasks.ingest import hub
 from llmflow.tasks.ingest.ingest import IngestConfig, ingest, list_files
 from llmflow.tasks.ingest.sample import SampleConfig, make_sample
@@ -104,7 +104,6 @@ def _ingest(files: list[str], out: Path, hub_uris=None) -> tuple[dict, dict, flo
 
 @pytest.fixture(scope="module")
 def sequential(data, tmp_path_factory):
-    os.environ.pop(WORKERS_ENV, None)
     return _ingest(data, tmp_path_factory.mktemp("seq"))
 
 
@@ -114,17 +113,17 @@ def test_sequential_reference_has_rejects_and_straddling_shards(sequential):
     assert "rejects.jsonl" in files and "shards/shard-00000.parquet" in files
 
 
-def test_process_pool_read_is_byte_identical(data, sequential, tmp_path, monkeypatch):
-    monkeypatch.setenv(WORKERS_ENV, "2")
+def test_process_pool_read_is_byte_identical(data, sequential, tmp_path, on_backend):
+    on_backend(ProcessBackend(2))
     metrics, files, seconds = _ingest(data, tmp_path)
     print(f"ingest: sequential {sequential[2]:.2f} s, 2 processes {seconds:.2f} s")
     assert metrics == sequential[0]
     assert files == sequential[1]
 
 
-def test_reordered_input_changes_the_output(data, sequential, tmp_path, monkeypatch):
+def test_reordered_input_changes_the_output(data, sequential, tmp_path, on_backend):
     """The comparison can fail: files read in another order cut and number differently."""
-    monkeypatch.setenv(WORKERS_ENV, "2")
+    on_backend(ProcessBackend(2))
     _, files, _ = _ingest(data[::-1], tmp_path)
     assert files != sequential[1]
 
@@ -138,16 +137,15 @@ def test_hub_sources_split_into_files_stream_as_one(hub_sources):
 
 @pytest.fixture(scope="module")
 def sequential_hub(data, hub_sources, tmp_path_factory):
-    os.environ.pop(WORKERS_ENV, None)
     return _ingest(data, tmp_path_factory.mktemp("seq_hub"), hub_sources)
 
 
 def test_hub_read_on_processes_is_byte_identical(
-    data, hub_sources, sequential_hub, tmp_path, monkeypatch
+    data, hub_sources, sequential_hub, tmp_path, on_backend
 ):
     metrics = sequential_hub[0]
     assert metrics["hub_taken"][hub_sources[0]] == 70 and metrics["rejected"] >= 8
-    monkeypatch.setenv(WORKERS_ENV, "2")
+    on_backend(ProcessBackend(2))
     metrics, files, seconds = _ingest(data, tmp_path, hub_sources)
     print(f"ingest with Hub: sequential {sequential_hub[2]:.2f} s, 2 processes {seconds:.2f} s")
     assert metrics == sequential_hub[0]
@@ -161,8 +159,9 @@ def test_ray_read_is_byte_identical(data, hub_sources, sequential, sequential_hu
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     try:
-        metrics, files, seconds = _ingest(data, tmp_path / "files")
-        with_hub = _ingest(data, tmp_path / "hub", hub_sources)
+        with RayBackend() as backend, active(backend):
+            metrics, files, seconds = _ingest(data, tmp_path / "files")
+            with_hub = _ingest(data, tmp_path / "hub", hub_sources)
     finally:
         ray.shutdown()
     print(f"ingest: sequential {sequential[2]:.2f} s, ray {seconds:.2f} s")
