@@ -2,7 +2,7 @@
 gradient accumulation and activation checkpointing, so that the stage fits its GPUs and keeps
 the recipe's global batch (``llmflow plan``).
 
-A stage's memory per GPU is `planner.memory_per_gpu` at the layout; its cost is its step time
+A stage's memory per GPU is ``memory_model.memory`` at the layout; its cost is its step time
 estimated from the model FLOPs, the recomputation, the pipeline bubble and the TP/CP traffic
 that the step cannot hide (the FSDP and pipeline sends are assumed overlapped with compute).
 """
@@ -14,16 +14,20 @@ from dataclasses import dataclass, field
 
 from llmflow.model.config import ModelConfig
 from llmflow.tasks.framework.errors import ConfigError
-from llmflow.tasks.pretrain.parallel.config import Layout, ParallelConfig
-from llmflow.tasks.pretrain.parallel.support import StageShape, check_layout, recipe_stages
-from llmflow.tasks.pretrain.planner import (
+from llmflow.tasks.pretrain.memory_model import (
     GB,
-    HEADROOM,
     MemoryEstimate,
+    Shape,
     checkpointed_blocks,
-    flops_per_token,
-    memory_per_gpu,
+    memory,
 )
+from llmflow.tasks.pretrain.parallel import cp as parallel_cp
+from llmflow.tasks.pretrain.parallel import pp as parallel_pp
+from llmflow.tasks.pretrain.parallel import tp as parallel_tp
+from llmflow.tasks.pretrain.parallel.config import Layout, ParallelConfig
+from llmflow.tasks.pretrain.parallel.pp import bubble_fraction
+from llmflow.tasks.pretrain.parallel.support import StageShape, check_layout, recipe_stages
+from llmflow.tasks.pretrain.planner import HEADROOM, flops_per_token
 
 INTRA_NODE_GBPS = 360.0
 """Bus bandwidth of one GPU's collectives inside a node, GB/s (NCCL all-gather on H100 NVLink 4
@@ -83,11 +87,6 @@ class LayoutPlan:
         return self.micro_batch_size * self.grad_accum_steps * self.layout.dp
 
 
-def bubble_fraction(pp: int, micro_batches: int) -> float:
-    """The pipeline bubble of GPipe and 1F1B, (p - 1) / m of the ideal step time."""
-    return (pp - 1) / micro_batches
-
-
 def communication(
     cfg: ModelConfig,
     layout: Layout,
@@ -104,21 +103,24 @@ def communication(
     Recomputed blocks repeat their forward collectives in the backward pass.
     """
     tp, cp, pp = layout.tp, layout.cp, layout.pp
-    blocks = math.ceil(cfg.num_layers / pp)
+    blocks = parallel_pp.stage_blocks(cfg.num_layers, pp)
     recomputed = checkpointed_blocks(cfg, activation_checkpointing, every_k) / cfg.num_layers
     tokens = micro_batch_size * seq_len / cp  # per rank per micro-batch
     residual = tokens * cfg.hidden_size * activation_bytes  # b·(s/cp)·h
-    tp_bytes = (8 + 4 * recomputed) * residual * (tp - 1) / tp * blocks * micro_batches
-    kv = cfg.num_kv_heads * cfg.head_dim / tp
-    gathered = 2 * micro_batch_size * seq_len * kv * activation_bytes  # K and V, whole sequence
-    cp_bytes = (2 + recomputed) * gathered * (cp - 1) / cp * blocks * micro_batches
+    tp_bytes = parallel_tp.traffic_bytes(
+        residual, tp=tp, blocks=blocks, micro_batches=micro_batches, recomputed=recomputed
+    )
+    cp_bytes = parallel_cp.traffic_bytes(
+        cfg, seq_len=seq_len, micro_batch_size=micro_batch_size, micro_batches=micro_batches,
+        activation_bytes=activation_bytes, tp=tp, cp=cp, blocks=blocks, recomputed=recomputed,
+    )  # fmt: skip
     shards = layout.dp_shard * cp
     per_block = (cfg.num_parameters(non_embedding=True) - cfg.hidden_size) / cfg.num_layers
     params = (blocks * per_block + cfg.vocab_size * cfg.hidden_size) / tp
     fsdp_bytes = params * (2 * micro_batches * activation_bytes + 4) * (shards - 1) / shards
     r = layout.dp_replicate
     fsdp_bytes += 2 * params / shards * 4 * (r - 1) / r
-    pp_bytes = 2 * micro_batches * residual / tp if pp > 1 else 0.0
+    pp_bytes = parallel_pp.traffic_bytes(residual, tp=tp, pp=pp, micro_batches=micro_batches)
     return Communication(tp_bytes / GB, cp_bytes / GB, fsdp_bytes / GB, pp_bytes / GB)
 
 
@@ -230,7 +232,7 @@ def choose_layout(
     model, ``optimizer``, ``compile``, ``seq_len`` and the accumulation decides (tp dividing
     the heads, cp dividing the sequence, pp micro-batches, no cp with pp, ...).
 
-    Each candidate's memory is `memory_per_gpu`; among those within ``HEADROOM`` of the GPU,
+    Each candidate's memory is ``memory_model.memory``; among those within ``HEADROOM`` of the GPU,
     the one with the shortest `step_seconds` wins: its cost grows with tp (traffic per layer),
     cp, pp (bubble) and recomputation, so tp grows first, as far as the layer needs to fit,
     then cp or pp, and checkpointing comes in where it costs less than more model
@@ -301,13 +303,9 @@ def _supported(layout: Layout, model: ModelConfig, stage: StageShape, support: d
 
 def _evaluate(model, layout, seq_len, micro, accum, ac, hardware, param_dtype_bytes, optimizer,
               every_k, usable, fixed) -> LayoutPlan:  # fmt: skip
-    memory = memory_per_gpu(
-        model, seq_len=seq_len, micro_batch_size=micro, num_gpus=layout.world_size,
-        param_dtype_bytes=param_dtype_bytes, optimizer=optimizer, fsdp=True,
-        activation_checkpointing=ac, every_k=every_k, tp=layout.tp, cp=layout.cp, pp=layout.pp,
-        dp_shard=layout.dp_shard, dp_replicate=layout.dp_replicate, micro_batches=accum,
-        pp_schedule=layout.pp_schedule, packed=True,
-    )  # fmt: skip
+    shape = Shape(model, seq_len, micro, param_dtype_bytes, optimizer, ac, every_k,
+                  micro_batches=accum, packed=True)  # fmt: skip
+    estimate = memory(shape, layout)
     comm = communication(model, layout, seq_len=seq_len, micro_batch_size=micro,
                          micro_batches=accum, activation_bytes=param_dtype_bytes,
                          activation_checkpointing=ac, every_k=every_k)  # fmt: skip
@@ -315,7 +313,7 @@ def _evaluate(model, layout, seq_len, micro, accum, ac, hardware, param_dtype_by
         model, layout, comm, seq_len=seq_len, global_batch=micro * accum * layout.dp,
         micro_batches=accum, hardware=hardware, activation_checkpointing=ac, every_k=every_k,
     )  # fmt: skip
-    return LayoutPlan(layout, micro, accum, ac, memory, usable, bubble_fraction(layout.pp, accum),
+    return LayoutPlan(layout, micro, accum, ac, estimate, usable, bubble_fraction(layout.pp, accum),
                       comm, seconds, compute, fixed)  # fmt: skip
 
 

@@ -119,3 +119,39 @@ def shard_batch(batch: dict[str, Tensor], group: dist.ProcessGroup) -> dict:
             out[key] = whole[key].index_select(1, index)
     out["context"] = SequenceShard(group, index, gather_order(seq_len, cp, ids.device), doc_ids)
     return out
+
+
+# --- the planner's terms for CP (`memory_model.memory`, `layout_planner.communication`) ------
+
+
+def gathered_kv_bytes(
+    cfg, *, seq_len: int, micro_batch_size: int, activation_bytes: int, tp: int, cp: int
+) -> float:
+    """Per layer kept for the backward pass: K and V of the whole rows (the KV heads, not
+    expanded; /tp under TP), less the local s/cp ones the block's own count has. Beside them
+    CUDA's ``flex`` and the CPU's document-segment kernel keep what the block's count has (the
+    local q, the output and its logsumexp); the CPU kernel's per-segment copies are made again
+    in the backward pass (its plan's indices, a few bytes per token, left out)."""
+    if cp == 1:
+        return 0.0
+    kv = cfg.num_kv_heads * cfg.head_dim / tp
+    return 2 * micro_batch_size * (seq_len - seq_len / cp) * kv * activation_bytes
+
+
+def traffic_bytes(
+    cfg,
+    *,
+    seq_len: int,
+    micro_batch_size: int,
+    micro_batches: int,
+    activation_bytes: int,
+    tp: int,
+    cp: int,
+    blocks: int,
+    recomputed: float,
+) -> float:
+    """Bytes one GPU sends per step for CP: the all-gather of K and V per block forward (again
+    for the ``recomputed`` share), the reduce-scatter of their gradients backward."""
+    kv = cfg.num_kv_heads * cfg.head_dim / tp
+    gathered = 2 * micro_batch_size * seq_len * kv * activation_bytes  # K and V, whole rows
+    return (2 + recomputed) * gathered * (cp - 1) / cp * blocks * micro_batches

@@ -365,3 +365,60 @@ class PipelineRunner:
 
 def _local(tensor: Tensor) -> Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+# --- the planner's terms for PP (`memory_model.memory`, `layout_planner`) --------------------
+
+
+def stage_blocks(num_layers: int, pp: int) -> int:
+    """Blocks of the fullest stage."""
+    return math.ceil(num_layers / pp)
+
+
+def bubble_fraction(pp: int, micro_batches: int) -> float:
+    """The pipeline bubble of GPipe and 1F1B, (p - 1) / m of the ideal step time."""
+    return (pp - 1) / micro_batches
+
+
+def stage_activations_bytes(
+    blocks: float,
+    embedding: float,
+    loss_gradient: float,
+    loss: float,
+    once: float,
+    *,
+    num_layers: int,
+    pp: int,
+    micro_batches: int,
+    schedule: str,
+) -> float:
+    """The fuller end stage's activations at the loss's forward pass, from one micro-batch's
+    figures for the whole model: ``blocks`` (every block's), ``embedding`` (its output),
+    ``loss_gradient`` (the hidden-state gradient the fused loss makes), ``loss`` (its buffers)
+    and ``once`` (held once for all layers). The first stage holds its blocks' share and the
+    embedding output of the micro-batches in flight (1F1B: min(pp, m); GPipe: all m); the last
+    its share of one micro-batch (GPipe: all) with the loss."""
+    stage = blocks * stage_blocks(num_layers, pp) / num_layers
+    in_flight = micro_batches if schedule == "gpipe" else min(pp, micro_batches)
+    first = in_flight * (stage + embedding) + once
+    last_in_flight = micro_batches if schedule == "gpipe" else 1
+    last = last_in_flight * (stage + loss_gradient) + loss
+    return max(first, last)
+
+
+def final_save_bytes(cfg, pp: int) -> float:
+    """What the final save gathers on the GPU under PP: this stage's full state (every
+    parameter whole, float32) on every rank (``get_model_state_dict(cpu_offload=False)``; each
+    pipeline group sends it to its first rank). The optimizer's state is never gathered, and
+    under TP each rank writes its own runs of canonical rows (``tp.CanonicalRows``): nothing."""
+    if pp == 1:
+        return 0.0
+    c = cfg.hidden_size
+    per_block = (cfg.num_parameters(non_embedding=True) - c) / cfg.num_layers
+    return (stage_blocks(cfg.num_layers, pp) * per_block + cfg.vocab_size * c + c) * 4
+
+
+def traffic_bytes(residual: float, *, tp: int, pp: int, micro_batches: int) -> float:
+    """Bytes one GPU sends per step for PP: each micro-batch's activations forward and their
+    gradients backward across a stage boundary (``residual`` = b·(s/cp)·h bytes, /tp)."""
+    return 2 * micro_batches * residual / tp if pp > 1 else 0.0

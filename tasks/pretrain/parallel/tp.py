@@ -342,3 +342,33 @@ def canonical_full(model: nn.Module, full: dict[str, Tensor]) -> dict[str, Tenso
         if name in full:
             full[name] = _reorder(full[name], order)
     return full
+
+
+# --- the planner's terms for TP (`memory_model.memory`, `layout_planner.communication`) ------
+
+EMBEDDING_BACKWARD_BUFFERS = {"cuda": 2, "cpu": 4}
+"""(V/tp, C) buffers the tied embedding's backward adds under TP, beside its gradient."""
+
+
+def embedding_backward_bytes(cfg, tp: int, grad_bytes: int, device: str) -> float:
+    """What the tied embedding's backward pass adds under tensor parallelism.
+
+    In one process the fused loss and the embedding share one float32 gradient buffer
+    (``model/loss.py`` `TiedGradient`); under TP (a DTensor weight) they do not: the embedding's
+    dense (V/tp, C) gradient and its sum with the loss's are made beside the loss's gradient.
+    On CPU the dense backward makes two more (measured: 4 buffers at the embedding's backward,
+    tests/tasks/pretrain/test_planner_parallel_memory.py).
+    """
+    if tp == 1 or not cfg.tie_embeddings:
+        return 0.0
+    buffers = EMBEDDING_BACKWARD_BUFFERS.get(device, EMBEDDING_BACKWARD_BUFFERS["cuda"])
+    return buffers * cfg.vocab_size / tp * cfg.hidden_size * grad_bytes
+
+
+def traffic_bytes(
+    residual: float, *, tp: int, blocks: int, micro_batches: int, recomputed: float
+) -> float:
+    """Bytes one GPU sends per step for TP + SP: 4 all-gathers/reduce-scatters of the residual
+    stream (``residual`` = b·(s/cp)·h bytes) per block forward, 4 backward, and the forward's
+    again for the ``recomputed`` share of blocks; a ring moves (tp-1)/tp of each."""
+    return (8 + 4 * recomputed) * residual * (tp - 1) / tp * blocks * micro_batches
