@@ -26,6 +26,7 @@ from llmflow.tasks.decontam.config import DecontamSettings
 from llmflow.tasks.evaluation.config import EvalConfig
 from llmflow.tasks.extend.config import ExtendConfig
 from llmflow.tasks.framework.errors import BadInputError, ConfigError
+from llmflow.tasks.framework.hashing import UNVERSIONED
 from llmflow.tasks.framework.resources import data_dir
 from llmflow.tasks.ingest.ingest import IngestConfig
 from llmflow.tasks.ingest.sample import SampleConfig
@@ -104,16 +105,21 @@ class RunnerConfig(BaseModel):
     max_workers: int | None = Field(
         None, ge=1, description="Threads or processes (None: Python's default for the pool)."
     )
+    fan_out: Literal["stage"] = Field(
+        "stage",
+        description="Always 'stage': each mapped stage is one Prefect task (kept so that recipes "
+        "and model cards naming it still load; one task per shard, 'shard', was removed).",
+    )
     ray: RayEngineConfig = Field(default_factory=RayEngineConfig)
 
     @model_validator(mode="before")
     @classmethod
     def _removed_fields(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "fan_out" in data:
+        if isinstance(data, dict) and data.get("fan_out", "stage") != "stage":
             raise ValueError(
                 f"runner.fan_out={data['fan_out']!r} was removed: every mapped stage is one "
                 "Prefect task whose shards run on runner.kind (threads, processes or ray); "
-                "delete the field"
+                "delete the field or set it to 'stage'"
             )
         if isinstance(data, dict) and data.get("kind") == "dask":
             raise ValueError(
@@ -154,7 +160,7 @@ class PipelineConfig(BaseModel):
     root: str = Field(
         "./runs",
         description="Artifact root: a folder or s3://bucket/prefix.",
-        json_schema_extra={"versioned": False},
+        json_schema_extra=UNVERSIONED,
     )
     data: list[str] = Field(
         default_factory=list,
@@ -169,14 +175,10 @@ class PipelineConfig(BaseModel):
     until: str | None = Field(
         None,
         description=f"Stop after this phase of the recipe; one of {', '.join(PHASES)}.",
-        json_schema_extra={"versioned": False},
+        json_schema_extra=UNVERSIONED,
     )
-    runner: RunnerConfig = Field(
-        default_factory=RunnerConfig, json_schema_extra={"versioned": False}
-    )
-    hardware: HardwareConfig = Field(
-        default_factory=HardwareConfig, json_schema_extra={"versioned": False}
-    )
+    runner: RunnerConfig = Field(default_factory=RunnerConfig, json_schema_extra=UNVERSIONED)
+    hardware: HardwareConfig = Field(default_factory=HardwareConfig, json_schema_extra=UNVERSIONED)
     sample: SampleConfig = Field(default_factory=SampleConfig)
     ingest: IngestConfig = Field(default_factory=IngestConfig)
     curate: CurateConfig = Field(default_factory=CurateConfig)

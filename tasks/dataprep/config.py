@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from llmflow.tasks.framework.hashing import OMIT_DEFAULT
+from llmflow.tasks.framework.hashing import OMIT_DEFAULT, UNVERSIONED
 
 
 class TokenizeConfig(BaseModel):
@@ -22,12 +22,12 @@ class TokenizeConfig(BaseModel):
     encode_batch_size: int = Field(
         2048,
         description="Documents per `encode_batch` call; larger batches keep Rust threads busy.",
-        json_schema_extra={"versioned": False},
+        json_schema_extra=UNVERSIONED,
     )
     read_batch_rows: int = Field(
         8192,
         description="Rows per parquet record batch read while streaming the corpus.",
-        json_schema_extra={"versioned": False},
+        json_schema_extra=UNVERSIONED,
     )
 
     @field_validator("validation_fraction")

@@ -7,6 +7,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from llmflow.tasks.framework.hashing import UNVERSIONED
+
 TASK_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
 
 
@@ -61,22 +63,22 @@ class EvalConfig(BaseModel):
     batch_size: Literal["auto"] | int = Field(
         default="auto",
         description="lm-eval batch size; 'auto' lets lm-eval find the largest that fits.",
-        json_schema_extra={"versioned": False},
+        json_schema_extra=UNVERSIONED,
     )
     max_batch_size: int = Field(
         default=64,
         description="Upper bound for the 'auto' batch size search.",
-        json_schema_extra={"versioned": False},
+        json_schema_extra=UNVERSIONED,
     )
     device: str | None = Field(
         default=None,
         description="Torch device ('cpu', 'cuda:0'); None picks cuda when present, else cpu.",
-        json_schema_extra={"versioned": False},
+        json_schema_extra=UNVERSIONED,
     )
     log_samples: bool = Field(
         default=False,
         description="Also write the per-sample log (samples_<task>.jsonl) beside results.json.",
-        json_schema_extra={"versioned": False},
+        json_schema_extra=UNVERSIONED,
     )
 
     def versioned_extras(self) -> dict[str, str]:

@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from llmflow.tasks.evaluation.models import hf_dir, write_progress
 from llmflow.tasks.framework.errors import BadInputError
+from llmflow.tasks.framework.hashing import UNVERSIONED
 from llmflow.tasks.framework.step import Metrics, RawFiles, step
 from llmflow.tasks.ingest import models
 from llmflow.tasks.summaries import ModelSize
@@ -42,7 +43,7 @@ class ExternalModelConfig(BaseModel):
     source: str = Field(
         description="As given: hf://models/OWNER/NAME[@REVISION] or a folder (a label: the pin "
         "is what is hashed, so @main and @<its commit> are one output).",
-        json_schema_extra={"versioned": False},
+        json_schema_extra=UNVERSIONED,
     )
     pinned: str = Field(
         description="hf://models/OWNER/NAME@<commit or local-fingerprint>, or FOLDER@local-..."

@@ -9,7 +9,8 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from llmflow.tasks.dataprep.config import StageMixture
-from llmflow.tasks.pretrain.config import UNVERSIONED, TrainConfig
+from llmflow.tasks.framework.hashing import UNVERSIONED
+from llmflow.tasks.pretrain.config import TrainConfig
 from llmflow.tasks.pretrain.parallel.config import ParallelConfig
 
 

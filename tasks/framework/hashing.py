@@ -14,6 +14,12 @@ HASH_CHARS = 16
 PROTOCOL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
 
+UNVERSIONED = {"versioned": False}
+"""``Field(..., json_schema_extra=UNVERSIONED)``: an execution-only field (worker counts, log
+intervals) that no hash covers; a step that reads one declares it in ``@step(execution=...)``,
+which the read audit checks (``audit.unhashed_reads``)."""
+
+
 def canonical_json(obj: Any) -> str:
     """JSON with sorted keys and no whitespace, so equal values hash equally."""
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)

@@ -31,10 +31,11 @@ from prefect.exceptions import MissingContextError
 from prefect.logging import get_run_logger
 from prefect.states import Completed, State
 
+from llmflow.tasks.framework.disk import disk_error
 from llmflow.tasks.framework.engine import Progress, ShardCall, StageEngine
 from llmflow.tasks.framework.errors import BadInputError
 from llmflow.tasks.framework.step import Mapped, Shard, Step, StepResult
-from llmflow.tasks.framework.store import Store, disk_error
+from llmflow.tasks.framework.store import Store
 
 MAX_RELATED = 100  # Prefect rejects an event with more related resources
 log = logging.getLogger("llmflow.executor")

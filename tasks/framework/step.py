@@ -18,13 +18,11 @@ directly, it is the plain function.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import inspect
 import time
 import types
 import typing
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -36,6 +34,13 @@ from llmflow.tasks.framework.audit import recording
 from llmflow.tasks.framework.concurrency import gpu_slot
 from llmflow.tasks.framework.errors import BadInputError
 from llmflow.tasks.framework.hashing import relative_names, step_hash
+from llmflow.tasks.framework.reporting import (  # noqa: F401 (steps import the reports from here)
+    _Running,
+    _running,
+    checkpoint_saved,
+    report_markdown,
+    report_table,
+)
 from llmflow.tasks.framework.store import SHARDS_DIR, Store, now
 
 Metrics = dict[str, Any]
@@ -98,52 +103,6 @@ class Mapped:
             if self.seconds is not None
             else sum(r.seconds for r in self.results),
         )
-
-
-@dataclass
-class _Running:
-    """The step being run here: where its reports and checkpoint notices go."""
-
-    step: str
-    artifacts: list[dict[str, Any]] = field(default_factory=list)
-    on_checkpoint: Callable[[], None] = lambda: None
-
-
-_CURRENT: contextvars.ContextVar[_Running | None] = contextvars.ContextVar("step", default=None)
-
-
-def report_table(key: str, rows: list[dict[str, Any]], description: str = "") -> None:
-    """Publish a table with the step's output (a Prefect table artifact under the executor)."""
-    running = _CURRENT.get()
-    if running is not None:
-        running.artifacts.append(
-            {"kind": "table", "key": key, "rows": rows, "description": description}
-        )
-
-
-def report_markdown(key: str, markdown: str, description: str = "") -> None:
-    """Publish a markdown report with the step's output."""
-    running = _CURRENT.get()
-    if running is not None:
-        running.artifacts.append(
-            {"kind": "markdown", "key": key, "markdown": markdown, "description": description}
-        )
-
-
-def checkpoint_saved() -> None:
-    """Tell the store a resumable checkpoint is in the working directory (mirrored on S3)."""
-    running = _CURRENT.get()
-    if running is not None:
-        running.on_checkpoint()
-
-
-@contextmanager
-def _running(running: _Running) -> Iterator[_Running]:
-    token = _CURRENT.set(running)
-    try:
-        yield running
-    finally:
-        _CURRENT.reset(token)
 
 
 @dataclass(frozen=True, eq=False)

@@ -37,6 +37,7 @@ from tqdm import tqdm
 
 from llmflow.tasks.framework import s3config
 from llmflow.tasks.framework.errors import BadInputError
+from llmflow.tasks.framework.hashing import UNVERSIONED
 from llmflow.tasks.framework.step import Metrics, RawFiles, report_table, step
 from llmflow.tasks.ingest import hub as hub_sources
 from llmflow.tasks.ingest.idset import IdSet
@@ -90,7 +91,7 @@ class IngestConfig(BaseModel):
         200,
         ge=0,
         description="Characters of each rejected record kept in the rejects file.",
-        json_schema_extra={"versioned": False},
+        json_schema_extra=UNVERSIONED,
     )
 
     @field_validator("domain_map")

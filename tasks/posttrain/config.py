@@ -6,10 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from llmflow.tasks.framework.hashing import OMIT_DEFAULT
+from llmflow.tasks.framework.hashing import OMIT_DEFAULT, UNVERSIONED
 from llmflow.tasks.posttrain.rewards import RewardSpec
-
-UNVERSIONED = {"versioned": False}
 
 
 class _TrainStepConfig(BaseModel):

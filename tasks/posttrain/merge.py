@@ -29,12 +29,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from llmflow.tasks.evaluation.models import hf_dir, write_progress
 from llmflow.tasks.framework.errors import BadInputError
-from llmflow.tasks.framework.hashing import versioned_fields
+from llmflow.tasks.framework.hashing import UNVERSIONED, versioned_fields
 from llmflow.tasks.framework.step import Metrics, report_table, step
 
 logger = logging.getLogger("llmflow.posttrain.merge")
 
-UNVERSIONED = {"versioned": False}
 # Config fields that fix every tensor's shape: merged models must agree on all of them.
 SHAPE_FIELDS = (
     "model_type",

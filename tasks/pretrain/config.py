@@ -2,7 +2,7 @@
 
 One pydantic model, :class:`TrainConfig`, with nested sections. Every check that can fail runs in
 a validator, so a bad value is rejected before any compute, naming the field and the value.
-Fields marked ``json_schema_extra={"versioned": False}`` are execution-only: they do not change the
+Fields marked ``json_schema_extra=UNVERSIONED`` are execution-only: they do not change the
 output's content hash (log intervals, progress bars, ...).
 """
 
@@ -27,13 +27,11 @@ from pydantic import (
 
 from llmflow.model.config import ModelConfig, preset
 from llmflow.tasks.framework.errors import ConfigError
-from llmflow.tasks.framework.hashing import OMIT_DEFAULT, versioned_fields  # noqa: F401  (versioned_fields re-exported: the store's hash view)
+from llmflow.tasks.framework.hashing import OMIT_DEFAULT, UNVERSIONED, versioned_fields  # noqa: F401  (versioned_fields re-exported: the store's hash view)
 from llmflow.tasks.pretrain.parallel.config import ParallelConfig
 
 if TYPE_CHECKING:
     import torch
-
-UNVERSIONED = {"versioned": False}
 
 
 class _Section(BaseModel):

@@ -18,8 +18,8 @@ from typing import Any, ClassVar, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from llmflow.tasks.framework.hashing import UNVERSIONED
 from llmflow.tasks.framework.ray_cluster import check_reachable
-from llmflow.tasks.pretrain.config import UNVERSIONED
 from llmflow.tasks.pretrain.notices import TRAIN_MODULE
 from llmflow.tasks.pretrain.ray_launch import RayLines, RaySettings, build_ray_command
 

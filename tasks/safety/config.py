@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from llmflow.tasks.framework.errors import BadInputError
-from llmflow.tasks.framework.hashing import OMIT_DEFAULT
+from llmflow.tasks.framework.hashing import OMIT_DEFAULT, UNVERSIONED
 
 CROWS_FILE = "crows_pairs_anonymized.csv"
 TOXIGEN_DIR = "toxigen_demonstrations"
@@ -58,7 +58,7 @@ class ToxicityClassifierConfig(BaseModel):
         json_schema_extra=OMIT_DEFAULT,
     )
     batch_size: int = Field(
-        32, ge=1, description="Texts per model call.", json_schema_extra={"versioned": False}
+        32, ge=1, description="Texts per model call.", json_schema_extra=UNVERSIONED
     )
 
     @field_validator("model")
@@ -109,7 +109,7 @@ class SafetyEvalConfig(BaseModel):
     )
     seed: int = 0
     batch_size: int = Field(
-        16, ge=1, description="Prompts per generate call.", json_schema_extra={"versioned": False}
+        16, ge=1, description="Prompts per generate call.", json_schema_extra=UNVERSIONED
     )
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         "float32",
@@ -119,7 +119,7 @@ class SafetyEvalConfig(BaseModel):
     device: str | None = Field(
         None,
         description="Torch device; the recipe sets evaluate.device here (None: cuda if present).",
-        json_schema_extra={"versioned": False},
+        json_schema_extra=UNVERSIONED,
     )
 
     def versioned_extras(self) -> dict[str, str]:
@@ -141,7 +141,7 @@ class SafetyConfig(BaseModel):
             f"{CROWS_FILE}, {TOXIGEN_DIR}/ and {LEXICON_FILE}. None: the safety steps are "
             "skipped. Not hashed: the steps hash the files' contents."
         ),
-        json_schema_extra={"versioned": False},
+        json_schema_extra=UNVERSIONED,
     )
     classifier: ToxicityClassifierConfig = Field(default_factory=ToxicityClassifierConfig)
     eval: SafetyEvalConfig = Field(default_factory=SafetyEvalConfig)

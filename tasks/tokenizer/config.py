@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from llmflow.tasks.framework.hashing import UNVERSIONED
+
 # NOTE: the SFT step and the chat template depend on these exact strings.
 BOS_TOKEN = "<|bos|>"
 EOS_TOKEN = "<|endoftext|>"
@@ -52,7 +54,7 @@ class TokenizerConfig(BaseModel):
     read_batch_rows: int = Field(
         4096,
         description="Rows per parquet record batch while streaming.",
-        json_schema_extra={"versioned": False},
+        json_schema_extra=UNVERSIONED,
     )
 
     @field_validator("vocab_size")

@@ -1,5 +1,5 @@
 """bench_data_scale: the corpus it builds (size, shards, planted copies) and a quick run whose
-task-run counts follow from the curate graph: one per shard per mapped stage, or one per stage."""
+task-run counts follow from the curate graph: one per stage, on threads and on processes."""
 
 from __future__ import annotations
 
@@ -48,25 +48,25 @@ def test_corpus_has_its_size_its_shards_and_the_planted_copies(tmp_path):
 
 
 @pytest.mark.slow
-def test_quick_run_counts_one_task_run_per_shard_or_per_stage(tmp_path):
+def test_quick_run_counts_one_task_run_per_stage_on_threads_and_processes(tmp_path):
     text_dir = shared_path("text")
     out = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "bench_data_scale.py"), "--quick",
-         "--text-dir", str(text_dir), "--ways", "shard", "stage",
+         "--text-dir", str(text_dir), "--ways", "stage", "processes",
          "--results", str(tmp_path / "results.jsonl")],
         capture_output=True, text=True, timeout=600, cwd=REPO,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     records = [json.loads(x) for x in (tmp_path / "results.jsonl").read_text().splitlines()]
-    assert [r["bench"] for r in records] == ["data_scale", "data_scale.stage_vs_shard"]
+    assert [r["bench"] for r in records] == ["data_scale", "data_scale.processes_vs_stage"]
     head = records[0]
     shards, ways = head["scale"]["shards"], head["ways"]
     # the curate graph: 4 mapped stages (normalize, filter, exact hashes, MinHash) and 4 global
-    assert ways["shard"]["prefect_task_runs"] == 4 * shards + 4
-    assert ways["stage"]["prefect_task_runs"] == 8
-    assert ways["shard"]["kept_digest"] == ways["stage"]["kept_digest"] and head["same_kept_ours"]
+    assert ways["stage"]["prefect_task_runs"] == ways["processes"]["prefect_task_runs"] == 8
+    assert shards == 8 and head["same_kept_ours"]
+    assert ways["processes"]["kept_digest"] == ways["stage"]["kept_digest"]
     assert 0 < ways["stage"]["kept"] <= head["scale"]["documents"]
     assert records[1]["ratio"] == pytest.approx(
-        ways["shard"]["wall_s"] / ways["stage"]["wall_s"], abs=1e-3
+        ways["stage"]["wall_s"] / ways["processes"]["wall_s"], abs=1e-3
     )
     assert head["quick"] and len(head["load_start"]) == 3 and len(head["load_avg"]) == 3

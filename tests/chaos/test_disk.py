@@ -85,7 +85,7 @@ def test_efbig_mid_shard_names_the_file_commits_nothing_and_the_rerun_matches(tm
     proc = run_shards_in_child(root, limit=100_000)  # shard 2 (160 kB) stops at 100 kB
     assert proc.returncode != 0
     error = proc.stderr.strip().splitlines()[-1]
-    assert error.startswith("llmflow.tasks.framework.store.NoSpaceError: no space to write step")
+    assert error.startswith("llmflow.tasks.framework.disk.NoSpaceError: no space to write step")
     assert "[Errno 27] File too large" in error
     assert "shards/part-00002.bin failed at 100,000 bytes; it needs 160,000 bytes" in error, error
     assert "the file size limit (RLIMIT_FSIZE) is 100,000 bytes per file" in error
