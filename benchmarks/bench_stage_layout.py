@@ -37,10 +37,20 @@ OLD_REF = "25c8928"  # the last commit with one output per shard
 STEP = "overhead-noop"
 
 
+def _thread_engine(workers: int):
+    """A stage engine on threads, in this tree or in the old checkout (before `backend.py`)."""
+    try:
+        from llmflow.tasks.framework.backend import ThreadBackend
+        from llmflow.tasks.framework.engine import StageEngine
+    except ImportError:  # the old layout's checkout has its own thread engine
+        from llmflow.tasks.framework.engine import ThreadEngine
+
+        return ThreadEngine(workers)
+    return StageEngine(ThreadBackend(workers))
+
+
 def worker(root: str, shards: int) -> dict:
     """In a fresh process: the stage, the cached walk, verify, and what the store holds."""
-    from llmflow.tasks.framework.backend import ThreadBackend
-    from llmflow.tasks.framework.engine import StageEngine
     from llmflow.tasks.framework.executor import Executor
     from llmflow.tasks.framework.graph import Graph
     from llmflow.tasks.framework.stage_overhead import (
@@ -53,7 +63,7 @@ def worker(root: str, shards: int) -> dict:
     graph = Graph()
     source = graph.add(overhead_shards, OverheadShards(num_shards=shards), "n")
     noop = graph.add(overhead_noop, OverheadShards(), "n", map_over="shard", shard=source)
-    engine = StageEngine(ThreadBackend(2))
+    engine = _thread_engine(2)
     try:
         Executor(root).run(Graph(nodes=[source]))  # the source, untimed
         started = time.perf_counter()

@@ -120,7 +120,7 @@ def benchmarks(data: Path) -> list[Bench]:
         Bench("data_scale", "bench_data_scale.py", ["--text-dir", text, "--stress"],
               ["--text-dir", text, "--quick"],
               [Goal("ratio.ray_vs_datatrove", ">=", 1.0, "curate on Ray vs datatrove local, wall"),
-               Goal("ratio.stage_vs_shard", ">=", 1.0, "task per stage vs task per shard, wall"),
+               Goal("ratio.stage_vs_datatrove", ">=", 1.0, "curate on threads vs datatrove local, wall"),
                Goal("ways.ray.noop_ms_per_shard", "<=", 20, "Ray stage overhead, ms per shard"),
                Goal("ways.stage.noop_ms_per_shard", "<=", 20,
                     "threads stage overhead, ms per shard")], True, timeout_s=3600),
