@@ -2,12 +2,36 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from llmflow.tasks.framework.hashing import OMIT_DEFAULT, UNVERSIONED
 from llmflow.tasks.posttrain.rewards import RewardSpec
+
+Schedule = Literal["constant", "linear", "cosine"]
+
+
+def _learning_rate(default: float) -> Any:
+    """The ``learning_rate`` field every method declares, with the method's default."""
+    return Field(default, gt=0, lt=1, description="Peak AdamW learning rate.")
+
+
+def _schedule(default: str) -> Any:
+    """The ``lr_scheduler_type`` field every method declares, with the method's default."""
+    return Field(default, description="Learning-rate schedule after warmup.")
+
+
+def _max_steps(default: int) -> Any:
+    """The ``max_steps`` field every method declares, with the method's default."""
+    return Field(default, gt=0, description="Optimizer steps; None trains for num_epochs instead.")
+
+
+def _num_heldout(default: int, what: str) -> Any:
+    """The ``num_heldout`` field; ``what`` names the method's records (Examples, Pairs, ...)."""
+    return Field(
+        default, ge=0, description=f"{what} held out (by seed) for before/after evaluation."
+    )
 
 
 class _TrainStepConfig(BaseModel):
@@ -32,21 +56,15 @@ class _TrainStepConfig(BaseModel):
     max_length: int = Field(
         128, ge=16, description="Longest tokenized sequence; longer prompts are rejected."
     )
-    learning_rate: float = Field(2e-5, gt=0, lt=1, description="Peak AdamW learning rate.")
-    lr_scheduler_type: Literal["constant", "linear", "cosine"] = Field(
-        "cosine", description="Learning-rate schedule after warmup."
-    )
+    learning_rate: float = _learning_rate(2e-5)
+    lr_scheduler_type: Schedule = _schedule("cosine")
     warmup_steps: int = Field(0, ge=0, description="Linear warmup steps.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
-    max_steps: int | None = Field(
-        60, gt=0, description="Optimizer steps; None trains for num_epochs instead."
-    )
+    max_steps: int | None = _max_steps(60)
     num_epochs: float = Field(1.0, gt=0, description="Epochs, used only when max_steps is None.")
     per_device_batch_size: int = Field(8, gt=0, description="Examples per device per micro-batch.")
     gradient_accumulation_steps: int = Field(1, gt=0, description="Micro-batches per step.")
-    num_heldout: int = Field(
-        32, ge=0, description="Examples held out (by seed) for before/after evaluation."
-    )
+    num_heldout: int = _num_heldout(32, "Examples")
     seed: int = Field(0, description="Seed for the held-out split, data order and init.")
     precision: Literal["auto", "fp32", "bf16"] = Field(
         "auto",
@@ -126,16 +144,10 @@ class SFTStepConfig(_TrainStepConfig):
 class DPOStepConfig(_TrainStepConfig):
     """Direct preference optimization through TRL's DPOTrainer; the reference is the SFT model."""
 
-    learning_rate: float = Field(5e-7, gt=0, lt=1, description="Peak AdamW learning rate.")
-    lr_scheduler_type: Literal["constant", "linear", "cosine"] = Field(
-        "constant", description="Learning-rate schedule after warmup."
-    )
-    max_steps: int | None = Field(
-        30, gt=0, description="Optimizer steps; None trains for num_epochs instead."
-    )
-    num_heldout: int = Field(
-        64, ge=0, description="Pairs held out (by seed) for before/after evaluation."
-    )
+    learning_rate: float = _learning_rate(5e-7)
+    lr_scheduler_type: Schedule = _schedule("constant")
+    max_steps: int | None = _max_steps(30)
+    num_heldout: int = _num_heldout(64, "Pairs")
     beta: float = Field(
         0.1, gt=0, description="DPO beta: higher keeps the policy closer to the reference."
     )
@@ -196,16 +208,10 @@ class GRPOStepConfig(_TrainStepConfig):
     max_length: int = Field(
         128, ge=16, description="Longest prompt in tokens; longer prompts are rejected."
     )
-    learning_rate: float = Field(1e-6, gt=0, lt=1, description="Peak AdamW learning rate.")
-    lr_scheduler_type: Literal["constant", "linear", "cosine"] = Field(
-        "constant", description="Learning-rate schedule after warmup."
-    )
-    max_steps: int | None = Field(
-        20, gt=0, description="Optimizer steps; None trains for num_epochs instead."
-    )
-    num_heldout: int = Field(
-        32, ge=0, description="Prompts held out (by seed) for before/after evaluation."
-    )
+    learning_rate: float = _learning_rate(1e-6)
+    lr_scheduler_type: Schedule = _schedule("constant")
+    max_steps: int | None = _max_steps(20)
+    num_heldout: int = _num_heldout(32, "Prompts")
     num_generations: int = Field(4, ge=2, description="Completions per prompt (the group).")
     max_completion_length: int = Field(
         16, gt=0, description="Longest completion in tokens, in training and evaluation."
