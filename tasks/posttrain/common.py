@@ -185,6 +185,24 @@ def local_data(data: RawFiles | None, out_dir: Path) -> Path | None:
     return target
 
 
+def quickstart_or_file(
+    cfg: Any,
+    out_dir: Path,
+    data_path: Path | None,
+    filename: str,
+    make: Callable[[Path, int, int], Path],
+) -> Path:
+    """The local data file: ``data_path`` if given, else quickstart data ``make`` generates into
+    ``out_dir/filename`` (``cfg.num_quickstart_examples`` of them, from ``cfg.seed``), else
+    ``cfg.data``."""
+    if data_path is not None:
+        return Path(data_path)
+    if cfg.data == "quickstart":
+        path = Path(out_dir) / filename
+        return make(path, cfg.num_quickstart_examples, cfg.seed)
+    return Path(cfg.data)
+
+
 def prompt_length(tokenizer: PreTrainedTokenizerBase, prompt: list[Message]) -> int:
     """Tokens of a prompt rendered with the chat template and the generation prompt."""
     ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)

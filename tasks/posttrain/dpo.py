@@ -25,11 +25,11 @@ from llmflow.tasks.posttrain.common import (
     chat_tokenizer,
     common_training_args,
     load_normalized,
-    split_heldout,
+    quickstart_or_file,
     train_model,
 )
 from llmflow.tasks.posttrain.config import DPOStepConfig
-from llmflow.tasks.posttrain.driver import PosttrainData, PosttrainMethod, run_posttrain
+from llmflow.tasks.posttrain.driver import PosttrainData, PosttrainMethod, run_posttrain, split_data
 from llmflow.tasks.posttrain.formats import Record, normalize_preference
 from llmflow.tasks.posttrain.quickstart import make_quickstart_preferences
 
@@ -144,12 +144,8 @@ def preference_accuracy(
 
 def resolve_dpo_data(cfg: DPOStepConfig, out_dir: Path, data_path: Path | None) -> Path:
     """The local data file: ``data_path`` if given, else generated quickstart pairs, else cfg.data."""
-    if data_path is not None:
-        return Path(data_path)
-    if cfg.data == "quickstart":
-        path = Path(out_dir) / "quickstart_preferences.jsonl"
-        return make_quickstart_preferences(path, cfg.num_quickstart_examples, cfg.seed)
-    return Path(cfg.data)
+    filename = "quickstart_preferences.jsonl"
+    return quickstart_or_file(cfg, out_dir, data_path, filename, make_quickstart_preferences)
 
 
 def dpo_training_args(cfg: DPOStepConfig, out_dir: Path) -> DPOConfig:
@@ -251,13 +247,7 @@ class DPOMethod(PosttrainMethod):
     def data(self, cfg, model_dir, out, data_path, exclude) -> PosttrainData:
         data_file = resolve_dpo_data(cfg, out, data_path)
         pairs, rejects = prepare_pairs(cfg, model_dir, data_file, exclude)
-        train, heldout = split_heldout(pairs, cfg.num_heldout, cfg.seed)
-        counts = {
-            "num_pairs": len(pairs),
-            "num_train_pairs": len(train),
-            "num_heldout_pairs": len(heldout),
-        }
-        return PosttrainData(train, heldout, rejects, counts, "preference pairs", str(data_file))
+        return split_data(cfg, pairs, rejects, "pairs", "preference pairs", data_file)
 
     def trainer(self, cfg, model_dir, out, data) -> DPOTrainer:
         return build_dpo_trainer(cfg, model_dir, out, data.train, data.heldout)

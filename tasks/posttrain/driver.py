@@ -41,6 +41,7 @@ from llmflow.tasks.posttrain.common import (
     local_data,
     offline_environment,
     require_examples,
+    split_heldout,
     write_rejects,
 )
 from llmflow.tasks.posttrain.formats import Record
@@ -76,6 +77,21 @@ class PosttrainData:
     what: str | None = None
     source: str = ""
     extra: Any = None
+
+
+def split_data(
+    cfg: Any, records: list[Record], rejects: list[Record], noun: str, what: str, source: Path
+) -> PosttrainData:
+    """``records`` split into train and held out (``cfg.num_heldout``, by ``cfg.seed``), with the
+    counts ``num_<noun>``, ``num_train_<noun>``, ``num_heldout_<noun>``; ``what`` and ``source``
+    name them in the error when none is usable."""
+    train, heldout = split_heldout(records, cfg.num_heldout, cfg.seed)
+    counts = {
+        f"num_{noun}": len(records),
+        f"num_train_{noun}": len(train),
+        f"num_heldout_{noun}": len(heldout),
+    }
+    return PosttrainData(train, heldout, rejects, counts, what, str(source))
 
 
 class PosttrainMethod(ABC):

@@ -31,11 +31,11 @@ from llmflow.tasks.posttrain.common import (
     check_assistant_masks,
     common_training_args,
     load_normalized,
-    split_heldout,
+    quickstart_or_file,
     train_model,
 )
 from llmflow.tasks.posttrain.config import SFTStepConfig
-from llmflow.tasks.posttrain.driver import PosttrainData, PosttrainMethod, run_posttrain
+from llmflow.tasks.posttrain.driver import PosttrainData, PosttrainMethod, run_posttrain, split_data
 from llmflow.tasks.posttrain.formats import Record, normalize_sft
 from llmflow.tasks.posttrain.quickstart import make_quickstart_sft
 
@@ -47,12 +47,7 @@ logger = logging.getLogger(__name__)
 
 def resolve_sft_data(cfg: SFTStepConfig, out_dir: Path, data_path: Path | None) -> Path:
     """The local data file: ``data_path`` if given, else generated quickstart data, else cfg.data."""
-    if data_path is not None:
-        return Path(data_path)
-    if cfg.data == "quickstart":
-        path = Path(out_dir) / "quickstart_sft.jsonl"
-        return make_quickstart_sft(path, cfg.num_quickstart_examples, cfg.seed)
-    return Path(cfg.data)
+    return quickstart_or_file(cfg, out_dir, data_path, "quickstart_sft.jsonl", make_quickstart_sft)
 
 
 def sft_training_args(cfg: SFTStepConfig, out_dir: Path) -> SFTConfig:
@@ -105,13 +100,7 @@ class SFTMethod(PosttrainMethod):
     def data(self, cfg, model_dir, out, data_path, exclude) -> PosttrainData:
         data_file = resolve_sft_data(cfg, out, data_path)
         examples, rejects = prepare_sft_examples(cfg, model_dir, data_file, exclude)
-        train, heldout = split_heldout(examples, cfg.num_heldout, cfg.seed)
-        counts = {
-            "num_examples": len(examples),
-            "num_train_examples": len(train),
-            "num_heldout_examples": len(heldout),
-        }
-        return PosttrainData(train, heldout, rejects, counts, "SFT examples", str(data_file))
+        return split_data(cfg, examples, rejects, "examples", "SFT examples", data_file)
 
     def trainer(self, cfg, model_dir, out, data) -> SFTTrainer:
         return build_sft_trainer(cfg, model_dir, out, data.train, data.heldout)
