@@ -75,6 +75,19 @@ class ModelConfig:
             _require_positive(self, name)
         for name in ("intermediate_size", "max_seq_len", "rope_theta", "rms_norm_eps", "init_std"):
             _require_positive(self, name)
+        self._check_heads()
+        if self.nope_interval < 0:
+            raise ValueError(f"nope_interval={self.nope_interval} must be >= 0 (0 disables NoPE)")
+        self._check_nope_layers()
+        self._check_hf_model_type()
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            value = getattr(self, name)
+            values = value if isinstance(value, list) else [value]
+            if any(v is not None and not 0 <= v < self.vocab_size for v in values):
+                raise ValueError(f"{name}={value} must be in [0, vocab_size={self.vocab_size})")
+        _validate_rope_scaling(self.rope_scaling)
+
+    def _check_heads(self) -> None:
         if self.explicit_head_dim is not None:
             _require_positive(self, "explicit_head_dim")
         elif self.hidden_size % self.num_heads:
@@ -89,16 +102,6 @@ class ModelConfig:
             raise ValueError(
                 f"head_dim = hidden_size / num_heads = {self.head_dim} must be even for RoPE"
             )
-        if self.nope_interval < 0:
-            raise ValueError(f"nope_interval={self.nope_interval} must be >= 0 (0 disables NoPE)")
-        self._check_nope_layers()
-        self._check_hf_model_type()
-        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
-            value = getattr(self, name)
-            values = value if isinstance(value, list) else [value]
-            if any(v is not None and not 0 <= v < self.vocab_size for v in values):
-                raise ValueError(f"{name}={value} must be in [0, vocab_size={self.vocab_size})")
-        _validate_rope_scaling(self.rope_scaling)
 
     def _check_nope_layers(self) -> None:
         if self.nope_layers is None:
@@ -191,8 +194,11 @@ def _validate_rope_scaling(rope_scaling: dict | None) -> None:
             raise ValueError(f"rope_scaling.factor={factor} must be > 0 for linear")
     if rope_type == "llama3":
         _validate_llama3(rope_scaling)
-    if rope_type != "yarn":
-        return
+    if rope_type == "yarn":
+        _validate_yarn(rope_scaling)
+
+
+def _validate_yarn(rope_scaling: dict) -> None:
     factor = rope_scaling.get("factor")
     if factor is None or factor < 1:
         raise ValueError(f"rope_scaling.factor={factor} must be >= 1 for yarn")

@@ -77,11 +77,7 @@ class SequenceShard:
         device = q.device.type
         local_k, local_v = self._local_of(k), self._local_of(v)
         regather = local_k is not None and local_v is not None
-        if torch.is_autocast_enabled(device):  # as SDPA under autocast: in the autocast dtype
-            dtype = torch.get_autocast_dtype(device)
-            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-            if regather:  # the same values as the whole rows' cast (the gather only copies)
-                local_k, local_v = local_k.to(dtype), local_v.to(dtype)
+        q, k, v, local_k, local_v = _in_autocast_dtype(device, q, k, v, local_k, local_v)
         if device == "cuda" and _flex() is not None:
             _log_once("flex", q)
             return self._flex(q, k, v)
@@ -162,6 +158,16 @@ _WHY = {
     "flex": "FlexAttention, block mask sharded on queries",
     "split": "per-segment past and diagonal parts, merged by log-sum-exp",
 }
+
+
+def _in_autocast_dtype(device: str, *tensors: Tensor | None) -> tuple[Tensor | None, ...]:
+    """The tensors (None left as is) in the autocast dtype when autocast is on for `device`,
+    as SDPA computes under autocast; unchanged otherwise. A shard's local k/v cast this way hold
+    the same values as the whole rows' cast (the gather only copies)."""
+    if not torch.is_autocast_enabled(device):
+        return tensors
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(None if t is None else t.to(dtype) for t in tensors)
 
 
 def _log_once(name: str, q: Tensor) -> None:
@@ -288,10 +294,7 @@ def _stack(groups: dict, local_len: int, full_len: int, total: int, causal: bool
         real = (q_slot < queries).expand(count, -1)
         slots = offset + torch.arange(count * q_len).view(count, q_len)
         where[tokens[real]] = slots[real]
-        bias = None
-        if not causal:
-            bias = torch.zeros(count, 1, 1, k_len)
-            bias.masked_fill_((k_slot >= keys)[:, None, None, :], float("-inf"))
+        bias = None if causal else _padding_bias(k_slot, keys)
         buckets.append(
             _Bucket(
                 count, q_len, k_len, tokens.flatten(), key_tokens.flatten(), real.flatten(), bias
@@ -299,6 +302,12 @@ def _stack(groups: dict, local_len: int, full_len: int, total: int, causal: bool
         )
         offset += count * q_len
     return tuple(buckets), where
+
+
+def _padding_bias(k_slot: Tensor, keys: Tensor) -> Tensor:
+    """(n, 1, 1, k_len) additive bias: -inf on the key slots past each member's `keys`."""
+    bias = torch.zeros(keys.shape[0], 1, 1, k_slot.shape[-1])
+    return bias.masked_fill_((k_slot >= keys)[:, None, None, :], float("-inf"))
 
 
 def _gather(x: Tensor, tokens: Tensor, seq_len: int) -> Tensor:

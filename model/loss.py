@@ -30,19 +30,32 @@ def causal_lm_loss(
     Returns:
         (loss, {"ce": cross-entropy, "z_loss": unweighted z-loss}); the dict values are detached.
     """
-    logits = logits.reshape(-1, logits.shape[-1]).float()  # (N, V)
-    labels = labels.reshape(-1)  # (N,)
+    logits, labels = _flatten(logits.float(), labels)  # (N, V), (N,)
+    if z_loss_weight == 0.0:
+        ce = _cross_entropy(logits, labels)
+        return ce, {"ce": ce.detach(), "z_loss": torch.zeros((), device=logits.device)}
+    ce, z_loss = _cross_entropy_and_z_loss(logits, labels)
+    return ce + z_loss_weight * z_loss, {"ce": ce.detach(), "z_loss": z_loss.detach()}
+
+
+def _flatten(hidden: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+    """(..., C) hidden states or logits as (N, C) rows, (...) labels as (N,)."""
+    return hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+
+
+def _cross_entropy(logits: Tensor, labels: Tensor) -> Tensor:
+    """Mean cross-entropy of (N, V) float32 logits over the labels that are not -100."""
+    num_valid = (labels != IGNORE_INDEX).sum().clamp(min=1)
+    return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum") / num_valid
+
+
+def _cross_entropy_and_z_loss(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+    """Means of the cross-entropy and of `logsumexp^2` over the labels that are not -100."""
     valid = labels != IGNORE_INDEX
     num_valid = valid.sum().clamp(min=1)
-    if z_loss_weight == 0.0:
-        ce = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum") / num_valid
-        return ce, {"ce": ce.detach(), "z_loss": torch.zeros((), device=logits.device)}
     lse = torch.logsumexp(logits, dim=-1)  # (N,)
     target = logits.gather(-1, labels.clamp(min=0)[:, None]).squeeze(-1)  # (N,)
-    ce = ((lse - target) * valid).sum() / num_valid
-    z_loss = (lse.square() * valid).sum() / num_valid
-    loss = ce + z_loss_weight * z_loss
-    return loss, {"ce": ce.detach(), "z_loss": z_loss.detach()}
+    return ((lse - target) * valid).sum() / num_valid, (lse.square() * valid).sum() / num_valid
 
 
 # Rows per chunk of the fused loss: a (rows, V) float32 block of about 16 MiB at a time.
@@ -121,8 +134,7 @@ def linear_cross_entropy(
     """
     if isinstance(weight, DTensor):  # tensor parallel: vocabulary rows split over ranks
         return vocab_parallel_cross_entropy(hidden, weight, labels, z_loss_weight)
-    hidden = hidden.reshape(-1, hidden.shape[-1])
-    labels = labels.reshape(-1)
+    hidden, labels = _flatten(hidden, labels)
     rows = chunk_rows or max(1, CHUNK_ELEMENTS // weight.shape[0])
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         loss, ce, z_loss = _LinearCrossEntropy.apply(
@@ -292,8 +304,7 @@ def vocab_parallel_cross_entropy(
     hidden states' gradient).
     """
     hidden, local, offset, group = _local_rows(hidden, weight)
-    hidden = hidden.reshape(-1, hidden.shape[-1])
-    labels = labels.reshape(-1)
+    hidden, labels = _flatten(hidden, labels)
     rows = max(1, CHUNK_ELEMENTS // local.shape[0])
     if torch.is_grad_enabled() and (hidden.requires_grad or local.requires_grad):
         loss, ce, z_loss = _VocabParallelCrossEntropy.apply(

@@ -63,6 +63,14 @@ def normal_rows(
     return out.view(stop - start, *shape[1:])
 
 
+def _init_projection(name: str, module: nn.Module, std: float, seed: int | None) -> None:
+    """A linear or embedding module's weight drawn from Normal(0, std), its bias (if any) zeroed."""
+    rows = getattr(module, "row_order", None)  # tensor parallel (parallel/tp.py)
+    init_normal_(module.weight, std, seed, _canonical(name), rows)
+    if getattr(module, "bias", None) is not None:
+        nn.init.zeros_(module.bias)
+
+
 def init_normal_(
     weight: Tensor, std: float, seed: int | None, key: str, rows: Tensor | None = None
 ) -> None:
@@ -214,11 +222,7 @@ class Transformer(nn.Module):
                 module.reset_parameters()
             elif isinstance(module, (nn.Linear, nn.Embedding)):
                 is_residual_out = name.endswith(("o_proj", "down_proj"))
-                module_std = residual_std if is_residual_out else std
-                rows = getattr(module, "row_order", None)  # tensor parallel (parallel/tp.py)
-                init_normal_(module.weight, module_std, seed, _canonical(name), rows)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
+                _init_projection(name, module, residual_std if is_residual_out else std, seed)
 
     def output_weight(self) -> Tensor:
         """The (V, C) output projection: the embedding when tied."""
