@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -58,17 +59,10 @@ def to_hf_state_dict(state_dict: dict[str, Tensor], cfg: ModelConfig) -> dict[st
     """Rename and split our tensors into transformers' Llama/Qwen/SmolLM3 names."""
     sd = _clean(state_dict)
     sizes = [cfg.num_heads * cfg.head_dim] + [cfg.num_kv_heads * cfg.head_dim] * 2
-    hf = {
-        "model.embed_tokens.weight": sd["embed.weight"],
-        "model.norm.weight": sd["norm.weight"],
-    }
-    if not cfg.tie_embeddings:
-        hf["lm_head.weight"] = sd["lm_head.weight"]
-    for i in range(cfg.num_layers):
-        ours, theirs = f"layers.{i}.", f"model.layers.{i}."
-        for src, dst in _layer_renames(cfg).items():
-            hf[theirs + dst] = sd[ours + src]
-        for kind in ("weight", "bias") if cfg.attention_bias else ("weight",):
+    hf = {theirs: sd[ours] for ours, theirs in _outer_renames(cfg).items()}
+    for ours, theirs in _layer_prefixes(cfg):
+        hf.update({theirs + dst: sd[ours + src] for src, dst in _layer_renames(cfg).items()})
+        for kind in _qkv_kinds(cfg):
             q, k, v = sd[ours + f"attn.qkv_proj.{kind}"].split(sizes)
             hf[theirs + f"self_attn.q_proj.{kind}"] = q
             hf[theirs + f"self_attn.k_proj.{kind}"] = k
@@ -81,22 +75,34 @@ def to_hf_state_dict(state_dict: dict[str, Tensor], cfg: ModelConfig) -> dict[st
 
 def from_hf_state_dict(hf: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
     """Inverse of `to_hf_state_dict`: fuse q/k/v and gate/up back into our names."""
-    sd = {
-        "embed.weight": hf["model.embed_tokens.weight"],
-        "norm.weight": hf["model.norm.weight"],
-    }
-    if not cfg.tie_embeddings:
-        sd["lm_head.weight"] = hf["lm_head.weight"]
-    for i in range(cfg.num_layers):
-        ours, theirs = f"layers.{i}.", f"model.layers.{i}."
-        for src, dst in _layer_renames(cfg).items():
-            sd[ours + src] = hf[theirs + dst]
-        for kind in ("weight", "bias") if cfg.attention_bias else ("weight",):
+    sd = {ours: hf[theirs] for ours, theirs in _outer_renames(cfg).items()}
+    for ours, theirs in _layer_prefixes(cfg):
+        sd.update({ours + src: hf[theirs + dst] for src, dst in _layer_renames(cfg).items()})
+        for kind in _qkv_kinds(cfg):
             qkv = [hf[theirs + f"self_attn.{p}_proj.{kind}"] for p in "qkv"]
             sd[ours + f"attn.qkv_proj.{kind}"] = torch.cat(qkv)
         gate_up = [hf[theirs + f"mlp.{p}_proj.weight"] for p in ("gate", "up")]
         sd[ours + "mlp.gate_up_proj.weight"] = torch.cat(gate_up)
     return sd
+
+
+def _outer_renames(cfg: ModelConfig) -> dict[str, str]:
+    """Ours -> transformers, for the tensors outside the layers (the head only when untied)."""
+    names = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
+    if not cfg.tie_embeddings:
+        names["lm_head.weight"] = "lm_head.weight"
+    return names
+
+
+def _layer_prefixes(cfg: ModelConfig) -> Iterator[tuple[str, str]]:
+    """Each layer's name prefix: ours, transformers'."""
+    for i in range(cfg.num_layers):
+        yield f"layers.{i}.", f"model.layers.{i}."
+
+
+def _qkv_kinds(cfg: ModelConfig) -> tuple[str, ...]:
+    """The fused q/k/v projection's tensors: its weight, and its bias where it has one."""
+    return ("weight", "bias") if cfg.attention_bias else ("weight",)
 
 
 def _layer_renames(cfg: ModelConfig) -> dict[str, str]:
@@ -128,23 +134,39 @@ def export_hf(
         tokenizer_dir: a saved tokenizer whose files (`tokenizer*`, vocab, merges, special
             tokens, chat template) are copied beside the weights.
     """
-    out_dir = Path(out_dir)
-    dtype = _clean(state_dict)["embed.weight"].dtype
-    if cfg.hf_dtype is not None:
-        dtype = getattr(torch, cfg.hf_dtype)
+    dtype = _export_dtype(state_dict, cfg)
     config = hf_config(cfg, dtype=dtype)
-    out_dir.mkdir(parents=True, exist_ok=True)
     weights = to_hf_state_dict(state_dict, cfg)
     weights = {k: v.to(device="cpu", dtype=dtype).contiguous() for k, v in weights.items()}
+    _write_hf_folder(Path(out_dir), weights, config, tokenizer_dir)
+
+
+def _export_dtype(state_dict: dict[str, Tensor], cfg: ModelConfig) -> torch.dtype:
+    """`cfg.hf_dtype` when set, else the weights' own dtype."""
+    if cfg.hf_dtype is not None:
+        return getattr(torch, cfg.hf_dtype)
+    return _clean(state_dict)["embed.weight"].dtype
+
+
+def _write_hf_folder(
+    out_dir: Path, weights: dict[str, Tensor], config: dict, tokenizer_dir: Path | None
+) -> None:
+    """The export's files: weights, ``config.json``, ``generation_config.json``, tokenizer."""
+    out_dir.mkdir(parents=True, exist_ok=True)
     save_file(weights, out_dir / WEIGHTS_NAME, {"format": "pt"})
     _write_json(out_dir / "config.json", config)
+    _write_json(out_dir / "generation_config.json", _generation_config(config))
+    if tokenizer_dir is not None:
+        _copy_tokenizer(Path(tokenizer_dir), out_dir)
+
+
+def _generation_config(config: dict) -> dict:
+    """``generation_config.json``: the token ids of ``config.json`` that are set."""
     generation = {"_from_model_config": True}
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if config[name] is not None:
             generation[name] = config[name]
-    _write_json(out_dir / "generation_config.json", generation)
-    if tokenizer_dir is not None:
-        _copy_tokenizer(Path(tokenizer_dir), out_dir)
+    return generation
 
 
 def _copy_tokenizer(tokenizer_dir: Path, out_dir: Path) -> None:
@@ -233,6 +255,22 @@ def _check_shapes(
             f"{hf_dir}: vocab_size={cfg.vocab_size} in config.json, but the embedding "
             f"model.embed_tokens.weight has {embed[0]} rows"
         )
+    _check_names(saved, expected, cfg, hf_dir)
+    wrong = [(k, saved[k], shape) for k, shape in expected.items() if saved[k] != shape]
+    if wrong:
+        name, got, want = wrong[0]
+        raise BadInputError(
+            f"{hf_dir}: {name} has shape {list(got)}, config.json implies {list(want)}"
+        )
+
+
+def _check_names(
+    saved: dict[str, tuple[int, ...]],
+    expected: dict[str, tuple[int, ...]],
+    cfg: ModelConfig,
+    hf_dir: Path,
+) -> None:
+    """Every tensor ``cfg`` implies is saved, and every saved one is used (or ignorable)."""
     missing = sorted(set(expected) - set(saved))
     if missing:
         raise BadInputError(
@@ -248,12 +286,6 @@ def _check_shapes(
         raise BadInputError(
             f"{hf_dir}: the weights hold {len(unused)} tensor(s) the "
             f"{cfg.hf_model_type} architecture does not use, e.g. {unused[:3]}"
-        )
-    wrong = [(k, saved[k], shape) for k, shape in expected.items() if saved[k] != shape]
-    if wrong:
-        name, got, want = wrong[0]
-        raise BadInputError(
-            f"{hf_dir}: {name} has shape {list(got)}, config.json implies {list(want)}"
         )
 
 

@@ -60,51 +60,79 @@ def config_from_hf(config: dict, source: str = "config.json") -> ModelConfig:
         config: the parsed `config.json`.
         source: where it came from, for the messages.
     """
+    kind = _mappable_kind(config, source)
+    fields = _model_fields(config, kind, source)
+    try:
+        return ModelConfig(**fields)
+    except ValueError as err:
+        raise BadInputError(f"{source}: {CLASS_OF[kind]} config does not map: {err}") from err
+
+
+def _mappable_kind(config: dict, source: str) -> str:
+    """The config's model_type once nothing in it refuses to map (`BadInputError` naming what)."""
     _refuse_other_heads(config, source)
     _refuse_moe(config, source)
     kind = _model_type(config, source)
     missing = [name for name in _REQUIRED if config.get(name) is None]
     if missing:
         raise BadInputError(f"{source}: {CLASS_OF[kind]} config has no {', '.join(missing)}")
-    num_layers, hidden = config["num_hidden_layers"], config["hidden_size"]
-    heads = config["num_attention_heads"]
-    _refuse_sliding_window(config, kind, num_layers, source)
+    _refuse_sliding_window(config, kind, config["num_hidden_layers"], source)
     _refuse_unsupported_layers(config, kind, source)
+    return kind
+
+
+def _model_fields(config: dict, kind: str, source: str) -> dict:
+    """The `ModelConfig` fields of a config `_mappable_kind` let through."""
     defaults = _DEFAULTS[kind]
-    head_dim = config.get("head_dim") or defaults.get("head_dim") or hidden // heads
-    rope_theta, rope_scaling = _rope(config, kind, source)
-    nope_interval, nope_layers = (
-        _nope(config, num_layers, source) if kind == "smollm3" else (0, None)
-    )
+    shape = _shape_fields(config, kind)
     eos = config.get("eos_token_id")
-    fields = dict(
-        vocab_size=config["vocab_size"],
-        hidden_size=hidden,
-        num_layers=num_layers,
-        num_heads=heads,
-        num_kv_heads=config.get("num_key_value_heads") or heads,
-        intermediate_size=config["intermediate_size"],
-        max_seq_len=config.get("max_position_embeddings") or defaults["max_position_embeddings"],
-        rope_theta=rope_theta,
-        rope_scaling=rope_scaling,
-        nope_interval=nope_interval,
-        nope_layers=nope_layers,
+    return dict(
+        **shape,
+        **_position_fields(config, kind, source),
         tie_embeddings=config.get("tie_word_embeddings", defaults["tie_word_embeddings"]),
         rms_norm_eps=config.get("rms_norm_eps", 1e-6),
         init_std=config.get("initializer_range", 0.02),
-        qk_norm=kind == "qwen3",
-        attention_bias=kind == "qwen2",
-        explicit_head_dim=None if head_dim * heads == hidden else head_dim,
         bos_token_id=config.get("bos_token_id"),
         eos_token_id=(eos or None) if isinstance(eos, list) else eos,
         pad_token_id=config.get("pad_token_id"),
         hf_model_type=kind,
         hf_dtype=_dtype(config, source),
     )
-    try:
-        return ModelConfig(**fields)
-    except ValueError as err:
-        raise BadInputError(f"{source}: {CLASS_OF[kind]} config does not map: {err}") from err
+
+
+def _shape_fields(config: dict, kind: str) -> dict:
+    """Sizes, heads and the attention's extra parameters (Qwen3's q/k norm, Qwen2's bias)."""
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    head_dim = config.get("head_dim") or _DEFAULTS[kind].get("head_dim") or hidden // heads
+    return dict(
+        vocab_size=config["vocab_size"],
+        hidden_size=hidden,
+        num_layers=config["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=config.get("num_key_value_heads") or heads,
+        intermediate_size=config["intermediate_size"],
+        qk_norm=kind == "qwen3",
+        attention_bias=kind == "qwen2",
+        explicit_head_dim=None if head_dim * heads == hidden else head_dim,
+    )
+
+
+def _position_fields(config: dict, kind: str, source: str) -> dict:
+    """Context length, RoPE and (SmolLM3) the NoPE layers."""
+    max_seq_len = (
+        config.get("max_position_embeddings") or _DEFAULTS[kind]["max_position_embeddings"]
+    )
+    rope_theta, rope_scaling = _rope(config, kind, source)
+    nope_interval, nope_layers = (
+        _nope(config, config["num_hidden_layers"], source) if kind == "smollm3" else (0, None)
+    )
+    return dict(
+        max_seq_len=max_seq_len,
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        nope_interval=nope_interval,
+        nope_layers=nope_layers,
+    )
 
 
 def _dtype(config: dict, source: str) -> str | None:
@@ -245,23 +273,21 @@ def _nope(config: dict, num_layers: int, source: str) -> tuple[int, list[int] | 
 def hf_config(cfg: ModelConfig, dtype: torch.dtype | None = None) -> dict:
     """`config.json` contents for the transformers class of `cfg.hf_model_type`; its `dtype` is
     `cfg.hf_dtype`, else `dtype`, else float32."""
-    kind = cfg.hf_model_type
-    if kind == "smollm3" and cfg.qk_norm:
+    if cfg.hf_model_type == "smollm3" and cfg.qk_norm:
         raise ValueError(
             "qk_norm=True has no equivalent in transformers' SmolLM3/Llama (no q_norm/k_norm "
             "weights), so this model cannot be exported; train with qk_norm=False to export"
         )
-    pad = cfg.pad_token_id
-    if kind == "smollm3":
-        # NOTE: SmolLM3Config defaults pad_token_id to 128004, which fails ("Padding_idx must
-        # be within num_embeddings") for small vocabularies, so it is always written.
-        eos = cfg.eos_token_id
-        pad = cfg.pad_token_id if cfg.pad_token_id is not None else _first(eos)
-        pad = pad if pad is not None else 0
-    rope_parameters = {"rope_type": "default", **(cfg.rope_scaling or {})}
-    rope_parameters["rope_theta"] = cfg.rope_theta
     dtype_name = cfg.hf_dtype or str(dtype or torch.float32).removeprefix("torch.")
-    config = {
+    config = {**_size_config(cfg), **_token_rope_config(cfg, dtype_name)}
+    _add_class_fields(config, cfg)
+    return config
+
+
+def _size_config(cfg: ModelConfig) -> dict:
+    """`config.json`'s class, sizes, activation, context length and norm epsilon."""
+    kind = cfg.hf_model_type
+    return {
         "architectures": [CLASS_OF[kind]],
         "model_type": kind,
         "vocab_size": cfg.vocab_size,
@@ -274,10 +300,18 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype | None = None) -> dict:
         "max_position_embeddings": cfg.max_seq_len,
         "initializer_range": cfg.init_std,
         "rms_norm_eps": cfg.rms_norm_eps,
+    }
+
+
+def _token_rope_config(cfg: ModelConfig, dtype_name: str) -> dict:
+    """`config.json`'s special tokens, RoPE, tied embeddings and dtype."""
+    rope_parameters = {"rope_type": "default", **(cfg.rope_scaling or {})}
+    rope_parameters["rope_theta"] = cfg.rope_theta
+    return {
         "use_cache": True,
         "bos_token_id": cfg.bos_token_id,
         "eos_token_id": cfg.eos_token_id,
-        "pad_token_id": pad,
+        "pad_token_id": _pad_id(cfg),
         # transformers >= 5 reads rope_parameters; 4.x reads rope_theta and rope_scaling.
         "rope_parameters": rope_parameters,
         "rope_theta": cfg.rope_theta,
@@ -287,6 +321,21 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype | None = None) -> dict:
         "dtype": dtype_name,
         "torch_dtype": dtype_name,
     }
+
+
+def _pad_id(cfg: ModelConfig) -> int | None:
+    """`config.json`'s pad_token_id: the config's own; SmolLM3 always gets one."""
+    if cfg.hf_model_type != "smollm3":
+        return cfg.pad_token_id
+    # NOTE: SmolLM3Config defaults pad_token_id to 128004, which fails ("Padding_idx must
+    # be within num_embeddings") for small vocabularies, so it is always written.
+    pad = cfg.pad_token_id if cfg.pad_token_id is not None else _first(cfg.eos_token_id)
+    return pad if pad is not None else 0
+
+
+def _add_class_fields(config: dict, cfg: ModelConfig) -> None:
+    """The keys only some of the transformers classes read (each class's own defaults)."""
+    kind = cfg.hf_model_type
     if cfg.explicit_head_dim is not None or kind in ("llama", "qwen3"):
         config["head_dim"] = cfg.head_dim
     if kind != "qwen2":
@@ -305,7 +354,6 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype | None = None) -> dict:
         config["no_rope_layers"] = [int(cfg.uses_rope(i)) for i in range(cfg.num_layers)]
         if cfg.nope_interval:
             config["no_rope_layer_interval"] = cfg.nope_interval
-    return config
 
 
 def _first(ids: int | list[int] | None) -> int | None:
