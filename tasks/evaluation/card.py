@@ -40,7 +40,7 @@ from llmflow.tasks.evaluation.card_facts import (  # noqa: F401  (re-exported: t
 from llmflow.tasks.evaluation.harness import RESULTS_FILE
 from llmflow.tasks.evaluation.leaderboard import markdown_table
 from llmflow.tasks.evaluation.models import hf_dir
-from llmflow.tasks.framework.hashing import digest, versioned_fields
+from llmflow.tasks.framework.hashing import digest, recipe_dump, versioned_fields
 from llmflow.tasks.framework.step import Metrics, report_markdown, step
 
 CARD_FILE = "README.md"
@@ -81,8 +81,15 @@ def card_config(config: BaseModel, label: str) -> CardConfig:
     return CardConfig(
         model_name=f"{name}-{label}",
         config_hash=digest(versioned_fields(config)),
-        config_yaml=yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False),
+        config_yaml=yaml.safe_dump(recipe_dump(config), sort_keys=False),
     )
+
+
+def _write_card(folder: Path, cfg: CardConfig, text: str) -> None:
+    """The card (README.md) and, when the config carries one, the recipe YAML into ``folder``."""
+    write_new(folder / CARD_FILE, text)
+    if cfg.config_yaml:
+        write_new(folder / CONFIG_FILE, cfg.config_yaml)
 
 
 @step("card", version=2)  # 2: an imported base's own pretraining data is unknown
@@ -106,9 +113,7 @@ def model_card(
         cfg, facts, results, safety_metrics(safety), safety_classifier(safety),
         long_context=long_context_report(long_context),
     )  # fmt: skip
-    write_new(folder / CARD_FILE, text)
-    if cfg.config_yaml:
-        write_new(folder / CONFIG_FILE, cfg.config_yaml)
+    _write_card(folder, cfg, text)
     report_markdown("model-card", text, f"Model card of {cfg.model_name}")
     return {"card": f"hf/{CARD_FILE}", "eval_results": len(eval_results(results))}
 

@@ -228,6 +228,15 @@ def load_model(cfg: EvalConfig, model_dir: Path):
     )
 
 
+def _throughput(num_requests: int, seconds: float) -> dict[str, Any]:
+    """Requests, seconds and requests per second (None when no time was measured)."""
+    return {
+        "num_requests": num_requests,
+        "seconds": round(seconds, 3),
+        "requests_per_second": round(num_requests / seconds, 3) if seconds > 0 else None,
+    }
+
+
 def summarize(
     raw: dict[str, Any],
     cfg: EvalConfig,
@@ -248,9 +257,7 @@ def summarize(
         "higher_is_better": raw.get("higher_is_better", {}),
         "versions": {k: _scalar(v) for k, v in raw.get("versions", {}).items()},
         "n_samples": raw.get("n-samples", {}),
-        "num_requests": num_requests,
-        "seconds": round(seconds, 3),
-        "requests_per_second": round(num_requests / seconds, 3) if seconds > 0 else None,
+        **_throughput(num_requests, seconds),
         "config": cfg.model_dump(mode="json"),
         "lm_eval_version": getattr(lm_eval, "__version__", None),
     }

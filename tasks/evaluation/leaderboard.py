@@ -269,6 +269,15 @@ def seed_spread(points: list[tuple[float, float, Any]]) -> float | None:
     return float(np.mean(stds)) if stds else None
 
 
+def _by_task_metric(rows: list[dict[str, Any]]) -> dict[tuple, list[dict]]:
+    """The rows that have a value, grouped by (task, metric)."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in rows:
+        if r["value"] is not None:
+            groups[(r["task"], r["metric"])].append(r)
+    return groups
+
+
 def plot_metrics(rows: list[dict[str, Any]], plot_dir: Path) -> int:
     """One PNG per (task, metric): the metric against tokens seen (or step), a line per seed."""
     import matplotlib
@@ -277,10 +286,7 @@ def plot_metrics(rows: list[dict[str, Any]], plot_dir: Path) -> int:
     import matplotlib.pyplot as plt
 
     plot_dir.mkdir(parents=True, exist_ok=True)
-    groups: dict[tuple, list[dict]] = defaultdict(list)
-    for r in rows:
-        if r["value"] is not None:
-            groups[(r["task"], r["metric"])].append(r)
+    groups = _by_task_metric(rows)
     for (task, metric), group in sorted(groups.items()):
         x_name, points = _points(group)
         fig, ax = plt.subplots(figsize=(5, 3.5))

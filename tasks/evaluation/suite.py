@@ -42,6 +42,13 @@ REAL_SET_FILES = {
 WIKITEXT_TITLE = re.compile(r"^ = [^=].* = $")
 
 
+def _data_hashes(out_dir: Path) -> dict[str, str]:
+    """SHA-256 of each file under ``out_dir/data``, keyed by its path relative to ``out_dir``."""
+    return {
+        p.relative_to(out_dir).as_posix(): _sha256(p) for p in sorted((out_dir / "data").iterdir())
+    }
+
+
 def build_suite(cfg: EvalConfig, heldout_dir: Path | None, out_dir: Path) -> Path:
     """Write the bundled task YAMLs and their data into ``out_dir``.
 
@@ -61,9 +68,7 @@ def build_suite(cfg: EvalConfig, heldout_dir: Path | None, out_dir: Path) -> Pat
         names += _write_heldout_ppl(cfg, Path(heldout_dir), out_dir)
     if cfg.data_root is not None:
         names += _write_real_sets(Path(cfg.data_root), out_dir)
-    data_hashes = {
-        p.relative_to(out_dir).as_posix(): _sha256(p) for p in sorted((out_dir / "data").iterdir())
-    }
+    data_hashes = _data_hashes(out_dir)
     key = digest({"version": SUITE_VERSION, "config": versioned_fields(cfg), "data": data_hashes})
     manifest = {"suite_key": key, "tasks": sorted(names), "data": data_hashes}
     (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=1))
