@@ -141,23 +141,32 @@ def _all_duplicate_chars(doc: Doc, n: int, limit: float) -> int:
     return total
 
 
+def _duplicated(
+    units: list[str], text: str, unit: str, frac: float, char_frac: float
+) -> str | None:
+    """``dup_{unit}_frac`` or ``dup_{unit}_char_frac`` when the duplicated units (paragraphs or
+    lines) of ``text`` pass that limit (a limit of 0 is off); None otherwise."""
+    num, chars = _find_duplicates(units)
+    if frac and num / len(units) > frac:
+        return f"dup_{unit}_frac"
+    if char_frac and chars / len(text) > char_frac:
+        return f"dup_{unit}_char_frac"
+    return None
+
+
 def gopher_repetition_filter(cfg: GopherRepetitionConfig, doc: Doc) -> str | None:
     """Gopher repetition rules: duplicated paragraphs/lines and repeated n-grams."""
     text = doc.text
     if not text:
         return "empty"
     paragraphs = _PARAGRAPHS.split(text.strip())
-    num, chars = _find_duplicates(paragraphs)
-    if cfg.dup_para_frac and num / len(paragraphs) > cfg.dup_para_frac:
-        return "dup_para_frac"
-    if cfg.dup_para_char_frac and chars / len(text) > cfg.dup_para_char_frac:
-        return "dup_para_char_frac"
+    reason = _duplicated(paragraphs, text, "para", cfg.dup_para_frac, cfg.dup_para_char_frac)
+    if reason:
+        return reason
     lines = _LINES.split(text)
-    num, chars = _find_duplicates(lines)
-    if cfg.dup_line_frac and num / len(lines) > cfg.dup_line_frac:
-        return "dup_line_frac"
-    if cfg.dup_line_char_frac and chars / len(text) > cfg.dup_line_char_frac:
-        return "dup_line_char_frac"
+    reason = _duplicated(lines, text, "line", cfg.dup_line_frac, cfg.dup_line_char_frac)
+    if reason:
+        return reason
     num_words = len(doc.words)
     for n, frac in cfg.top_n_grams:
         if num_words >= n and _top_ngram_chars(doc, n) / len(text) > frac:

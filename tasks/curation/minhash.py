@@ -328,5 +328,4 @@ def _partitioned(
             cfg.partitions,
             scratch,
         )
-    histogram = result.histogram
-    return result.drops, histogram, result.clusters, result.documents_indexed, result.stats
+    return result.drops, result.histogram, result.clusters, result.documents_indexed, result.stats

@@ -59,13 +59,18 @@ def hf_teacher(path: str, texts: list[str], batch_size: int = 16) -> list[float]
                 padding=True,
                 return_tensors="pt",
             )
-            logits = model(**batch).logits.float()
-            if logits.shape[-1] == 1:
-                scores += logits[:, 0].tolist()
-            else:
-                probs = logits.softmax(-1)
-                scores += (probs * torch.arange(probs.shape[-1])).sum(-1).tolist()
+            scores += _head_scores(model(**batch).logits.float())
     return scores
+
+
+def _head_scores(logits) -> list[float]:
+    """A regression head's raw output, or a classification head's expected class index."""
+    import torch
+
+    if logits.shape[-1] == 1:
+        return logits[:, 0].tolist()
+    probs = logits.softmax(-1)
+    return (probs * torch.arange(probs.shape[-1])).sum(-1).tolist()
 
 
 def features(text: str, cfg: QualityModelConfig) -> np.ndarray:

@@ -119,10 +119,16 @@ def _tokenize_chunk(chunk: str) -> list[str]:
             prefixes.append(chunk)
             chunk = ""
         break
-    core = [] if not chunk else ([chunk] if chunk in _KEEP or _URL.match(chunk) else None)
-    if core is None:
-        core = _split_infixes(chunk)
-    return prefixes + core + suffixes[::-1]
+    return prefixes + _core_tokens(chunk) + suffixes[::-1]
+
+
+def _core_tokens(chunk: str) -> list[str]:
+    """The tokens of what is left of a chunk once its prefixes and suffixes are split off."""
+    if not chunk:
+        return []
+    if chunk in _KEEP or _URL.match(chunk):
+        return [chunk]
+    return _split_infixes(chunk)
 
 
 class WordSplitter:
