@@ -85,23 +85,28 @@ def task_marks(report: dict[str, Any] | None, tasks: list[str]) -> dict[str, dic
     ``matched_share`` says how many were found and removed.
     """
     marks = {}
-    removed = (report or {}).get("mode") == "remove"
     for task in tasks:
         counts = (report or {}).get("tasks", {}).get(task)
         if counts is not None:
-            label = share_label(counts, report.get("n"))
-            marks[task] = {**_shares(counts), "label": label}
-            if removed and counts.get("share") is not None:
-                marks[task].update(
-                    share=0.0,
-                    matched_share=counts["share"],
-                    label=f"0% (removed before training: {label} matched)",
-                )
+            marks[task] = _checked_mark(report, counts)
         elif report is not None and task.startswith("ppl_"):
             marks[task] = {"share": None, "label": "held out (split after decontamination)"}
         else:
             marks[task] = {"share": None, "label": share_label(None)}
     return marks
+
+
+def _checked_mark(report: dict[str, Any], counts: dict[str, Any]) -> dict[str, Any]:
+    """The mark of a task the report checked; in ``remove`` mode its matches count as removed."""
+    label = share_label(counts, report.get("n"))
+    mark = {**_shares(counts), "label": label}
+    if report.get("mode") == "remove" and counts.get("share") is not None:
+        mark.update(
+            share=0.0,
+            matched_share=counts["share"],
+            label=f"0% (removed before training: {label} matched)",
+        )
+    return mark
 
 
 def _shares(counts: dict[str, Any]) -> dict[str, Any]:

@@ -61,6 +61,10 @@ def record_strings(value: Any) -> list[str]:
     return []
 
 
+def _contents(messages: list[dict]) -> list[str]:
+    return [m["content"] for m in messages]
+
+
 def record_conversations(kind: str, record: Any) -> list[list[str]]:
     """The record's conversations as its step reads them, each a list of message texts.
 
@@ -70,16 +74,13 @@ def record_conversations(kind: str, record: Any) -> list[list[str]]:
     """
     from llmflow.tasks.posttrain.formats import RecordError, normalize_preference, normalize_sft
 
-    def contents(messages: list[dict]) -> list[str]:
-        return [m["content"] for m in messages]
-
     try:
         if kind == "sft":
-            return [contents(normalize_sft(record)["messages"])]
+            return [_contents(normalize_sft(record)["messages"])]
         if kind == "dpo":
             pair = normalize_preference(record)
-            prompt = contents(pair["prompt"])
-            return [prompt + contents(pair["chosen"]), prompt + contents(pair["rejected"])]
+            prompt = _contents(pair["prompt"])
+            return [prompt + _contents(pair["chosen"]), prompt + _contents(pair["rejected"])]
     except RecordError:
         pass
     if kind == "grpo" and isinstance(record, dict) and "answer" in record:
@@ -221,6 +222,18 @@ def drop_excluded(
     return kept, kept_indices, rejects
 
 
+def _posttrain_decont_config(kind: str, step_cfg, decont) -> PostTrainDecontConfig:
+    """The check's config: the step's data, quickstart size, held-out share (GRPO) and seed."""
+    return PostTrainDecontConfig(
+        kind=kind,
+        data=step_cfg.data,
+        num_quickstart_examples=step_cfg.num_quickstart_examples,
+        num_heldout=getattr(step_cfg, "num_heldout", 0) if kind == "grpo" else 0,
+        seed=step_cfg.seed,
+        decontam=decont,
+    )
+
+
 def add_posttrain_check(graph, kind: str, step_cfg, settings, evaluate, name: str, phase: str):
     """The ``decontaminate-posttrain`` node of one post-training step's data (the data input is
     the step's own: the user's file, hashed, or None for the generated quickstart data)."""
@@ -230,14 +243,7 @@ def add_posttrain_check(graph, kind: str, step_cfg, settings, evaluate, name: st
 
     decont = decontam_config(settings, evaluate)
     files = eval_set_files(decont, evaluate.data_root)
-    cfg = PostTrainDecontConfig(
-        kind=kind,
-        data=step_cfg.data,
-        num_quickstart_examples=step_cfg.num_quickstart_examples,
-        num_heldout=getattr(step_cfg, "num_heldout", 0) if kind == "grpo" else 0,
-        seed=step_cfg.seed,
-        decontam=decont,
-    )
+    cfg = _posttrain_decont_config(kind, step_cfg, decont)
     data = None if step_cfg.data == "quickstart" else Raw((step_cfg.data,))
     return graph.add(
         decontaminate_posttrain,

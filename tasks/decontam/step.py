@@ -85,6 +85,17 @@ def carry_reports(corpus: Path, out: Path) -> None:
             (out / name).write_bytes((corpus / name).read_bytes())
 
 
+def _method(cfg: DecontamConfig) -> dict:
+    """The report's method fields: n-gram size, mode, n-gram counts, shortest item."""
+    return {
+        "n": cfg.n,
+        "mode": cfg.mode,
+        "query_ngrams": cfg.query_ngrams,
+        "overlap_ngrams": cfg.overlap_ngrams,
+        "min_item_words": cfg.min_item_words,
+    }
+
+
 def contamination_report(
     cfg: DecontamConfig,
     indexes: list[NGramIndex],
@@ -95,11 +106,7 @@ def contamination_report(
 ) -> dict:
     """``contamination.json``: the method, per-task counts, skipped tasks and document counts."""
     return {
-        "n": cfg.n,
-        "mode": cfg.mode,
-        "query_ngrams": cfg.query_ngrams,
-        "overlap_ngrams": cfg.overlap_ngrams,
-        "min_item_words": cfg.min_item_words,
+        **_method(cfg),
         "tasks": {row["task"]: {k: v for k, v in row.items() if k != "task"} for row in rows},
         "skipped": skipped,
         "index_ngrams": int(len(indexes[0].hashes)),
