@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from prefect import flow
 from prefect.artifacts import create_table_artifact
-from pydantic import BaseModel, ConfigDict, Field
 
 from llmflow.flows.model_evaluation import Evaluated
 from llmflow.flows.recipe import export_and_evaluate, recipe, stage_run
+from llmflow.tasks.command_config import AblationConfig
 from llmflow.tasks.config import PipelineConfig
 from llmflow.tasks.dataprep.mixture import mixture
 from llmflow.tasks.framework.errors import BadInputError
@@ -21,18 +21,7 @@ from llmflow.tasks.pretrain.config import TrainConfig
 from llmflow.tasks.pretrain.curriculum import stage_train_config
 from llmflow.tasks.pretrain.step import pretrain
 
-
-class AblationConfig(BaseModel):
-    """Which checkpoint to anneal from, the candidate source and the budget."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    candidate: str = Field(description="Domain to test as late-stage data (e.g. math).")
-    from_stage: int = Field(
-        -2, description="Curriculum stage index to start from (-2: stage 2 of 3)."
-    )
-    candidate_share: float = Field(0.6, gt=0, lt=1, description="Share of the candidate source.")
-    num_tokens: int = Field(50_000, gt=0, description="Annealing budget of each arm.")
+__all__ = ["AblationConfig", "ablation_graph", "annealing_ablation", "arm_weights"]
 
 
 def arm_weights(baseline: dict[str, float], candidate: str, share: float) -> dict[str, float]:
@@ -69,6 +58,11 @@ def ablation_graph(
 ) -> tuple[Graph, list[Evaluated]]:
     """The recipe up to pretraining, plus each arm's mixture, annealing run, export and evaluation
     (baseline first)."""
+    if ablation.candidate is None:
+        raise BadInputError(
+            "ablation.candidate is not set: name the domain to test as late-stage data "
+            "(--candidate DOMAIN or --set ablation.candidate=DOMAIN)"
+        )
     graph = recipe(config).until("pretrain")
     start = graph.find(step="pretrain")[ablation.from_stage]
     (tokenizer,), (tokenized,) = graph.find(step="tokenizer"), graph.find(step="tokenize")

@@ -26,15 +26,71 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+SHORTHANDS = {
+    "plan": {"gpu_mem": "hardware.gpu_mem_gb", "mfu": "hardware.mfu"},
+    "preflight": {
+        "processes": "preflight.processes",
+        "seq_len": "preflight.seq_len",
+        "micro_batch_size": "preflight.micro_batch_size",
+        "steps": "preflight.steps",
+        "no_train": "preflight.train",
+        "no_data": "preflight.check_data",
+    },
+    "critical-batch": {
+        "base_batch": "critical_batch.base_batch",
+        "factors": "critical_batch.factors",
+        "points": "critical_batch.points",
+        "branch_tokens": "critical_batch.branch_tokens",
+        "lr_scaling": "critical_batch.lr_scaling",
+        "tolerance": "critical_batch.tolerance",
+    },
+    "ablate": {"candidate": "ablation.candidate", "num_tokens": "ablation.num_tokens"},
+}
+"""Per command, each flag (its ``argparse`` name) and the recipe field it sets: ``preflight
+--steps 6`` is ``--set preflight.steps=6``; a ``--no-*`` flag sets its field to false. A
+``--set`` of the same field wins. ``plan --gpus N`` sets ``hardware`` to N GPUs (`_with_gpus`)."""
+
+
+def _shorthands(args: argparse.Namespace) -> list[str]:
+    """The ``--set`` overrides a command's flags stand for (those given on the command line)."""
+    overrides = []
+    for flag, field in SHORTHANDS.get(getattr(args, "command", ""), {}).items():
+        value = getattr(args, flag, None)
+        if flag.startswith("no_"):
+            value = False if value else None
+        if value is not None:
+            overrides.append(f"{field}={_yaml_value(value)}")
+    return overrides
+
+
+def _yaml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return "[" + ", ".join(str(v) for v in value) + "]"
+    return str(value)
+
+
+def _with_gpus(config, gpus: int | None):
+    """``hardware`` with ``gpus`` GPUs in all: machines of ``gpus_per_node`` when it divides
+    them, else one machine of ``gpus``."""
+    if gpus is None:
+        return config
+    per_node = config.hardware.gpus_per_node
+    nodes, per_node = (gpus // per_node, per_node) if gpus % per_node == 0 else (1, gpus)
+    hardware = config.hardware.model_copy(update={"nodes": nodes, "gpus_per_node": per_node})
+    return config.model_copy(update={"hardware": hardware})
+
+
 def _load(args: argparse.Namespace):
     from llmflow.tasks.config import load_config
 
-    overrides = list(args.overrides)
+    overrides = _shorthands(args) + list(args.overrides)
     for field in ("root", "until"):
         value = getattr(args, field, None)
         if value is not None:
             overrides.append(f"{field}={value}")
-    config = load_config(args.config, overrides)
+    config = _with_gpus(load_config(args.config, overrides), getattr(args, "gpus", None))
     if getattr(args, "data", None):
         config = config.model_copy(update={"data": list(args.data)})
     return config
@@ -161,12 +217,12 @@ def _plan_without_stages(config, args: argparse.Namespace) -> int:
     the model's size, and each context-extension stage's memory (those still train)."""
     from llmflow.tasks.pretrain.planner import NO_STAGE, extension_memory
 
-    print(f"{config.name} on {args.gpus or config.hardware.gpus} GPU(s)")
+    print(f"{config.name} on {config.hardware.gpus} GPU(s)")
     print(f"{NO_STAGE}: nothing to pretrain, the init model goes on as it is")
     print(_init_size(config))
     if config.extend.stages:  # the extension trains the imported model: on its architecture
         config = _init_architecture(config)
-        for line in extension_memory(config.pretrain, config.extend, config.hardware, args.gpus):
+        for line in extension_memory(config.pretrain, config.extend, config.hardware):
             print(line)
     return 0
 
@@ -180,10 +236,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if not config.pretrain.stages:
         return _plan_without_stages(config, args)
     config = _init_architecture(config)
-    result = recipe_plan(
-        config.pretrain, config.hardware, num_gpus=args.gpus, gpu_mem_gb=args.gpu_mem, mfu=args.mfu
-    )
-    gpus = args.gpus or config.hardware.gpus
+    result = recipe_plan(config.pretrain, config.hardware)
+    gpus = config.hardware.gpus
     from llmflow.tasks.scaling.fit import find_law
 
     try:
@@ -195,9 +249,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         result.predicted_loss = law.predict(result.num_non_embedding_parameters, result.num_tokens)
     print(f"{config.name} on {gpus} GPU(s)")
     print(format_plan(result))
-    for line in extension_memory(config.pretrain, config.extend, config.hardware, args.gpus):
+    for line in extension_memory(config.pretrain, config.extend, config.hardware):
         print(line)
-    _print_layouts(config, args, parallel)
+    _print_layouts(config, parallel)
     if not result.fits:
         print(
             "llmflow: error: the recipe does not fit its GPUs; see the fixes above", file=sys.stderr
@@ -205,31 +259,24 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0 if result.fits else 1
 
 
-def _print_layouts(config, args: argparse.Namespace, parallel: dict | None) -> None:
+def _print_layouts(config, parallel: dict | None) -> None:
     """Each stage's parallel layout (chosen, or around the degrees ``--parallel`` or the
     recipe sets), with its memory per GPU, bubble and traffic."""
     from llmflow.tasks.pretrain.layout_planner import format_layout_plan, stage_layout_plans
 
     print("parallel layout per stage (TP+SP, CP, PP, FSDP2 over dp_shard x cp; global batch kept):")
-    plans = stage_layout_plans(config.pretrain, config.extend, config.hardware, parallel=parallel,
-                               num_gpus=args.gpus, gpu_mem_gb=args.gpu_mem)  # fmt: skip
+    plans = stage_layout_plans(config.pretrain, config.extend, config.hardware, parallel=parallel)
     for name, seq_len, layout_plan in plans:
         print("\n".join(format_layout_plan(name, seq_len, layout_plan)))
 
 
 def cmd_preflight(args: argparse.Namespace) -> int:
-    from llmflow.flows.preflight import PreflightOptions, PreflightRun, preflight_flow
+    from llmflow.flows.preflight import PreflightRun, preflight_flow
 
-    options = PreflightOptions(
-        processes=args.processes,
-        seq_len=args.seq_len,
-        micro_batch_size=args.micro_batch_size,
-        steps=args.steps,
-        train=not args.no_train,
-        check_data=not args.no_data,
-    )
+    options = _load(args).preflight  # the recipe's, with the flags and --set applied
     preset = str(Path(args.config).resolve()) if args.config else "quickstart"
-    result = preflight_flow(PreflightRun(preset=preset, overrides=args.overrides, options=options))
+    overrides = _shorthands(args) + list(args.overrides)
+    result = preflight_flow(PreflightRun(preset=preset, overrides=overrides, options=options))
     print(result["table"])
     return 0 if result["go"] else 1
 
@@ -250,18 +297,10 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def cmd_critical_batch(args: argparse.Namespace) -> int:
-    from llmflow.flows.critical_batch import CriticalBatchConfig, critical_batch
+    from llmflow.flows.critical_batch import critical_batch
 
     config = _load(args)
-    cb = CriticalBatchConfig(
-        base_batch=args.base_batch,
-        factors=args.factors,
-        points=args.points,
-        branch_tokens=args.branch_tokens,
-        lr_scaling=args.lr_scaling,
-        tolerance=args.tolerance,
-    )
-    result = critical_batch(config, cb)
+    result = critical_batch(config, config.critical_batch)
     for row in result["rows"]:
         print("  ".join(f"{k}={v}" for k, v in row.items()))
     for point, batch in result["critical"].items():
@@ -293,12 +332,17 @@ def cmd_ladder(args: argparse.Namespace) -> int:
 
 
 def cmd_ablate(args: argparse.Namespace) -> int:
-    from llmflow.flows.ablation import AblationConfig, annealing_ablation
+    from llmflow.flows.ablation import annealing_ablation
 
     config = _load(args)
-    ablation = AblationConfig(candidate=args.candidate, num_tokens=args.num_tokens)
-    rows = annealing_ablation(config, ablation)
-    print(f"{'metric':<34} {'baseline':>10} {'+' + args.candidate:>10} {'diff':>10}")
+    if config.ablation.candidate is None:
+        raise BadInputError(
+            "ablation.candidate is not set: name the domain to test as late-stage data "
+            "(--candidate DOMAIN or --set ablation.candidate=DOMAIN)"
+        )
+    rows = annealing_ablation(config, config.ablation)
+    candidate = "+" + config.ablation.candidate
+    print(f"{'metric':<34} {'baseline':>10} {candidate:>10} {'diff':>10}")
     for row in rows:
         print(
             f"{row['metric']:<34} {row['baseline']:>10.4g} {row['candidate']:>10.4g} {row['difference']:>+10.4g}"
@@ -372,9 +416,11 @@ def build_parser() -> argparse.ArgumentParser:
     ver.set_defaults(func=cmd_verify)
     planner = sub.add_parser("plan", help="Parameters, FLOPs, memory per GPU, tokens and time.")
     _add_config_args(planner)
-    planner.add_argument("--gpus", type=int, help="Data-parallel GPUs (default: hardware.*).")
-    planner.add_argument("--gpu-mem", type=float, help="GB per GPU (default: hardware.gpu_mem_gb).")
-    planner.add_argument("--mfu", type=float, help="Expected MFU (default: hardware.mfu).")
+    planner.add_argument(
+        "--gpus", type=int, help="GPUs in all: sets hardware.nodes (x hardware.gpus_per_node)."
+    )
+    planner.add_argument("--gpu-mem", type=float, help="GB per GPU: hardware.gpu_mem_gb.")
+    planner.add_argument("--mfu", type=float, help="Expected MFU: hardware.mfu.")
     planner.add_argument(
         "--parallel",
         metavar="tp=2,cp=4,pp=1",
@@ -384,12 +430,12 @@ def build_parser() -> argparse.ArgumentParser:
     planner.set_defaults(func=cmd_plan)
     pre = sub.add_parser("preflight", help="The go/no-go checklist to pass before a long run.")
     _add_config_args(pre)
-    pre.add_argument("--processes", type=int, default=2, help="Ranks of the test steps.")
-    pre.add_argument("--seq-len", type=int, help="Sequence length of the test steps.")
-    pre.add_argument("--micro-batch-size", type=int, help="Sequences per rank per test step.")
-    pre.add_argument("--steps", type=int, default=4, help="Test optimizer steps.")
-    pre.add_argument("--no-train", action="store_true", help="Plan and meta build only.")
-    pre.add_argument("--no-data", action="store_true", help="Do not open the data sources.")
+    pre.add_argument("--processes", type=int, help="preflight.processes: ranks of the test steps.")
+    pre.add_argument("--seq-len", type=int, help="preflight.seq_len of the test steps.")
+    pre.add_argument("--micro-batch-size", type=int, help="preflight.micro_batch_size per rank.")
+    pre.add_argument("--steps", type=int, help="preflight.steps: test optimizer steps.")
+    pre.add_argument("--no-train", action="store_true", help="preflight.train=false: plan only.")
+    pre.add_argument("--no-data", action="store_true", help="preflight.check_data=false.")
     pre.set_defaults(func=cmd_preflight)
     sweep = sub.add_parser("sweep", help="Optuna search (TPE + pruning) over cached trials.")
     _add_config_args(sweep)
@@ -399,14 +445,12 @@ def build_parser() -> argparse.ArgumentParser:
     crit = sub.add_parser("critical-batch", help="Largest batch matching the base batch's loss.")
     _add_config_args(crit)
     crit.add_argument("--root", help="Artifact root.")
-    crit.add_argument("--lr-scaling", choices=["sqrt", "linear"], default="sqrt")
-    crit.add_argument("--tolerance", type=float, default=0.01, help="Relative loss tolerance.")
-    crit.add_argument("--base-batch", type=int, default=4, help="Base batch B (sequences).")
-    crit.add_argument("--factors", type=int, nargs="+", default=[1, 2, 4, 8], help="k of k*B.")
-    crit.add_argument(
-        "--points", type=int, nargs="+", default=[40_000, 200_000], help="Trunk tokens, 2 points."
-    )
-    crit.add_argument("--branch-tokens", type=int, default=65_536, help="Tokens of each branch.")
+    crit.add_argument("--lr-scaling", choices=["sqrt", "linear"], help="critical_batch.lr_scaling")
+    crit.add_argument("--tolerance", type=float, help="critical_batch.tolerance (relative loss).")
+    crit.add_argument("--base-batch", type=int, help="critical_batch.base_batch (sequences).")
+    crit.add_argument("--factors", type=int, nargs="+", help="critical_batch.factors: k of k*B.")
+    crit.add_argument("--points", type=int, nargs="+", help="critical_batch.points: trunk tokens.")
+    crit.add_argument("--branch-tokens", type=int, help="critical_batch.branch_tokens.")
     crit.set_defaults(func=cmd_critical_batch)
     lad = sub.add_parser("ladder", help="Isoflop ladder, fitted scaling law, held-out check.")
     _add_config_args(lad)
@@ -417,8 +461,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_config_args(ablate)
     ablate.add_argument("--root", help="Artifact root.")
-    ablate.add_argument("--candidate", required=True, help="Domain to test as late-stage data.")
-    ablate.add_argument("--num-tokens", type=int, default=50_000, help="Annealing budget per arm.")
+    ablate.add_argument("--candidate", help="ablation.candidate: the domain to test late.")
+    ablate.add_argument("--num-tokens", type=int, help="ablation.num_tokens: budget per arm.")
     ablate.set_defaults(func=cmd_ablate)
     ev = sub.add_parser(
         "evaluate", help="Evaluate model folders or hf://models/ ids: suite, cards, leaderboard."

@@ -13,55 +13,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from prefect import flow
 from prefect.artifacts import create_table_artifact
-from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from llmflow.flows.recipe import recipe, stage_run
+from llmflow.tasks.command_config import CriticalBatchConfig
 from llmflow.tasks.config import PipelineConfig
 from llmflow.tasks.framework.executor import PrefectExecutor
 from llmflow.tasks.framework.graph import Graph, Node
 from llmflow.tasks.pretrain.config import TrainConfig
 from llmflow.tasks.pretrain.step import pretrain
-
-
-class CriticalBatchConfig(BaseModel):
-    """Base batch, the multiples to try, the LR rule, where to branch and for how long."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    base_batch: int = Field(4, gt=0, description="Base batch B, in sequences.")
-    factors: list[int] = Field(
-        default_factory=lambda: [1, 2, 4, 8], description="Multiples k of B (1 is the baseline)."
-    )
-    lr_scaling: Literal["sqrt", "linear"] = Field(
-        "sqrt", description="LR at k·B: lr·sqrt(k) (Adam) or lr·k (SGD)."
-    )
-    points: list[int] = Field(
-        default_factory=lambda: [40_000, 200_000],
-        description="Trunk tokens at which to branch (two points of training).",
-    )
-    branch_tokens: int = Field(65_536, gt=0, description="Tokens of every branch.")
-    tolerance: float = Field(0.01, gt=0, description="Relative loss within which k·B matches B.")
-
-    @field_validator("factors")
-    @classmethod
-    def _has_baseline(cls, value: list[int]) -> list[int]:
-        if 1 not in value or any(k < 1 for k in value):
-            raise ValueError(f"factors must be >= 1 and include 1 (the baseline), got {value}")
-        return sorted(set(value))
-
-    @field_validator("points")
-    @classmethod
-    def _increasing(cls, value: list[int]) -> list[int]:
-        if not value or value != sorted(set(value)) or value[0] <= 0:
-            raise ValueError(f"points must be increasing positive token counts, got {value}")
-        return value
-
-    def lr_factor(self, k: int) -> float:
-        return math.sqrt(k) if self.lr_scaling == "sqrt" else float(k)
 
 
 @dataclass

@@ -20,13 +20,14 @@ from pydantic import (
     model_validator,
 )
 
+from llmflow.tasks.command_config import AblationConfig, CriticalBatchConfig, PreflightOptions
 from llmflow.tasks.curation.config import CurateConfig
 from llmflow.tasks.dataprep.config import TokenizeConfig, ValidationConfig
 from llmflow.tasks.decontam.config import DecontamSettings
 from llmflow.tasks.evaluation.config import EvalConfig
 from llmflow.tasks.extend.config import ExtendConfig
 from llmflow.tasks.framework.errors import BadInputError, ConfigError
-from llmflow.tasks.framework.hashing import UNVERSIONED
+from llmflow.tasks.framework.hashing import ADDED_EXECUTION, UNVERSIONED
 from llmflow.tasks.framework.resources import data_dir
 from llmflow.tasks.ingest.ingest import IngestConfig
 from llmflow.tasks.ingest.sample import SampleConfig
@@ -195,6 +196,15 @@ class PipelineConfig(BaseModel):
     merge: MergeStepConfig = Field(default_factory=MergeStepConfig)
     average: AverageConfig = Field(default_factory=AverageConfig)
     safety: SafetyConfig = Field(default_factory=SafetyConfig)
+    preflight: PreflightOptions = Field(
+        default_factory=PreflightOptions, json_schema_extra=ADDED_EXECUTION
+    )
+    critical_batch: CriticalBatchConfig = Field(
+        default_factory=CriticalBatchConfig, json_schema_extra=ADDED_EXECUTION
+    )
+    ablation: AblationConfig = Field(
+        default_factory=AblationConfig, json_schema_extra=ADDED_EXECUTION
+    )
 
     @field_validator("until")
     @classmethod

@@ -35,6 +35,30 @@ OMIT_DEFAULT = {"omit_default": True}
 of the hash, so those outputs keep their addresses; any other value enters it."""
 
 
+ADDED_EXECUTION = {"versioned": False, "omit_default": True}
+"""An execution-only field added after recipes were dumped into outputs (a model card embeds its
+recipe's YAML): no hash covers it, and `recipe_dump` leaves it out at its default, so those
+outputs keep their addresses."""
+
+
+def recipe_dump(model: BaseModel) -> dict[str, Any]:
+    """``model.model_dump(mode="json")`` without the ``ADDED_EXECUTION`` fields at their
+    default, at any depth."""
+    return model.model_dump(mode="json", exclude=_added_at_default(model) or None)
+
+
+def _added_at_default(model: BaseModel) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, info in type(model).model_fields.items():
+        value = getattr(model, name)
+        extra = info.json_schema_extra
+        if extra == ADDED_EXECUTION and value == info.get_default(call_default_factory=True):
+            out[name] = True
+        elif isinstance(value, BaseModel) and (inner := _added_at_default(value)):
+            out[name] = inner
+    return out
+
+
 def _omitted_default(field_info: Any, value: Any) -> bool:
     extra = field_info.json_schema_extra
     return (

@@ -8,47 +8,15 @@ import logging
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
-
+from llmflow.tasks.command_config import PreflightOptions
 from llmflow.tasks.framework.errors import BadInputError
+
+__all__ = ["Check", "PreflightOptions", "Report"]
 
 logger = logging.getLogger("llmflow.preflight")
 """Preflight's progress lines: each check as it starts and ends, each rehearsal step."""
-
-
-class PreflightOptions(BaseModel):
-    """How much of the checklist to run here, and at what size."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    processes: int = Field(2, ge=1, description="Ranks of the test steps (FSDP2 when > 1).")
-    seq_len: int | None = Field(
-        None, gt=1, description="Sequence length of the test steps (None: the recipe's)."
-    )
-    micro_batch_size: int | None = Field(
-        None, gt=0, description="Sequences per rank per step (None: the recipe's)."
-    )
-    steps: int = Field(
-        4, ge=2, description="Optimizer steps; the resume starts after half of them."
-    )
-    docs_per_source: int = Field(2, ge=1, description="Documents read from each data source.")
-    check_data: bool = Field(True, description="Open every data source and read documents.")
-    train: bool = Field(True, description="Run the test steps (False: plan and meta build only).")
-    timeout_s: float = Field(1800, gt=0, description="Deadline of each trainer launch.")
-    layouts: Literal["plan", "all", "none"] = Field(
-        "plan",
-        description="Parallel layouts rehearsed at a tiny width against data parallelism alone: "
-        "those `llmflow plan` gives the recipe's stages (plan), each of TP, CP and PP (all), or "
-        "none. Runs with the test steps.",
-    )
-    host_memory_gb: float | None = Field(
-        None,
-        gt=0,
-        description="Memory per rank the test steps are scaled to (None: this host's available "
-        "memory shared by the ranks, or a GPU's free memory).",
-    )
 
 
 @dataclass
