@@ -23,30 +23,34 @@ def _path(prefix: str, name: str) -> str:
 
 def _recording_class(cls: type[BaseModel]) -> type[BaseModel]:
     if cls not in _RECORDING:
-
-        def __getattribute__(self, name: str) -> Any:  # noqa: N807
-            if name in type(self).model_fields:
-                object.__getattribute__(self, "__pydantic_private__")["_reads"].add(
-                    _path(object.__getattribute__(self, "__pydantic_private__")["_prefix"], name)
-                )
-            return object.__getattribute__(self, name)
-
-        def model_dump(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-            _read_everything(self)
-            return cls.model_dump(self, *args, **kwargs)
-
-        def model_dump_json(self, *args: Any, **kwargs: Any) -> str:
-            _read_everything(self)
-            return cls.model_dump_json(self, *args, **kwargs)
-
-        namespace = {
-            "__getattribute__": __getattribute__,
-            "model_dump": model_dump,
-            "model_dump_json": model_dump_json,
-            "__module__": cls.__module__,
-        }
-        _RECORDING[cls] = type(cls.__name__, (cls,), namespace)
+        _RECORDING[cls] = type(cls.__name__, (cls,), _recording_namespace(cls))
     return _RECORDING[cls]
+
+
+def _recording_namespace(cls: type[BaseModel]) -> dict[str, Any]:
+    """The methods of ``cls``'s recording subclass: field reads and dumps are noted."""
+
+    def __getattribute__(self, name: str) -> Any:  # noqa: N807
+        if name in type(self).model_fields:
+            object.__getattribute__(self, "__pydantic_private__")["_reads"].add(
+                _path(object.__getattribute__(self, "__pydantic_private__")["_prefix"], name)
+            )
+        return object.__getattribute__(self, name)
+
+    def model_dump(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        _read_everything(self)
+        return cls.model_dump(self, *args, **kwargs)
+
+    def model_dump_json(self, *args: Any, **kwargs: Any) -> str:
+        _read_everything(self)
+        return cls.model_dump_json(self, *args, **kwargs)
+
+    return {
+        "__getattribute__": __getattribute__,
+        "model_dump": model_dump,
+        "model_dump_json": model_dump_json,
+        "__module__": cls.__module__,
+    }
 
 
 def _read_everything(model: BaseModel) -> None:

@@ -106,8 +106,7 @@ def format_tree(uri: str, read_lineage, max_depth: int = 50) -> str:
             lines.append(f"{prefix}{branch}{node_uri}  [missing lineage]")
             return
         label = f"{role}: " if role else ""
-        metrics = record.get("metrics") or {}
-        headline = ", ".join(f"{k}={v}" for k, v in list(metrics.items())[:3])
+        headline = _headline(record)
         lines.append(
             f"{prefix}{branch}{label}{record['step']} {node_uri}"
             + (f"  ({headline})" if headline else "")
@@ -126,6 +125,12 @@ def format_tree(uri: str, read_lineage, max_depth: int = 50) -> str:
 
     visit(uri, "", True, 0, None)
     return "\n".join(lines)
+
+
+def _headline(record: dict[str, Any]) -> str:
+    """The record's first three metrics as ``k=v`` pairs ("" without metrics)."""
+    metrics = record.get("metrics") or {}
+    return ", ".join(f"{k}={v}" for k, v in list(metrics.items())[:3])
 
 
 def record(

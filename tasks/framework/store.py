@@ -237,13 +237,7 @@ class Store:
                 f"committed output {uri} lacks {', '.join(missing) or exc}, which its "
                 f"{lineage.LINEAGE_FILE} lists: the output is damaged (see llmflow verify)"
             ) from exc
-        for rel, expected in manifest.items():
-            size = (tmp / rel).stat().st_size if (tmp / rel).exists() else None
-            if size != int(expected["bytes"]):
-                raise OSError(
-                    f"{uri}/{rel}: downloaded {size} bytes, its {lineage.LINEAGE_FILE} records "
-                    f"{expected['bytes']}: the output is damaged (see llmflow verify)"
-                )
+        _check_sizes(uri, manifest, tmp)
         self.fs.get_file(f"{uri}/{COMMIT_MARKER}", str(tmp / COMMIT_MARKER))
 
     def partial_uri(self, step: str, name: str, digest: str) -> str:
@@ -450,3 +444,14 @@ def _sync_state_path(work: Path) -> Path:
 
 def now() -> str:
     return datetime.now(timezone.utc).isoformat()
+
+
+def _check_sizes(uri: str, manifest: dict[str, dict[str, Any]], tmp: Path) -> None:
+    """Each downloaded file under ``tmp`` has the size the lineage's manifest records."""
+    for rel, expected in manifest.items():
+        size = (tmp / rel).stat().st_size if (tmp / rel).exists() else None
+        if size != int(expected["bytes"]):
+            raise OSError(
+                f"{uri}/{rel}: downloaded {size} bytes, its {lineage.LINEAGE_FILE} records "
+                f"{expected['bytes']}: the output is damaged (see llmflow verify)"
+            )
