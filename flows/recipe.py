@@ -171,6 +171,14 @@ def ingested(graph: Graph, config: PipelineConfig) -> Node:
     return graph.add(ingest_sources, config.ingest, config.name, sample=generated)
 
 
+def _stage_mixtures(graph: Graph, config: PipelineConfig, tokenized: Node) -> list[Node]:
+    """One mixture node per pretraining stage, in stage order."""
+    return [
+        graph.add(mixture, s.mixture, f"{config.name}-{s.name}", tokenized=tokenized)
+        for s in config.pretrain.stages
+    ]
+
+
 def curriculum(
     graph: Graph, config: PipelineConfig, tokenized: Node, init: Node | None = None
 ) -> Node:
@@ -180,10 +188,7 @@ def curriculum(
         validation, config.validation, config.name, phase="mixture", tokenized=tokenized
     )
     stages = config.pretrain.stages
-    mixtures = [
-        graph.add(mixture, s.mixture, f"{config.name}-{s.name}", tokenized=tokenized)
-        for s in stages
-    ]
+    mixtures = _stage_mixtures(graph, config, tokenized)
     checkpoint = init
     for index, (stage, data) in enumerate(zip(stages, mixtures, strict=True)):
         run = stage_run(config, stage_train_config(config.pretrain, index))
@@ -239,6 +244,22 @@ def stage_run(config: PipelineConfig, train) -> StageRun:
     return StageRun(train=train, **config.pretrain.launch_settings())
 
 
+def _exported(
+    graph: Graph, config: PipelineConfig, label: str, checkpoint: Node, tokenizer: Node, rope: dict
+) -> Node:
+    """The checkpoint's Hugging Face export; an external model is its own export."""
+    if checkpoint.step.name == EXTERNAL_STEP:
+        return checkpoint
+    return graph.add(
+        export,
+        ExportConfig(label=label, **rope),
+        f"{config.name}-{label}",
+        phase="evaluate",
+        checkpoint=checkpoint,
+        tokenizer=tokenizer,
+    )
+
+
 def export_and_evaluate(
     graph: Graph,
     config: PipelineConfig,
@@ -253,16 +274,7 @@ def export_and_evaluate(
     """Export a checkpoint to Hugging Face format, then evaluate the export (an ``init`` model
     no stage trains is a model output already: evaluated as it is); ``long_context`` (RULER's
     scores of the checkpoint) joins its card."""
-    exported = checkpoint
-    if checkpoint.step.name != EXTERNAL_STEP:
-        exported = graph.add(
-            export,
-            ExportConfig(label=label, **rope),
-            f"{config.name}-{label}",
-            phase="evaluate",
-            checkpoint=checkpoint,
-            tokenizer=tokenizer,
-        )
+    exported = _exported(graph, config, label, checkpoint, tokenizer, rope)
     return evaluate_model(
         graph, config, checks, label, exported, tokenized, phase="evaluate",
         long_context=long_context,

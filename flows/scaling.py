@@ -216,6 +216,12 @@ def _law_text(law: ScalingLaw, error: float | None) -> str:
     )
 
 
+def _heldout_check(config: PipelineConfig, ladder: LadderConfig, law: ScalingLaw, uri: str) -> dict:
+    """The law's prediction for the held-out model against the loss in its summary."""
+    summary = json.loads((Path(uri) / "summary.json").read_text())
+    return heldout_check(law, _non_embedding(config.pretrain.train, ladder.heldout), summary)
+
+
 @flow(name="llmflow-scaling-ladder", log_prints=True)
 def scaling_ladder(config: PipelineConfig, ladder: LadderConfig) -> LadderResult:
     """Train the ladder, fit the law, check it on a larger model, rank two variants by size."""
@@ -223,10 +229,7 @@ def scaling_ladder(config: PipelineConfig, ladder: LadderConfig) -> LadderResult
     outcome = PrefectExecutor(config.root, runner=config.runner).run(planned.graph)
     fitted = json.loads((Path(outcome[planned.fit].uri) / LAW_FILE).read_text())
     law = ScalingLaw(**fitted["law"])
-    heldout = Path(outcome[planned.heldout].uri)
-    summary = json.loads((heldout / "summary.json").read_text())
-    size = _non_embedding(config.pretrain.train, ladder.heldout)
-    check = heldout_check(law, size, summary)
+    check = _heldout_check(config, ladder, law, outcome[planned.heldout].uri)
     if law.degenerate:
         print(f"{law.degenerate}: the held-out model's loss is not predicted")
     losses = {key: outcome[node].metrics["val_loss"] for key, node in planned.ranking.items()}

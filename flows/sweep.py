@@ -98,26 +98,31 @@ def storage_url(config: PipelineConfig, space: SweepSpace) -> str:
     return f"sqlite:///{folder / 'study.db'}"
 
 
-def open_study(config: PipelineConfig, space: SweepSpace):
-    """Create or load the study; stale RUNNING trials (a killed driver) are re-queued."""
-    import optuna
+def _storage(config: PipelineConfig, space: SweepSpace):
+    """The study's RDB storage, with heartbeats that re-queue stale trials (3 retries)."""
     from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
 
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
     url = storage_url(config, space)
     # NOTE: the driver, each trial and its heartbeat write to one SQLite file; wait for the
     # lock (60 s) rather than fail on a busy machine.
     engine = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else None
-    storage = RDBStorage(
+    return RDBStorage(
         url,
         engine_kwargs=engine,
         heartbeat_interval=heartbeat_s(space),
         grace_period=space.grace_s,
         heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=3),
     )
+
+
+def open_study(config: PipelineConfig, space: SweepSpace):
+    """Create or load the study; stale RUNNING trials (a killed driver) are re-queued."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
     return optuna.create_study(
         study_name=space.study,
-        storage=storage,
+        storage=_storage(config, space),
         sampler=space.sampler.build(space.params),
         pruner=space.pruner.build(space.segments),
         direction="minimize",
@@ -393,11 +398,7 @@ def publish(study, space: SweepSpace, folder: Path, config: PipelineConfig) -> S
     (folder / "trials.json").write_text(json.dumps(rows, indent=1))
     key = f"sweep-{space.study}".lower().replace("_", "-").replace(".", "-")
     create_table_artifact(rows, key=key, description=f"Trials of study {space.study}")
-    images = "\n\n".join(
-        f"### {p.stem}\n![{p.stem}](data:image/png;base64,"
-        f"{base64.b64encode(p.read_bytes()).decode()})"
-        for p in save_plots(study, folder)
-    )
+    images = _plots_markdown(study, folder)
     best_text = "\n".join(f"- `{k}` = {v!r}" for k, v in best.params.items())
     create_markdown_artifact(
         f"## Best trial {best.number}: val_loss {best.value:.4f}\n{best_text}\n\n{images}",
@@ -405,13 +406,28 @@ def publish(study, space: SweepSpace, folder: Path, config: PipelineConfig) -> S
         description=f"Best config and plots of study {space.study} (files under {folder})",
     )
     tokens = sum(int(t.user_attrs.get("tokens", 0)) for t in study.trials)
-    store = Store(config.root)
-    where = str(folder)
-    if not store.is_local:  # an S3 root: the files go next to the run's outputs
-        where = sweep_uri(config, space)
-        store.fs.put(f"{folder}/", f"{where}/", recursive=True)
-        log.info("published the sweep's best config, trials and plots to %s", where)
+    where = _upload(config, space, folder)
     return SweepResult(dict(best.params), float(best.value), rows, where, tokens)
+
+
+def _plots_markdown(study, folder: Path) -> str:
+    """The study's plots, saved under `folder`, as Markdown sections with inline PNGs."""
+    return "\n\n".join(
+        f"### {p.stem}\n![{p.stem}](data:image/png;base64,"
+        f"{base64.b64encode(p.read_bytes()).decode()})"
+        for p in save_plots(study, folder)
+    )
+
+
+def _upload(config: PipelineConfig, space: SweepSpace, folder: Path) -> str:
+    """Where the sweep's files are: `folder`, or beside the run's outputs on an S3 root."""
+    store = Store(config.root)
+    if store.is_local:
+        return str(folder)
+    where = sweep_uri(config, space)
+    store.fs.put(f"{folder}/", f"{where}/", recursive=True)
+    log.info("published the sweep's best config, trials and plots to %s", where)
+    return where
 
 
 @flow(name="llmflow-sweep", log_prints=True)
