@@ -143,7 +143,7 @@ def read_model(folder: Path):
     import torch
 
     from llmflow.model.config import ModelConfig
-    from llmflow.model.hf import import_hf, load_model
+    from llmflow.model.hf import load_model
     from llmflow.model.transformer import Transformer
 
     folder = Path(folder)
@@ -156,13 +156,22 @@ def read_model(folder: Path):
     elif (folder / "model_config.json").is_file():
         model = load_model(folder)
     else:
-        hf = folder / "hf" if (folder / "hf" / "config.json").is_file() else folder
-        if not (hf / "config.json").is_file():
-            raise BadInputError(f"{folder}: neither a trainer checkpoint nor a model folder")
-        cfg, state = import_hf(hf)
-        model = Transformer(cfg)
-        model.load_state_dict(state)
+        model = _read_hf_model(folder)
     return model.to(torch.float32).eval()
+
+
+def _read_hf_model(folder: Path):
+    """Our ``Transformer`` from a model output (``hf/``) or a Hugging Face folder."""
+    from llmflow.model.hf import import_hf
+    from llmflow.model.transformer import Transformer
+
+    hf = folder / "hf" if (folder / "hf" / "config.json").is_file() else folder
+    if not (hf / "config.json").is_file():
+        raise BadInputError(f"{folder}: neither a trainer checkpoint nor a model folder")
+    cfg, state = import_hf(hf)
+    model = Transformer(cfg)
+    model.load_state_dict(state)
+    return model
 
 
 def identity(folder: Path) -> str:
@@ -361,26 +370,25 @@ def regressions(
 ) -> list[dict[str, Any]]:
     """Each banded metric of ``point`` worse than the reference at its tokens by more than its
     band: metric, value, reference, gap (positive: worse), band."""
-    found = []
     if point.get("tokens_seen") is None:
-        return found
-    for metric, band in sorted(bands.items()):
-        value = point["metrics"].get(metric)
-        reference = interpolate(curve, point["tokens_seen"], metric)
-        if value is None or reference is None:
-            continue
-        gap = value - reference if lower_is_better(metric) else reference - value
-        if gap > band:
-            found.append(
-                {
-                    "metric": metric,
-                    "value": value,
-                    "reference": reference,
-                    "gap": gap,
-                    "band": band,
-                }  # fmt: skip
-            )
-    return found
+        return []
+    found = (_regression(point, curve, metric, band) for metric, band in sorted(bands.items()))
+    return [row for row in found if row is not None]
+
+
+def _regression(
+    point: dict[str, Any], curve: list[dict[str, Any]], metric: str, band: float
+) -> dict[str, Any] | None:
+    """``metric``'s row of `regressions` when ``point`` is worse than the reference by more
+    than ``band``; None otherwise (or when either value is unknown)."""
+    value = point["metrics"].get(metric)
+    reference = interpolate(curve, point["tokens_seen"], metric)
+    if value is None or reference is None:
+        return None
+    gap = value - reference if lower_is_better(metric) else reference - value
+    if gap > band:
+        return {"metric": metric, "value": value, "reference": reference, "gap": gap, "band": band}
+    return None
 
 
 def alerted(stage: Path, step: int, metric: str) -> bool:
