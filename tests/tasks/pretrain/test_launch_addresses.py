@@ -10,7 +10,7 @@ import pytest
 
 from tests.checkouts import helper_output, helper_output_at
 
-BEFORE = "1089d02f85b67e7d08ea9d98b3c1562b6b43ee17"  # main before the Launcher protocol
+BEFORE = "09418631b6783de8c45ec00926a634c9abe58f57"  # main before the Launcher protocol (77c16d7)
 HELPER = Path(__file__).with_name("launch_addresses.py")
 
 
