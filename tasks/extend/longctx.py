@@ -40,6 +40,17 @@ def with_rope(model: Transformer, **changes: Any) -> Transformer:
     return other.eval()
 
 
+def _loss_totals(model: Transformer, rows: list[np.ndarray], seq_len: int) -> torch.Tensor:
+    """(seq_len,) next-token loss at each position, summed over the rows."""
+    totals = torch.zeros(seq_len)
+    for row in rows:
+        ids = torch.from_numpy(row)[None]
+        logits = model(ids[:, :-1])  # (1, T, V)
+        loss = torch.nn.functional.cross_entropy(logits[0].float(), ids[0, 1:], reduction="none")
+        totals += loss
+    return totals
+
+
 @torch.no_grad()
 def position_loss(
     model: Transformer, docs: list[np.ndarray], seq_len: int, num_buckets: int = 16
@@ -54,13 +65,7 @@ def position_loss(
     rows = [d[: seq_len + 1].astype(np.int64) for d in docs if len(d) > seq_len]
     if not rows:
         raise BadInputError(f"no held-out document has more than {seq_len} tokens")
-    totals = torch.zeros(seq_len)
-    for row in rows:
-        ids = torch.from_numpy(row)[None]
-        logits = model(ids[:, :-1])  # (1, T, V)
-        loss = torch.nn.functional.cross_entropy(logits[0].float(), ids[0, 1:], reduction="none")
-        totals += loss
-    mean = (totals / len(rows)).numpy()
+    mean = (_loss_totals(model, rows, seq_len) / len(rows)).numpy()
     edges = np.linspace(0, seq_len, num_buckets + 1).astype(int)
     return {
         "bucket_start": edges[:-1].tolist(),

@@ -284,8 +284,12 @@ def check_mirror_pin(source: HubSource) -> None:
     mirror = os.environ.get(MIRROR_ENV)
     if mirror and source.revision not in (None, "main") and not is_local_pin(source.revision):
         check_mirror_revision(source, Path(mirror) / source.repo)
-    if not is_local_pin(source.revision):
-        return
+    if is_local_pin(source.revision):
+        _check_local_pin(source, mirror)
+
+
+def _check_local_pin(source: HubSource, mirror: str | None) -> None:
+    """A ``local-`` pin needs the mirror set, and its folder's fingerprint equal to the pin."""
     if not mirror:
         raise BadInputError(
             f"Hub source {source.uri!r} is pinned to a mirror folder's fingerprint "

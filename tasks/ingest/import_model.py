@@ -243,6 +243,15 @@ def special_ids(folder: Path, fields: dict) -> dict[str, int | None]:
     return {"eos_id": eos, "pad_id": pad, "bos_id": fields.get("bos_token_id")}
 
 
+def _external_node(graph: Graph, config: PipelineConfig) -> Node:
+    """The ``external-model`` node of the pinned ``init`` folder, taken as it is."""
+    pinned, files = external.pin_model(config.init, FIELD)
+    return graph.add(
+        external.external_model, pinned, config.name, phase="tokenizer",
+        files=Raw(files) if files else None,
+    )  # fmt: skip
+
+
 def add_init(graph: Graph, config: PipelineConfig) -> tuple[PipelineConfig, Node | None]:
     """With ``init`` set: the config with ``init`` pinned and pretraining on the imported model's
     architecture, and the ``import-model`` node; when no stage trains, the config with ``init``
@@ -252,12 +261,7 @@ def add_init(graph: Graph, config: PipelineConfig) -> tuple[PipelineConfig, Node
     if config.init is None:
         return config, None
     if found is None:  # nothing trains: post-training and evaluation take the folder itself
-        pinned, files = external.pin_model(config.init, FIELD)
-        node = graph.add(
-            external.external_model, pinned, config.name, phase="tokenizer",
-            files=Raw(files) if files else None,
-        )  # fmt: skip
-        return config, node
+        return config, _external_node(graph, config)
     pinned = found.source.pinned_uri
     files = models.model_files(found.source)
     node = graph.add(

@@ -200,18 +200,24 @@ def trainer_failure(report: Report, row: dict, config, launch: RehearsalLauncher
             first = str(err).splitlines()[0]
             row.update(go=False, detail=f"{first}: {last_error(err.tail)}")
             return
-        shape = report.numbers["test_shape"]
-        seq, micro, ranks = shape["seq_len"], shape["micro_batch_size"], shape["processes"]
-        plan = rehearsal_plan_gb(config, seq, micro, ranks)
-        usable = report.numbers.get("host", {}).get("usable_gb")
-        fixes = memory_fixes(config, seq, micro, ranks, usable)
-        report.numbers["out_of_memory"] = {"reason": reason, "peak_gb": launch.peak_gb,
-                                           "plan_gb": plan, "fixes": fixes}  # fmt: skip
-        row.update(go=False, detail=(
-            f"out of memory at seq {seq} x micro {micro} on {ranks} ranks: {reason}; measured "
-            f"peak {launch.peak_gb:.2f} GB per rank (RSS when last sampled) against a plan of "
-            f"{plan:.2f} GB" + ("" if usable is None else f" ({usable:.1f} GB usable here)")
-            + "; to fit, change " + "; or ".join(fixes)))  # fmt: skip
+        _out_of_memory(report, row, config, launch, reason)
+
+
+def _out_of_memory(report: Report, row: dict, config, launch: RehearsalLauncher, reason: str):
+    """``row`` a no-go for running out of memory: the measured peak against the plan and the
+    settings that would fit, also kept in the report's numbers."""
+    shape = report.numbers["test_shape"]
+    seq, micro, ranks = shape["seq_len"], shape["micro_batch_size"], shape["processes"]
+    plan = rehearsal_plan_gb(config, seq, micro, ranks)
+    usable = report.numbers.get("host", {}).get("usable_gb")
+    fixes = memory_fixes(config, seq, micro, ranks, usable)
+    report.numbers["out_of_memory"] = {"reason": reason, "peak_gb": launch.peak_gb,
+                                       "plan_gb": plan, "fixes": fixes}  # fmt: skip
+    row.update(go=False, detail=(
+        f"out of memory at seq {seq} x micro {micro} on {ranks} ranks: {reason}; measured "
+        f"peak {launch.peak_gb:.2f} GB per rank (RSS when last sampled) against a plan of "
+        f"{plan:.2f} GB" + ("" if usable is None else f" ({usable:.1f} GB usable here)")
+        + "; to fit, change " + "; or ".join(fixes)))  # fmt: skip
 
 
 def resume_from_checkpoint(launch, train, data: Path, val: Path, work: Path, step: int) -> dict:

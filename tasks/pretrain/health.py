@@ -95,13 +95,7 @@ class LayerStats:
         self.num_stages = trainer.layout.pp if rt.distributed else 1
         self.device = rt.device
         model = trainer.model
-        # NOTE: PP: the last stage's copy of a tied embedding is the first stage's weight; it
-        # is counted once, on the first stage (as the pipeline's clip does).
-        tied_copy = (
-            getattr(model, "tied", False)
-            and getattr(model, "is_last", False)
-            and not getattr(model, "is_first", True)
-        )
+        tied_copy = _is_tied_copy(model)
         self.params = [
             (index[layer_of(name)], p)
             for name, p in model.named_parameters()
@@ -196,6 +190,17 @@ class LayerStats:
             if placement.is_replicate()
         )
         return replicated * (ranks_per_stage // mesh.size())
+
+
+def _is_tied_copy(model) -> bool:
+    """Whether ``model`` (a PP stage) holds the last stage's copy of a tied embedding."""
+    # NOTE: PP: the last stage's copy of a tied embedding is the first stage's weight; it
+    # is counted once, on the first stage (as the pipeline's clip does).
+    return (
+        getattr(model, "tied", False)
+        and getattr(model, "is_last", False)
+        and not getattr(model, "is_first", True)
+    )
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

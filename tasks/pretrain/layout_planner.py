@@ -124,6 +124,14 @@ def communication(
     return Communication(tp_bytes / GB, cp_bytes / GB, fsdp_bytes / GB, pp_bytes / GB)
 
 
+def _traffic_seconds(layout: Layout, comm: Communication, hardware) -> float:
+    """Seconds of TP and CP traffic, each at the bandwidth of the link it crosses."""
+    inside = layout.tp * layout.cp <= hardware.gpus_per_node
+    bandwidth = INTRA_NODE_GBPS if inside else INTER_NODE_GBPS
+    tp_bandwidth = INTRA_NODE_GBPS if layout.tp <= hardware.gpus_per_node else INTER_NODE_GBPS
+    return comm.tp_gb / tp_bandwidth + comm.cp_gb / bandwidth
+
+
 def step_seconds(
     cfg: ModelConfig,
     layout: Layout,
@@ -143,10 +151,7 @@ def step_seconds(
     flops = flops_per_token(cfg, seq_len) * global_batch * seq_len / layout.world_size
     recomputed = checkpointed_blocks(cfg, activation_checkpointing, every_k) / cfg.num_layers
     compute = flops * (1 + recomputed / 3) / (hardware.peak_tflops * 1e12 * hardware.mfu)
-    inside = layout.tp * layout.cp <= hardware.gpus_per_node
-    bandwidth = INTRA_NODE_GBPS if inside else INTER_NODE_GBPS
-    tp_bandwidth = INTRA_NODE_GBPS if layout.tp <= hardware.gpus_per_node else INTER_NODE_GBPS
-    traffic = comm.tp_gb / tp_bandwidth + comm.cp_gb / bandwidth
+    traffic = _traffic_seconds(layout, comm, hardware)
     bubble = compute * bubble_fraction(layout.pp, micro_batches)
     return compute + bubble + traffic, compute
 
@@ -159,6 +164,20 @@ def _divisors_descending(n: int, cap: int) -> list[int]:
     return [d for d in range(min(n, cap), 0, -1) if n % d == 0]
 
 
+def _parallel_item(text: str, item: str) -> tuple[str, int | str]:
+    """One ``NAME=VALUE`` item of ``--parallel`` as a ParallelConfig field and its value."""
+    name, sep, value = item.partition("=")
+    name = name.strip()
+    if not sep or not value.strip():
+        raise ConfigError(f"--parallel {text!r}: {item!r} is not NAME=VALUE (e.g. tp=2,cp=4)")
+    if name not in ParallelConfig.model_fields:
+        raise ConfigError(
+            f"--parallel: {PARALLEL_FIELD}.{name} is not a field; "
+            f"one of {sorted(ParallelConfig.model_fields)}"
+        )
+    return name, value.strip() if name == "pp_schedule" else _integer(name, value)
+
+
 def parse_parallel(text: str) -> dict:
     """``tp=2,cp=4,pp=1`` (``llmflow plan --parallel``) as ParallelConfig fields, checked.
 
@@ -167,16 +186,8 @@ def parse_parallel(text: str) -> dict:
     """
     values: dict = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
-        name, sep, value = item.partition("=")
-        name = name.strip()
-        if not sep or not value.strip():
-            raise ConfigError(f"--parallel {text!r}: {item!r} is not NAME=VALUE (e.g. tp=2,cp=4)")
-        if name not in ParallelConfig.model_fields:
-            raise ConfigError(
-                f"--parallel: {PARALLEL_FIELD}.{name} is not a field; "
-                f"one of {sorted(ParallelConfig.model_fields)}"
-            )
-        values[name] = value.strip() if name == "pp_schedule" else _integer(name, value)
+        name, value = _parallel_item(text, item)
+        values[name] = value
     try:
         ParallelConfig(**values)
     except ValueError as err:  # pydantic's ValidationError

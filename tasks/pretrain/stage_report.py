@@ -135,6 +135,17 @@ def plot_loss(rows: list[dict[str, Any]]) -> bytes | None:
     return _png(fig)
 
 
+def _plot_time_split(ax, rows: list[dict[str, Any]], split: dict[str, str]) -> None:
+    """The step time's parts (the ``split`` fields, labelled by their values), stacked."""
+    timed = [r for r in rows if "step" in r and any(k in r for k in split)]
+    xs = [r["step"] for r in timed]
+    parts = [[float(r.get(k) or 0.0) for r in timed] for k in split]
+    ax.stackplot(xs, parts, labels=list(split.values()), alpha=0.85)
+    ax.set(ylabel="seconds per log interval", title="Where the step time goes")
+    ax.legend(fontsize=7, ncol=3, loc="upper left")
+    ax.grid(alpha=0.3)
+
+
 def plot_throughput(rows: list[dict[str, Any]]) -> bytes | None:
     steps, tps = _series(rows, "tokens_per_s")
     if not steps:
@@ -151,13 +162,7 @@ def plot_throughput(rows: list[dict[str, Any]]) -> bytes | None:
         twin.plot(mfu_steps, [100 * m for m in mfu], lw=0.8, color="C3")
         twin.set_ylabel("MFU %", color="C3")
     if split:
-        timed = [r for r in rows if "step" in r and any(k in r for k in split)]
-        xs = [r["step"] for r in timed]
-        parts = [[float(r.get(k) or 0.0) for r in timed] for k in split]
-        axes[1].stackplot(xs, parts, labels=list(split.values()), alpha=0.85)
-        axes[1].set(ylabel="seconds per log interval", title="Where the step time goes")
-        axes[1].legend(fontsize=7, ncol=3, loc="upper left")
-        axes[1].grid(alpha=0.3)
+        _plot_time_split(axes[1], rows, split)
     axes[-1].set_xlabel("step")
     return _png(fig)
 

@@ -56,8 +56,8 @@ class StageView:
     alerts: list[dict[str, Any]] = field(default_factory=list)
 
 
-def find_stages(root: str | os.PathLike, recent_s: float = 3600.0) -> list[StageView]:
-    """The stages under a local store root: running ones first, then the latest finished."""
+def _local_root(root: str | os.PathLike) -> Path:
+    """The store root as a local folder; an S3 root or a missing folder is a BadInputError."""
     root_path = Path(root).expanduser()
     if "://" in str(root):
         raise BadInputError(
@@ -66,6 +66,12 @@ def find_stages(root: str | os.PathLike, recent_s: float = 3600.0) -> list[Stage
         )
     if not root_path.is_dir():
         raise BadInputError(f"watch: store root {root} is not a folder")
+    return root_path
+
+
+def find_stages(root: str | os.PathLike, recent_s: float = 3600.0) -> list[StageView]:
+    """The stages under a local store root: running ones first, then the latest finished."""
+    root_path = _local_root(root)
     now = time.time()
     stages = []
     for step_dir in sorted(p for p in root_path.iterdir() if p.is_dir()):

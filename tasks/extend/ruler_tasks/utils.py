@@ -168,20 +168,21 @@ def _vt(tokens: Callable, length: int, num_samples: int) -> list[dict[str, Any]]
     return rows
 
 
+def _cwe_whole(generated: tuple[str, str, list[str]]) -> str:  # lm-eval sizes with the example
+    example, text, answer = generated
+    return f"{example}\n{text} " + " ".join(f"{i + 1}. {w}" for i, w in enumerate(answer))
+
+
 def _cwe(tokens: Callable, length: int, num_samples: int) -> list[dict[str, Any]]:
     """lm-eval's ``sys_word_pair_random``: the 10 most common words of a numbered list."""
     from lm_eval.tasks.ruler import cwe_utils
 
     budget, prefix = TOKENS_TO_GENERATE["cwe"], cwe_utils.CONFIG["answer_prefix"]
 
-    def whole(generated: tuple[str, str, list[str]]) -> str:  # lm-eval sizes with the example
-        example, text, answer = generated
-        return f"{example}\n{text} " + " ".join(f"{i + 1}. {w}" for i, w in enumerate(answer))
-
     def make(n: int) -> tuple[str, str, list[str]]:
         return cwe_utils.generate_input_output(n, length)
 
-    num_words = _largest(make, lambda g: _count(tokens, whole(g)) + budget <= length, 10, 10)
+    num_words = _largest(make, lambda g: _count(tokens, _cwe_whole(g)) + budget <= length, 10, 10)
     num_words = min(num_words, len(cwe_utils.WORDS))
     fits = lambda g: _count(tokens, g[1]) + budget <= length  # noqa: E731
     rows = []
