@@ -316,6 +316,22 @@ def scaled_learning_rates(train: TrainConfig, factor: float) -> dict[str, float]
     return {f"optimizer.{k}": v * factor for k, v in learning_rates(train).items()}
 
 
+def _check_field(path: str, optimizer: str) -> None:
+    """A searched field is under the trainer's config and read by the recipe's optimizer."""
+    if not path.startswith(TUNABLE_PREFIX):
+        raise BadInputError(
+            f"search space field {path!r}: a trial is one pretraining run, so only fields "
+            f"under {TUNABLE_PREFIX!r} can be searched"
+        )
+    field = path.removeprefix(f"{TUNABLE_PREFIX}optimizer.")
+    if optimizer != "muon" and field in MUON_ONLY:
+        raise BadInputError(
+            f"search space field {path!r}: the recipe's optimizer is {optimizer}, which has "
+            "no Muon group, so every trial would train the same model (search "
+            "pretrain.train.optimizer.lr, or params: learning_rates)"
+        )
+
+
 def check_space(config: PipelineConfig, space: SweepSpace) -> None:
     """Fail before any trial on a path outside the trainer, an unknown field, a bad value or a
     field the recipe's optimizer never reads (Muon's on an AdamW recipe)."""
@@ -324,18 +340,7 @@ def check_space(config: PipelineConfig, space: SweepSpace) -> None:
     if f"{TUNABLE_PREFIX}optimizer.name" in space.params:
         optimizer = "muon"  # the trials choose their optimizer: a Muon field may matter
     for path, param in space.params.items():
-        if not path.startswith(TUNABLE_PREFIX):
-            raise BadInputError(
-                f"search space field {path!r}: a trial is one pretraining run, so only fields "
-                f"under {TUNABLE_PREFIX!r} can be searched"
-            )
-        field = path.removeprefix(f"{TUNABLE_PREFIX}optimizer.")
-        if optimizer != "muon" and field in MUON_ONLY:
-            raise BadInputError(
-                f"search space field {path!r}: the recipe's optimizer is {optimizer}, which has "
-                "no Muon group, so every trial would train the same model (search "
-                "pretrain.train.optimizer.lr, or params: learning_rates)"
-            )
+        _check_field(path, optimizer)
         for value in param.extremes():
             try:
                 with_params(config, {path: value})

@@ -9,6 +9,17 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 
+def _word_counts(tokenizer: Tokenizer, texts: list[str]) -> tuple[int, int, int]:
+    """Words, their tokens (each word encoded alone after a space) and words of 2+ tokens."""
+    words = Counter(w for t in texts for w in t.split())
+    vocab = list(words)
+    lengths = [len(e.ids) for e in tokenizer.encode_batch_fast([" " + w for w in vocab])]
+    num_words = sum(words.values())
+    word_tokens = sum(words[w] * n for w, n in zip(vocab, lengths, strict=True))
+    continued = sum(words[w] for w, n in zip(vocab, lengths, strict=True) if n > 1)
+    return num_words, word_tokens, continued
+
+
 def domain_stats(tokenizer: Tokenizer, texts: list[str]) -> dict:
     """Statistics of ``tokenizer`` on ``texts``.
 
@@ -21,12 +32,7 @@ def domain_stats(tokenizer: Tokenizer, texts: list[str]) -> dict:
     """
     num_tokens = sum(len(e.ids) for e in tokenizer.encode_batch_fast(texts))
     num_bytes = sum(len(t.encode("utf-8")) for t in texts)
-    words = Counter(w for t in texts for w in t.split())
-    vocab = list(words)
-    lengths = [len(e.ids) for e in tokenizer.encode_batch_fast([" " + w for w in vocab])]
-    num_words = sum(words.values())
-    word_tokens = sum(words[w] * n for w, n in zip(vocab, lengths, strict=True))
-    continued = sum(words[w] for w, n in zip(vocab, lengths, strict=True) if n > 1)
+    num_words, word_tokens, continued = _word_counts(tokenizer, texts)
     return {
         "num_docs": len(texts),
         "num_words": num_words,
