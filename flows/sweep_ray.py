@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from pathlib import Path
 from typing import Any
 
@@ -50,8 +49,9 @@ from llmflow.flows.sweep import (
     too_many_failures,
 )
 from llmflow.tasks.config import PipelineConfig
+from llmflow.tasks.framework.backend import RayBackend
 from llmflow.tasks.framework.executor import Executor
-from llmflow.tasks.framework.ray_cluster import RayClusterUnreachable, check_reachable
+from llmflow.tasks.framework.ray_cluster import RayClusterUnreachable
 from llmflow.tasks.framework.store import Store
 from llmflow.tasks.scaling.space import SweepSpace
 from llmflow.tasks.scaling.trial import run_trial, segment_runs, trial_train_config
@@ -111,28 +111,18 @@ def train_trial(
     run_trial(segment_runs(config, train, space.segments), train_segment, report)
 
 
-def connect(space: SweepSpace) -> bool:
-    """Join ``space.ray_address`` or start a local Ray instance; True when this call did.
+def connect(space: SweepSpace) -> RayBackend:
+    """The run's Ray: ``space.ray_address`` joined, or a local instance on 127.0.0.1 with
+    ``concurrency`` CPUs started (`backend.RayBackend`, as the data stages start theirs);
+    closing it shuts down a Ray it started and leaves one it joined.
 
     An address that does not answer is a ``BadInputError`` naming ``ray_address``, in seconds.
     """
-    if ray.is_initialized():
-        return False
-    env = {k: v for k, v in os.environ.items() if k.startswith("LLMFLOW_")}
-    options: dict[str, Any] = {"log_to_driver": False, "logging_level": logging.WARNING}
-    if env:  # the run's own settings reach the trials on every node
-        options["runtime_env"] = {"env_vars": env}
-    if space.ray_address is None:
-        from llmflow.tasks.framework.ray_cluster import init_ray
-
-        init_ray(None, num_cpus=space.concurrency, **options)  # on 127.0.0.1 only
-        return True
+    quiet = {"log_to_driver": False, "logging_level": logging.WARNING}
     try:
-        check_reachable(space.ray_address)
-        ray.init(address=space.ray_address, **options)
+        return RayBackend(space.ray_address or "local", num_cpus=space.concurrency, **quiet)
     except (RayClusterUnreachable, ConnectionError) as err:
         raise BadInputError(f"ray_address {space.ray_address!r}: {err}") from None
-    return True
 
 
 def trial_resources(config: PipelineConfig) -> dict[str, float]:
@@ -318,9 +308,5 @@ def run_tune_sweep(
     validation: str | None = None,
 ) -> SweepResult:
     """The sweep on Ray Tune: connect (or start a local Ray), run the flow, leave Ray as found."""
-    started = connect(space)
-    try:
+    with connect(space):
         return tune_sweep(config, space, data, validation)
-    finally:
-        if started:
-            ray.shutdown()

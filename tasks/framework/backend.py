@@ -244,10 +244,11 @@ class RayBackend(Backend):
     per CPU, at most 32 items each), at most ``max_in_flight`` submitted at once (None: twice
     the cluster's CPUs), so a million units never sit in Ray's queue at once.
 
-    ``address='local'`` starts a cluster on 127.0.0.1 with this machine's cores (shut down by
-    ``close``); a Ray already initialised in this process is used and left running. Ray does
-    not retry a unit itself (``max_retries=0``): a killed worker fails the stream, and the
-    caller's retry redoes what is not committed.
+    ``address='local'`` starts a cluster on 127.0.0.1 with ``num_cpus`` (None: this machine's
+    cores; shut down by ``close``); a Ray already initialised in this process is used and left
+    running. ``init_options`` go to ``ray.init``. Ray does not retry a unit itself
+    (``max_retries=0``): a killed worker fails the stream, and the caller's retry redoes what
+    is not committed.
     """
 
     kind = "ray"
@@ -260,6 +261,8 @@ class RayBackend(Backend):
         max_in_flight: int | None = None,
         cpus: float = 1,
         items_per_task: int | None = None,
+        num_cpus: int | None = None,
+        **init_options: Any,
     ):
         import ray
 
@@ -268,7 +271,8 @@ class RayBackend(Backend):
         self.started = False
         if not ray.is_initialized():
             check_reachable(address)
-            init_ray(address, runtime_env={"env_vars": forwarded_env(dict(os.environ))})
+            env = {"env_vars": forwarded_env(dict(os.environ))}
+            init_ray(address, num_cpus, runtime_env=env, **init_options)
             self.started = True
         self.ray = ray
         self.workers = max(1, int(ray.cluster_resources().get("CPU", 1) / cpus))
