@@ -9,97 +9,14 @@ import sys
 import time
 from pathlib import Path
 
+from llmflow.flows.cli_recipe import add_config_args, load_recipe, shorthands
 from llmflow.tasks.framework.errors import BadInputError
-
-
-def _add_config_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "config", nargs="?", default=None, help="YAML preset (default: configs/quickstart.yaml)"
-    )
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="a.b=value",
-        help="Dotted override of any config field; repeatable.",
-    )
-
-
-SHORTHANDS = {
-    "plan": {"gpu_mem": "hardware.gpu_mem_gb", "mfu": "hardware.mfu"},
-    "preflight": {
-        "processes": "preflight.processes",
-        "seq_len": "preflight.seq_len",
-        "micro_batch_size": "preflight.micro_batch_size",
-        "steps": "preflight.steps",
-        "no_train": "preflight.train",
-        "no_data": "preflight.check_data",
-    },
-    "critical-batch": {
-        "base_batch": "critical_batch.base_batch",
-        "factors": "critical_batch.factors",
-        "points": "critical_batch.points",
-        "branch_tokens": "critical_batch.branch_tokens",
-        "lr_scaling": "critical_batch.lr_scaling",
-        "tolerance": "critical_batch.tolerance",
-    },
-    "ablate": {"candidate": "ablation.candidate", "num_tokens": "ablation.num_tokens"},
-}
-"""Per command, each flag (its ``argparse`` name) and the recipe field it sets: ``preflight
---steps 6`` is ``--set preflight.steps=6``; a ``--no-*`` flag sets its field to false. A
-``--set`` of the same field wins. ``plan --gpus N`` sets ``hardware`` to N GPUs (`_with_gpus`)."""
-
-
-def _shorthands(args: argparse.Namespace) -> list[str]:
-    """The ``--set`` overrides a command's flags stand for (those given on the command line)."""
-    overrides = []
-    for flag, field in SHORTHANDS.get(getattr(args, "command", ""), {}).items():
-        value = getattr(args, flag, None)
-        if flag.startswith("no_"):
-            value = False if value else None
-        if value is not None:
-            overrides.append(f"{field}={_yaml_value(value)}")
-    return overrides
-
-
-def _yaml_value(value) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, list):
-        return "[" + ", ".join(str(v) for v in value) + "]"
-    return str(value)
-
-
-def _with_gpus(config, gpus: int | None):
-    """``hardware`` with ``gpus`` GPUs in all: machines of ``gpus_per_node`` when it divides
-    them, else one machine of ``gpus``."""
-    if gpus is None:
-        return config
-    per_node = config.hardware.gpus_per_node
-    nodes, per_node = (gpus // per_node, per_node) if gpus % per_node == 0 else (1, gpus)
-    hardware = config.hardware.model_copy(update={"nodes": nodes, "gpus_per_node": per_node})
-    return config.model_copy(update={"hardware": hardware})
-
-
-def _load(args: argparse.Namespace):
-    from llmflow.tasks.config import load_config
-
-    overrides = _shorthands(args) + list(args.overrides)
-    for field in ("root", "until"):
-        value = getattr(args, field, None)
-        if value is not None:
-            overrides.append(f"{field}={value}")
-    config = _with_gpus(load_config(args.config, overrides), getattr(args, "gpus", None))
-    if getattr(args, "data", None):
-        config = config.model_copy(update={"data": list(args.data)})
-    return config
 
 
 def cmd_show(args: argparse.Namespace) -> int:
     from llmflow.tasks.config import dump_config
 
-    print(dump_config(_load(args)), end="")
+    print(dump_config(load_recipe(args)), end="")
     return 0
 
 
@@ -118,7 +35,7 @@ def _summary(results, seconds: float) -> str:
 
 def cmd_run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
-    config = _load(args)  # fails here, before Prefect starts, on any bad value
+    config = load_recipe(args)  # fails here, before Prefect starts, on any bad value
     if config.data:  # a missing path fails in about a second, before the heavy imports
         from llmflow.tasks.ingest.hub import split_sources
         from llmflow.tasks.ingest.ingest import list_files
@@ -231,7 +148,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from llmflow.tasks.pretrain.layout_planner import parse_parallel
     from llmflow.tasks.pretrain.planner import extension_memory, format_plan, recipe_plan
 
-    config = _load(args)
+    config = load_recipe(args)
     parallel = parse_parallel(args.parallel) if args.parallel else None
     if not config.pretrain.stages:
         return _plan_without_stages(config, args)
@@ -273,9 +190,9 @@ def _print_layouts(config, parallel: dict | None) -> None:
 def cmd_preflight(args: argparse.Namespace) -> int:
     from llmflow.flows.preflight import PreflightRun, preflight_flow
 
-    options = _load(args).preflight  # the recipe's, with the flags and --set applied
+    options = load_recipe(args).preflight  # the recipe's, with the flags and --set applied
     preset = str(Path(args.config).resolve()) if args.config else "quickstart"
-    overrides = _shorthands(args) + list(args.overrides)
+    overrides = shorthands(args) + list(args.overrides)
     result = preflight_flow(PreflightRun(preset=preset, overrides=overrides, options=options))
     print(result["table"])
     return 0 if result["go"] else 1
@@ -284,7 +201,7 @@ def cmd_preflight(args: argparse.Namespace) -> int:
 def cmd_sweep(args: argparse.Namespace) -> int:
     from llmflow.tasks.scaling.space import SweepSpace, check_space
 
-    config, space = _load(args), SweepSpace.load(args.space)
+    config, space = load_recipe(args), SweepSpace.load(args.space)
     check_space(config, space)  # an unknown field or a rejected value fails before Prefect
     from llmflow.flows.sweep import run_sweep
 
@@ -299,7 +216,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 def cmd_critical_batch(args: argparse.Namespace) -> int:
     from llmflow.flows.critical_batch import critical_batch
 
-    config = _load(args)
+    config = load_recipe(args)
     result = critical_batch(config, config.critical_batch)
     for row in result["rows"]:
         print("  ".join(f"{k}={v}" for k, v in row.items()))
@@ -311,7 +228,7 @@ def cmd_critical_batch(args: argparse.Namespace) -> int:
 def cmd_ladder(args: argparse.Namespace) -> int:
     from llmflow.flows.scaling import LadderConfig, scaling_ladder
 
-    config = _load(args)
+    config = load_recipe(args)
     result = scaling_ladder(config, LadderConfig())
     law = result.law
     print(
@@ -334,7 +251,7 @@ def cmd_ladder(args: argparse.Namespace) -> int:
 def cmd_ablate(args: argparse.Namespace) -> int:
     from llmflow.flows.ablation import annealing_ablation
 
-    config = _load(args)
+    config = load_recipe(args)
     if config.ablation.candidate is None:
         raise BadInputError(
             "ablation.candidate is not set: name the domain to test as late-stage data "
@@ -396,7 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser(
         "run", help="Run the end-to-end pipeline (steps already done are skipped)."
     )
-    _add_config_args(run)
+    add_config_args(run)
     run.add_argument("--root", help="Artifact root: a folder or s3://bucket/prefix.")
     run.add_argument(
         "--data", nargs="+", help="Your own data files/folders/globs instead of the sample."
@@ -404,7 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--until", help="Stop after this step (e.g. curate).")
     run.set_defaults(func=cmd_run)
     show = sub.add_parser("show", help="Print the resolved config.")
-    _add_config_args(show)
+    add_config_args(show)
     show.set_defaults(func=cmd_show)
     lin = sub.add_parser("lineage", help="Print the upstream tree of an output.")
     lin.add_argument("uri", help="An output directory or URI.")
@@ -415,7 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
     ver.add_argument("root", help="Artifact root: a folder or s3://bucket/prefix.")
     ver.set_defaults(func=cmd_verify)
     planner = sub.add_parser("plan", help="Parameters, FLOPs, memory per GPU, tokens and time.")
-    _add_config_args(planner)
+    add_config_args(planner)
     planner.add_argument(
         "--gpus", type=int, help="GPUs in all: sets hardware.nodes (x hardware.gpus_per_node)."
     )
@@ -429,7 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     planner.set_defaults(func=cmd_plan)
     pre = sub.add_parser("preflight", help="The go/no-go checklist to pass before a long run.")
-    _add_config_args(pre)
+    add_config_args(pre)
     pre.add_argument("--processes", type=int, help="preflight.processes: ranks of the test steps.")
     pre.add_argument("--seq-len", type=int, help="preflight.seq_len of the test steps.")
     pre.add_argument("--micro-batch-size", type=int, help="preflight.micro_batch_size per rank.")
@@ -438,12 +355,12 @@ def build_parser() -> argparse.ArgumentParser:
     pre.add_argument("--no-data", action="store_true", help="preflight.check_data=false.")
     pre.set_defaults(func=cmd_preflight)
     sweep = sub.add_parser("sweep", help="Optuna search (TPE + pruning) over cached trials.")
-    _add_config_args(sweep)
+    add_config_args(sweep)
     sweep.add_argument("--space", required=True, help="Search space YAML (configs/sweeps/).")
     sweep.add_argument("--root", help="Artifact root (the study's SQLite lives under it).")
     sweep.set_defaults(func=cmd_sweep)
     crit = sub.add_parser("critical-batch", help="Largest batch matching the base batch's loss.")
-    _add_config_args(crit)
+    add_config_args(crit)
     crit.add_argument("--root", help="Artifact root.")
     crit.add_argument("--lr-scaling", choices=["sqrt", "linear"], help="critical_batch.lr_scaling")
     crit.add_argument("--tolerance", type=float, help="critical_batch.tolerance (relative loss).")
@@ -453,13 +370,13 @@ def build_parser() -> argparse.ArgumentParser:
     crit.add_argument("--branch-tokens", type=int, help="critical_batch.branch_tokens.")
     crit.set_defaults(func=cmd_critical_batch)
     lad = sub.add_parser("ladder", help="Isoflop ladder, fitted scaling law, held-out check.")
-    _add_config_args(lad)
+    add_config_args(lad)
     lad.add_argument("--root", help="Artifact root.")
     lad.set_defaults(func=cmd_ladder)
     ablate = sub.add_parser(
         "ablate", help="Annealing ablation: baseline vs 40/60 with a candidate domain."
     )
-    _add_config_args(ablate)
+    add_config_args(ablate)
     ablate.add_argument("--root", help="Artifact root.")
     ablate.add_argument("--candidate", help="ablation.candidate: the domain to test late.")
     ablate.add_argument("--num-tokens", type=int, help="ablation.num_tokens: budget per arm.")

@@ -6,6 +6,7 @@ import pytest
 import yaml
 
 from llmflow.flows import cli
+from llmflow.flows.cli_recipe import load_recipe
 from llmflow.tasks.config import load_config
 from llmflow.tasks.evaluation.card import card_config
 from llmflow.tasks.framework.errors import ConfigError
@@ -33,22 +34,22 @@ FLAGS = [
 @pytest.mark.parametrize(("argv", "overrides"), FLAGS, ids=lambda v: " ".join(v)[:40])
 def test_a_flag_gives_the_config_its_set_gives(argv, overrides):
     args = cli.build_parser().parse_args(argv)
-    assert cli._load(args) == load_config(None, overrides)
-    assert cli._load(args) != load_config(None, [])
+    assert load_recipe(args) == load_config(None, overrides)
+    assert load_recipe(args) != load_config(None, [])
 
 
 def test_without_flags_the_recipe_values_apply():
     recipe = ["--set", "preflight.steps=8", "--set", "critical_batch.tolerance=0.05"]
-    pre = cli._load(cli.build_parser().parse_args(["preflight", *recipe]))
+    pre = load_recipe(cli.build_parser().parse_args(["preflight", *recipe]))
     assert pre.preflight.steps == 8 and pre.critical_batch.tolerance == 0.05
     # --set after a flag's field wins: the flag is only a shorthand
     both = cli.build_parser().parse_args(["preflight", "--steps", "6", *recipe])
-    assert cli._load(both).preflight.steps == 8
+    assert load_recipe(both).preflight.steps == 8
 
 
 def test_plan_gpus_sets_the_machines_of_the_hardware():
     def hardware(gpus):
-        config = cli._load(cli.build_parser().parse_args(["plan", "--gpus", str(gpus)]))
+        config = load_recipe(cli.build_parser().parse_args(["plan", "--gpus", str(gpus)]))
         return config.hardware.nodes, config.hardware.gpus_per_node, config.hardware.gpus
 
     per_node = load_config(None, []).hardware.gpus_per_node
@@ -59,7 +60,7 @@ def test_plan_gpus_sets_the_machines_of_the_hardware():
 def test_a_bad_flag_value_names_the_field():
     args = cli.build_parser().parse_args(["critical-batch", "--factors", "2", "4"])
     with pytest.raises(ConfigError, match="critical_batch.factors"):
-        cli._load(args)
+        load_recipe(args)
 
 
 def test_ablate_without_a_candidate_says_which_field(capsys):
