@@ -17,6 +17,7 @@ import json
 import logging
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -103,6 +104,26 @@ def write_final(source: Path, weights: dict[str, torch.Tensor], out: Path) -> Pa
     return final
 
 
+def _compare_losses(
+    run: Path,
+    checkpoints: list[Path],
+    weights: dict[str, torch.Tensor],
+    validation: Path,
+    cfg: AverageConfig,
+) -> dict[str, Any]:
+    """The averaged checkpoints' names, and the validation loss of the run's final weights and of
+    the average ``weights``."""
+    model_config = json.loads((run / "final" / "model_config.json").read_text())
+    final_loss = validation_loss(load_file(run / "final" / "model.safetensors"), model_config, validation, cfg)  # fmt: skip
+    average_loss = validation_loss(weights, model_config, validation, cfg)
+    return {
+        "checkpoints": json.dumps([p.name for p in checkpoints]),
+        "val_loss_final": final_loss,
+        "val_loss_average": average_loss,
+        "val_loss_change": average_loss - final_loss,
+    }
+
+
 @step("average", version=1)
 def average(cfg: AverageConfig, run: Path, validation: Path, out: Path) -> Metrics:
     """Average the last ``last_k`` checkpoints of a pretrain output; compare validation loss.
@@ -118,18 +139,10 @@ def average(cfg: AverageConfig, run: Path, validation: Path, out: Path) -> Metri
     """
     checkpoints = stage_checkpoints(run, cfg.last_k)
     weights = average_weights(checkpoints)
-    model_config = json.loads((run / "final" / "model_config.json").read_text())
-    final_loss = validation_loss(load_file(run / "final" / "model.safetensors"), model_config, validation, cfg)  # fmt: skip
-    average_loss = validation_loss(weights, model_config, validation, cfg)
+    metrics = _compare_losses(run, checkpoints, weights, validation, cfg)
     write_final(run / "final", weights, out)
     if (run / "summary.json").exists():  # tokens seen, for the export's progress
         shutil.copy2(run / "summary.json", out / "summary.json")
-    metrics = {
-        "checkpoints": json.dumps([p.name for p in checkpoints]),
-        "val_loss_final": final_loss,
-        "val_loss_average": average_loss,
-        "val_loss_change": average_loss - final_loss,
-    }
     (out / "average.json").write_text(json.dumps(metrics, indent=1))
     report_table("checkpoint-average", [metrics], f"Average of the last {cfg.last_k} checkpoints")
     return metrics

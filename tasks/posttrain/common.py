@@ -83,21 +83,27 @@ def chat_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
     """
     tokenizer = load_tokenizer(model_dir)
     if not tokenizer.chat_template:
-        from llmflow.tasks.tokenizer.train import CHAT_TEMPLATE
-
-        template = CHAT_TEMPLATE
-        if END_OF_TURN not in tokenizer.get_vocab() and tokenizer.eos_token:
-            template = CHAT_TEMPLATE.replace("'<|im_end|>", "eos_token + '")
-        _say_once(
-            f"the tokenizer in {model_dir} has no chat template: using ChatML, turns ending "
-            f"with {END_OF_TURN if template == CHAT_TEMPLATE else tokenizer.eos_token}"
-        )
-        tokenizer.chat_template = template
+        tokenizer.chat_template = _chatml_template(tokenizer, model_dir)
     if tokenizer.pad_token is None:
         # NOTE: padding with eos would mask eos out of the labels in some collators; the project's
         # tokenizer has <|pad|>, this is only for foreign models.
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def _chatml_template(tokenizer: PreTrainedTokenizerBase, model_dir: Path) -> str:
+    """The project's ChatML template, its turns ending with eos where ``<|im_end|>`` is no token
+    of the vocabulary (said once)."""
+    from llmflow.tasks.tokenizer.train import CHAT_TEMPLATE
+
+    template = CHAT_TEMPLATE
+    if END_OF_TURN not in tokenizer.get_vocab() and tokenizer.eos_token:
+        template = CHAT_TEMPLATE.replace("'<|im_end|>", "eos_token + '")
+    _say_once(
+        f"the tokenizer in {model_dir} has no chat template: using ChatML, turns ending "
+        f"with {END_OF_TURN if template == CHAT_TEMPLATE else tokenizer.eos_token}"
+    )
+    return template
 
 
 _PROBE = "llmflow end-of-turn probe"
@@ -357,6 +363,23 @@ def common_training_args(cfg: Any, out_dir: Path) -> dict[str, Any]:
     bf16 = cfg.uses_bf16("cuda" if cuda else "cpu")
     return dict(
         output_dir=str(Path(out_dir) / "trainer"),
+        **_optimization_args(cfg),
+        bf16=bf16,
+        use_cpu=bf16 and not cuda,
+        **_checkpointing_arg(cfg.gradient_checkpointing),
+        dataloader_pin_memory=_has_cuda(),
+        logging_steps=cfg.logging_steps,
+        dataloader_num_workers=cfg.dataloader_num_workers,
+        **_checkpoint_args(cfg),
+        eval_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+    )
+
+
+def _optimization_args(cfg: Any) -> dict[str, Any]:
+    """Learning rate and schedule, steps or epochs, batch sizes and seeds of the step config."""
+    return dict(
         learning_rate=cfg.learning_rate,
         lr_scheduler_type=cfg.lr_scheduler_type,
         warmup_steps=cfg.warmup_steps,
@@ -368,18 +391,15 @@ def common_training_args(cfg: Any, out_dir: Path) -> dict[str, Any]:
         gradient_accumulation_steps=cfg.gradient_accumulation_steps,
         seed=cfg.seed,
         data_seed=cfg.seed,
-        bf16=bf16,
-        use_cpu=bf16 and not cuda,
-        **_checkpointing_arg(cfg.gradient_checkpointing),
-        dataloader_pin_memory=_has_cuda(),
-        logging_steps=cfg.logging_steps,
-        dataloader_num_workers=cfg.dataloader_num_workers,
+    )
+
+
+def _checkpoint_args(cfg: Any) -> dict[str, Any]:
+    """A checkpoint every ``cfg.checkpoint_interval`` steps (None: none), the last two kept."""
+    return dict(
         save_strategy="steps" if cfg.checkpoint_interval else "no",
         save_steps=cfg.checkpoint_interval or 500,
         # NOTE: the driver marks a checkpoint complete after transformers rotated the old ones
         # out; keeping two leaves the previous complete one until the new one is marked.
         save_total_limit=2,
-        eval_strategy="no",
-        report_to=[],
-        disable_tqdm=True,
     )

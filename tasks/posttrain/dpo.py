@@ -85,6 +85,23 @@ def response_logps(
         ``chosen`` / ``rejected``: summed log-probs, shape (num_pairs,); ``chosen_tokens`` /
         ``rejected_tokens``: response token counts.
     """
+    sums, counts = _summed_logps(model, tokenizer, pairs, max_length, batch_size)
+    return {
+        "chosen": sums[0],
+        "rejected": sums[1],
+        "chosen_tokens": counts[0],
+        "rejected_tokens": counts[1],
+    }
+
+
+def _summed_logps(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    pairs: list[Record],
+    max_length: int,
+    batch_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`response_logps`' sums and token counts, shape (2, num_pairs): rows chosen, rejected."""
     from trl.trainer.dpo_trainer import DataCollatorForPreference
 
     collator = DataCollatorForPreference(pad_token_id=tokenizer.pad_token_id, max_length=max_length)
@@ -99,13 +116,7 @@ def response_logps(
         mask = batch["completion_mask"][:, 1:].to(token_logps.dtype)
         sums.append((token_logps * mask).sum(-1).view(2, -1))  # rows: chosen, rejected
         counts.append(mask.sum(-1).view(2, -1))
-    sums, counts = torch.cat(sums, dim=1).cpu(), torch.cat(counts, dim=1).cpu()
-    return {
-        "chosen": sums[0],
-        "rejected": sums[1],
-        "chosen_tokens": counts[0],
-        "rejected_tokens": counts[1],
-    }
+    return torch.cat(sums, dim=1).cpu(), torch.cat(counts, dim=1).cpu()
 
 
 def preference_metrics(logps: dict[str, torch.Tensor]) -> dict[str, float]:

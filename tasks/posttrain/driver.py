@@ -48,7 +48,7 @@ from llmflow.tasks.posttrain.formats import Record
 from llmflow.tasks.posttrain.progress import report_progress, summary_line
 
 if TYPE_CHECKING:
-    from transformers import Trainer
+    from transformers import Trainer, TrainerCallback
 
 CHECKPOINT_MARKER = "llmflow_checkpoint.json"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
@@ -144,12 +144,48 @@ def run_posttrain(
     """
     offline_environment()
     model_dir = hf_dir(model)
+    records, metrics = _read_data(method, cfg, model_dir, out, data, data_check)
+    trainer = method.trainer(cfg, model_dir, out, records)
+    before, after = _train_measured(method, trainer, cfg, model_dir, out, records, metrics)
+    metrics.update(method.finish(cfg, out, records, before, after))
+    finish_step(trainer, out, metrics)
+    method.report(metrics, before, after)
+    logger.info(summary_line(method.name, metrics))
+    return metrics
+
+
+def _read_data(
+    method: PosttrainMethod,
+    cfg: Any,
+    model_dir: Path,
+    out: Path,
+    data: RawFiles | None,
+    data_check: Path | None,
+) -> tuple[PosttrainData, dict[str, Any]]:
+    """The method's records, and the reject counts once ``rejects.jsonl`` is written.
+
+    Raises:
+        BadInputError: no usable record (when the method names its records ``what``).
+    """
     records = method.data(cfg, model_dir, out, local_data(data, out), excluded_records(data_check))
     metrics: dict[str, Any] = write_rejects(out, records.rejects)
     if records.what is not None:
         usable = records.train + records.heldout
         require_examples(usable, records.what, records.source, records.rejects)
-    trainer = method.trainer(cfg, model_dir, out, records)
+    return records, metrics
+
+
+def _train_measured(
+    method: PosttrainMethod,
+    trainer: Trainer,
+    cfg: Any,
+    model_dir: Path,
+    out: Path,
+    records: PosttrainData,
+    metrics: dict[str, Any],
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Held-out scores, training (resuming), held-out scores again; returns both scores and adds
+    them to ``metrics`` with the data counts, the steps and the mean train loss."""
     report_progress(trainer, method.name, out, method.progress_keys)
     before = method.heldout(trainer, cfg, model_dir, records, "before")
     num_steps, train_loss = train_resuming(trainer)
@@ -158,11 +194,7 @@ def run_posttrain(
     metrics.update({f"heldout_{k}_after": v for k, v in after.items()})
     metrics.update(records.counts)
     metrics.update(num_steps=num_steps, train_loss=train_loss)
-    metrics.update(method.finish(cfg, out, records, before, after))
-    finish_step(trainer, out, metrics)
-    method.report(metrics, before, after)
-    logger.info(summary_line(method.name, metrics))
-    return metrics
+    return before, after
 
 
 # -- checkpoints -------------------------------------------------------------------------------
@@ -199,13 +231,22 @@ def train_resuming(trainer: Trainer) -> tuple[int, float]:
         the sum over every step before it: the sum carried from the checkpoint this run resumed
         from plus this run's share, however many runs came before.)
     """
-    from transformers import TrainerCallback
-
     start = last_checkpoint(Path(trainer.args.output_dir))
     carried = {"step": 0, "loss_sum": 0.0}
     if start is not None:
         carried = json.loads((start / CHECKPOINT_MARKER).read_text())
         logger.info("resuming from %s (step %d)", start.name, carried["step"])
+    trainer.add_callback(_checkpoint_marker(trainer, carried))
+    result = trainer.train(resume_from_checkpoint=str(start) if start else None)
+    steps_now = result.global_step - carried["step"]
+    loss_sum = carried["loss_sum"] + result.training_loss * steps_now
+    return result.global_step, loss_sum / max(result.global_step, 1)
+
+
+def _checkpoint_marker(trainer: Trainer, carried: dict[str, Any]) -> TrainerCallback:
+    """A callback that completes each checkpoint with `CHECKPOINT_MARKER`: its step and the loss
+    summed over every step up to it (``carried``: the sum the resumed checkpoint held)."""
+    from transformers import TrainerCallback
 
     class MarkCheckpoints(TrainerCallback):
         # NOTE: on_save runs after the Trainer has written and rotated the checkpoint, so the
@@ -219,11 +260,7 @@ def train_resuming(trainer: Trainer) -> tuple[int, float]:
                 )
             checkpoint_saved()  # on S3 the partial folder is mirrored for a retry elsewhere
 
-    trainer.add_callback(MarkCheckpoints())
-    result = trainer.train(resume_from_checkpoint=str(start) if start else None)
-    steps_now = result.global_step - carried["step"]
-    loss_sum = carried["loss_sum"] + result.training_loss * steps_now
-    return result.global_step, loss_sum / max(result.global_step, 1)
+    return MarkCheckpoints()
 
 
 def _loss_sum(trainer: Trainer) -> float:

@@ -78,14 +78,7 @@ def normalize_grpo(record: Any, index: int) -> Record:
     if not isinstance(record, dict):
         raise ValueError(f"record {index} is {type(record).__name__}, not an object")
     if "question" in record:
-        answer = gsm8k_answer(str(record.get("answer", "")))
-        if answer is None:
-            raise ValueError("answer has no '#### N' line")
-        prompt = [
-            {"role": "system", "content": GSM8K_INSTRUCTION},
-            {"role": "user", "content": str(record["question"])},
-        ]
-        return {"prompt": prompt, "answer": answer, "answer_format": "gsm8k"}
+        return _normalize_gsm8k(record)
     prompt = record["prompt"]
     if isinstance(prompt, str):
         prompt = [{"role": "user", "content": prompt}]
@@ -97,6 +90,22 @@ def normalize_grpo(record: Any, index: int) -> Record:
         "answer": answer,
         "answer_format": record.get("answer_format", "gsm8k"),
     }
+
+
+def _normalize_gsm8k(record: dict) -> Record:
+    """A GSM8K record (``question``, ``answer`` ending in ``#### N``) under the GSM8K instruction.
+
+    Raises:
+        ValueError: the answer has no ``#### N`` line.
+    """
+    answer = gsm8k_answer(str(record.get("answer", "")))
+    if answer is None:
+        raise ValueError("answer has no '#### N' line")
+    prompt = [
+        {"role": "system", "content": GSM8K_INSTRUCTION},
+        {"role": "user", "content": str(record["question"])},
+    ]
+    return {"prompt": prompt, "answer": answer, "answer_format": "gsm8k"}
 
 
 def check_has_answers(records: list[Any], source: str) -> None:
@@ -208,12 +217,7 @@ def build_grpo_trainer(
     from trl import GRPOTrainer
 
     tokenizer = chat_tokenizer(model_dir)
-    model = train_model(model_dir, cfg.attn_implementation)
-    # NOTE: TRL ends completions at the tokenizer's eos and the model's generation_config eos ids;
-    # a start model whose config names eos alone (a base Llama 3 under a Llama 3 template) would
-    # run past <|eot_id|> to max_completion_length.
-    stop = stop_token_ids(tokenizer)
-    model.generation_config.eos_token_id = stop
+    model, stop = _model_stopping_at_end_of_turn(cfg, model_dir, tokenizer)
     return GRPOTrainer(
         model=model,
         reward_funcs=rewards,
@@ -221,6 +225,19 @@ def build_grpo_trainer(
         train_dataset=Dataset.from_list(train),
         processing_class=tokenizer,
     )
+
+
+def _model_stopping_at_end_of_turn(
+    cfg: GRPOStepConfig, model_dir: Path, tokenizer: PreTrainedTokenizerBase
+) -> tuple[PreTrainedModel, list[int]]:
+    """The start model, its generation_config ending at the stop ids; and those ids."""
+    model = train_model(model_dir, cfg.attn_implementation)
+    # NOTE: TRL ends completions at the tokenizer's eos and the model's generation_config eos ids;
+    # a start model whose config names eos alone (a base Llama 3 under a Llama 3 template) would
+    # run past <|eot_id|> to max_completion_length.
+    stop = stop_token_ids(tokenizer)
+    model.generation_config.eos_token_id = stop
+    return model, stop
 
 
 # -- held-out evaluation ----------------------------------------------------------------------
@@ -253,31 +270,60 @@ def generate(
     model.eval()
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
+    results = _generate_batches(model, tokenizer, records, max_new_tokens, sample, batch_size)
+    torch.random.set_rng_state(generator_state)
+    return results
+
+
+def _generate_batches(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    records: list[Record],
+    max_new_tokens: int,
+    sample: bool,
+    batch_size: int,
+) -> list[dict[str, Any]]:
+    """`generate`'s completions, ``batch_size`` prompts at a time (the seed set by the caller)."""
     stop = stop_token_ids(tokenizer)
     results = []
     for start in range(0, len(records), batch_size):
         batch = _prompt_batch(tokenizer, records[start : start + batch_size], model.device)
         output = model.generate(
             **batch,
+            **_sampling(sample),
             max_new_tokens=max_new_tokens,
-            do_sample=sample,
-            temperature=1.0 if sample else None,
-            top_k=0 if sample else None,
-            top_p=1.0 if sample else None,
             eos_token_id=stop,
             pad_token_id=tokenizer.pad_token_id,
         )
-        width = batch["input_ids"].shape[1]
-        for row, mask in zip(output, batch["attention_mask"], strict=True):
-            completion = _until_stop(row[width:].tolist(), stop)
-            results.append(
-                {
-                    "prompt_ids": row[:width][mask.bool().cpu()].tolist(),
-                    "completion_ids": completion,
-                    "text": tokenizer.decode(completion, skip_special_tokens=True),
-                }
-            )
-    torch.random.set_rng_state(generator_state)
+        results += _completions(tokenizer, batch, output, stop)
+    return results
+
+
+def _sampling(sample: bool) -> dict[str, Any]:
+    """``generate``'s arguments for sampling at temperature 1 (plain), or for greedy decoding."""
+    return {
+        "do_sample": sample,
+        "temperature": 1.0 if sample else None,
+        "top_k": 0 if sample else None,
+        "top_p": 1.0 if sample else None,
+    }
+
+
+def _completions(
+    tokenizer: PreTrainedTokenizerBase, batch: dict, output: torch.Tensor, stop: list[int]
+) -> list[dict[str, Any]]:
+    """`generate`'s records of one batch: the prompt without its padding, the completion."""
+    width = batch["input_ids"].shape[1]
+    results = []
+    for row, mask in zip(output, batch["attention_mask"], strict=True):
+        completion = _until_stop(row[width:].tolist(), stop)
+        results.append(
+            {
+                "prompt_ids": row[:width][mask.bool().cpu()].tolist(),
+                "completion_ids": completion,
+                "text": tokenizer.decode(completion, skip_special_tokens=True),
+            }
+        )
     return results
 
 
@@ -324,14 +370,9 @@ def heldout_metrics(
     """Greedy answers to held-out prompts: exact match, mean weighted reward, mean length."""
     generations = generate(model, tokenizer, records, cfg.max_completion_length)
     texts = [g["text"] for g in generations]
-    prompts = [r["prompt"] for r in records]
     answers = [r["answer"] for r in records]
     formats = [r["answer_format"] for r in records]
-    columns = [reward(prompts, texts, answers, formats) for reward in rewards]
-    weights = [spec.weight for spec in cfg.rewards]
-    totals = [
-        sum(w * c[i] for w, c in zip(weights, columns, strict=True)) for i in range(len(texts))
-    ]
+    totals = _weighted_rewards(records, texts, rewards, cfg)
     exact = [exact_answer(t, a, f) for t, a, f in zip(texts, answers, formats, strict=True)]
     lengths = [len(g["completion_ids"]) for g in generations]
     return {
@@ -339,6 +380,18 @@ def heldout_metrics(
         "mean_reward": sum(totals) / len(totals),
         "completion_length": sum(lengths) / len(lengths),
     }
+
+
+def _weighted_rewards(
+    records: list[Record], texts: list[str], rewards: list[GuardedReward], cfg: GRPOStepConfig
+) -> list[float]:
+    """Each completion's reward: the configured rewards summed with their weights."""
+    prompts = [r["prompt"] for r in records]
+    answers = [r["answer"] for r in records]
+    formats = [r["answer_format"] for r in records]
+    columns = [reward(prompts, texts, answers, formats) for reward in rewards]
+    weights = [spec.weight for spec in cfg.rewards]
+    return [sum(w * c[i] for w, c in zip(weights, columns, strict=True)) for i in range(len(texts))]
 
 
 def before_after_rows(before: dict[str, float], after: dict[str, float]) -> list[dict[str, Any]]:

@@ -97,6 +97,15 @@ def check_compatible(cfg: MergeStepConfig, folders: list[Path]) -> None:
             SLERP of other than two, a base index out of range, different architectures
             (naming the field and both values) or different vocabularies.
     """
+    _check_model_list(cfg, folders)
+    configs = [json.loads((f / "config.json").read_text()) for f in folders]
+    for folder, config in zip(folders[1:], configs[1:], strict=True):
+        _same_architecture(folders[0], configs[0], folder, config)
+        _same_vocabulary(folders[0], folder)
+
+
+def _check_model_list(cfg: MergeStepConfig, folders: list[Path]) -> None:
+    """The models' number, distinctness, weights and base index fit ``cfg`` (`check_compatible`)."""
     if len(folders) < 2:
         raise BadInputError(f"merge needs at least two models, got {len(folders)}")
     if cfg.method != "slerp" and len(cfg.weights) != len(folders):
@@ -110,10 +119,6 @@ def check_compatible(cfg: MergeStepConfig, folders: list[Path]) -> None:
         raise BadInputError(f"merge: slerp merges exactly two models, got {len(folders)}")
     if cfg.method in ("ties", "dare_ties", "dare_linear") and cfg.base >= len(folders):
         raise BadInputError(f"merge: base={cfg.base} is not an index of {len(folders)} models")
-    configs = [json.loads((f / "config.json").read_text()) for f in folders]
-    for folder, config in zip(folders[1:], configs[1:], strict=True):
-        _same_architecture(folders[0], configs[0], folder, config)
-        _same_vocabulary(folders[0], folder)
 
 
 def _same_architecture(first: Path, a: dict, other: Path, b: dict) -> None:
@@ -211,6 +216,15 @@ def merge_models(cfg: MergeStepConfig, models: list[Path], target: Path) -> list
     return folders
 
 
+def _write_merge_json(out: Path, cfg: MergeStepConfig, rows: list[dict[str, Any]]) -> None:
+    """``merge.json``: the method, each input model with its weight, the versioned config."""
+    (out / "merge.json").write_text(
+        json.dumps(
+            {"method": cfg.method, "inputs": rows, "config": versioned_fields(cfg)}, indent=1
+        )
+    )
+
+
 @step("merge", version=2)
 def merge(cfg: MergeStepConfig, models: list[Path], out: Path) -> Metrics:
     """Merge model outputs into one model in hf/; its lineage names every parent.
@@ -229,11 +243,7 @@ def merge(cfg: MergeStepConfig, models: list[Path], out: Path) -> Metrics:
     folders = merge_models(cfg, models, hf_dir(out))
     weights = [1 - cfg.t, cfg.t] if cfg.method == "slerp" else cfg.weights
     rows = [{"model": str(m.name), "weight": w} for m, w in zip(models, weights, strict=True)]
-    (out / "merge.json").write_text(
-        json.dumps(
-            {"method": cfg.method, "inputs": rows, "config": versioned_fields(cfg)}, indent=1
-        )
-    )
+    _write_merge_json(out, cfg, rows)
     write_progress(out, tokens_seen=None, step=None)
     report_table("merge", rows, f"{cfg.method} merge of {len(folders)} models")
     return {"method": cfg.method, "num_models": len(folders), "weights": json.dumps(weights)}

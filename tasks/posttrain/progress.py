@@ -39,38 +39,46 @@ def report_progress(trainer: Trainer, name: str, out: Path, keys: tuple[str, ...
     # it, a tqdm bar (ProgressCallback) writes them. Either is raw library output here.
     trainer.remove_callback(PrinterCallback)
     trainer.remove_callback(ProgressCallback)
-    path = Path(out) / TRAIN_LOG
 
-    class Progress(TrainerCallback):
-        def __init__(self):
-            self.started, self.training = time.monotonic(), False
-            self.rows: list[dict[str, Any]] = []  # logged before training (the "before" scores)
+    class Progress(_ProgressLines, TrainerCallback):
+        pass
 
-        def on_train_begin(self, args, state, control, **kwargs):
-            self.started, self.training = time.monotonic(), True
-            if state.is_world_process_zero:
-                # the restored history (a resumed run) covers every step up to its checkpoint
-                rows = self.rows + [r for r in state.log_history if r.get("step", 0) > 0]
-                path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-                first = state.global_step + 1
-                logger.info("%s: training steps %d..%d", name, first, state.max_steps)
+    trainer.add_callback(Progress(name, Path(out) / TRAIN_LOG, keys))
 
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if not state.is_world_process_zero or not logs:
-                return
-            row = {**logs, "step": state.global_step}
-            if self.training:
-                with open(path, "a") as f:
-                    f.write(json.dumps(row) + "\n")
-            else:
-                self.rows.append(row)
-            if "loss" in logs:
-                seconds = time.monotonic() - self.started
-                logger.info(
-                    progress_line(name, state.global_step, state.max_steps, logs, keys, seconds)
-                )
 
-    trainer.add_callback(Progress())
+class _ProgressLines:
+    """The progress callback's events (a mixin: transformers' TrainerCallback, its base, loads
+    only when the step runs): progress lines, and every logged dict into ``path``."""
+
+    def __init__(self, name: str, path: Path, keys: tuple[str, ...]):
+        self.name, self.path, self.keys = name, path, keys
+        self.started, self.training = time.monotonic(), False
+        self.rows: list[dict[str, Any]] = []  # logged before training (the "before" scores)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.started, self.training = time.monotonic(), True
+        if state.is_world_process_zero:
+            # the restored history (a resumed run) covers every step up to its checkpoint
+            rows = self.rows + [r for r in state.log_history if r.get("step", 0) > 0]
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+            first = state.global_step + 1
+            logger.info("%s: training steps %d..%d", self.name, first, state.max_steps)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero or not logs:
+            return
+        row = {**logs, "step": state.global_step}
+        if self.training:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+        else:
+            self.rows.append(row)
+        if "loss" in logs:
+            seconds = time.monotonic() - self.started
+            line = progress_line(
+                self.name, state.global_step, state.max_steps, logs, self.keys, seconds
+            )
+            logger.info(line)
 
 
 def progress_line(
