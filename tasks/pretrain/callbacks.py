@@ -26,7 +26,6 @@ from llmflow.tasks.dataprep.loader import PackedLoader
 from llmflow.tasks.dataprep.pack import read_meta
 from llmflow.tasks.pretrain.config import TrainConfig
 from llmflow.tasks.pretrain.distributed import sharding_report
-from llmflow.tasks.pretrain.parallel.cp import shard_batch
 from llmflow.tasks.pretrain.state import StepOutput
 from llmflow.tasks.pretrain.trackers import open_trackers
 
@@ -243,32 +242,10 @@ class Validator(Callback):
             return loss, None
         return loss, {n: s / c for n, (s, c) in zip(names, sums[1:], strict=True) if c > 0}
 
-    def _sums(self, trainer: Trainer, batches: list[dict]) -> torch.Tensor:
-        """(cross-entropy summed over tokens, tokens) of this rank's part of ``batches``."""
-        pipeline = getattr(trainer, "pipeline", None)
-        if pipeline is None:
-            return self._loss_sums(trainer, batches)
-        # PP: the schedule's forward over all batches (parallel/pp.py), the sum on every stage
-        with trainer.autocast:
-            total = pipeline.evaluate(batches)
-        count = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)
-        return torch.stack([total.double(), total.new_tensor(float(count), dtype=torch.float64)])
-
     @staticmethod
-    def _loss_sums(trainer: Trainer, batches: list[dict]) -> torch.Tensor:
+    def _sums(trainer: Trainer, batches: list[dict]) -> torch.Tensor:
         """(cross-entropy summed over tokens, tokens) of this rank's part of ``batches``."""
-        device = trainer.runtime.device
-        if trainer.layout.cp > 1:  # context parallel: this rank's T/cp tokens of every row
-            batches = [shard_batch(b, trainer.mesh.group("cp")) for b in batches]
-        totals = torch.zeros(2, dtype=torch.float64, device=device)
-        for batch in batches:
-            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-            with trainer.autocast:
-                _, metrics = trainer.loss_fn(trainer.model, batch)
-            # NOTE: the cross-entropy alone (no z-loss), a mean over this rank's tokens
-            count = (batch["labels"] != IGNORE_INDEX).sum()
-            totals += torch.stack([metrics["ce"].double() * count, count.double()])
-        return totals
+        return trainer.parallel.eval_sums(trainer.model, trainer.loss_fn, batches)
 
 
 def _only_domain(batches: list[dict], domains: list[torch.Tensor], domain: int) -> list[dict]:

@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from llmflow.model.hf import save_model
 from llmflow.tasks.pretrain import checkpoint as ckpt
@@ -35,7 +34,6 @@ from llmflow.tasks.pretrain.callbacks import Callback, append_jsonl
 from llmflow.tasks.pretrain.config import CheckpointConfig
 from llmflow.tasks.pretrain.distributed import all_reduce_sum
 from llmflow.tasks.pretrain.notices import NOTICES
-from llmflow.tasks.pretrain.parallel import tp
 from llmflow.tasks.pretrain.state import StepOutput
 from llmflow.tasks.pretrain.validate import check_source
 
@@ -195,13 +193,7 @@ class Checkpointer(Callback):
         main_state, rank_state = trainer.registry.main_state(), trainer.registry.rank_state()
         full = None
         if final:  # NOTE: collective: every rank takes part, rank 0 receives the tensors.
-            pipeline = getattr(trainer, "pipeline", None)  # PP: each rank holds one stage
-            options = StateDictOptions(full_state_dict=True, cpu_offload=pipeline is None)
-            full = tp.canonical_full(
-                trainer.model, get_model_state_dict(trainer.model, options=options)
-            )
-            if pipeline is not None:  # PP: rank 0 gathers every stage's tensors (parallel/pp.py)
-                full = pipeline.gather_stages(full)
+            full = trainer.parallel.full_state_dict(trainer.model)
         ckpt.save_checkpoint(
             path,
             trainer.model,

@@ -92,16 +92,21 @@ class FaultInjector(Callback):
         if self.error_at_start is not None:
             error = START_ERRORS[self.error_at_start]
             raise error(f"fault injection: {error.__name__} before the first step ({ENV})")
-        if self.tp_same_init and trainer.layout.tp > 1 and trainer.state.step == 0:
-            _copy_tp_rank0_shards(trainer)
+        if self.tp_same_init and trainer.state.step == 0:
+            copied = trainer.parallel.copy_tp_rank0(trainer.model)  # None without TP
+            if copied is not None:
+                print(
+                    f"fault injection: {copied} tensor-parallel weights copied from tp rank 0",
+                    flush=True,
+                )
 
     def on_step_start(self, trainer: Trainer, step: int) -> None:
         fire = step in self.scale_loss_at_steps and step not in self.fired
         if fire:
             self.fired.add(step)
         trainer.loss_fn = self._scaled if fire else self.loss_fn
-        if trainer.pipeline is not None:  # PP: the last stage's schedule computes the loss
-            trainer.pipeline.loss_scale = self.loss_scale if fire else 1.0
+        # PP: the last stage's schedule computes the loss, not trainer.loss_fn
+        trainer.parallel.set_loss_scale(self.loss_scale if fire else 1.0)
         slow = self.slow_reads_from_step is not None and step >= self.slow_reads_from_step
         stall = step == self.stall_read_at_step and "stall" not in self.fired
         if stall:
@@ -145,24 +150,6 @@ class FaultInjector(Callback):
             for callback in trainer.callbacks:
                 if isinstance(callback, Preemption):
                     callback.wait_for_signal(timeout_s=10.0)
-
-
-def _copy_tp_rank0_shards(trainer: Trainer) -> None:
-    """Overwrite each tensor-parallel shard with tp rank 0's (what ranks seeded alike draw)."""
-    from torch.distributed.tensor import DTensor, Shard
-
-    mesh = trainer.mesh["tp"]
-    copied = 0
-    with torch.no_grad():
-        for param in trainer.model.parameters():
-            if not isinstance(param, DTensor) or param.device_mesh.mesh_dim_names is None:
-                continue
-            names = param.device_mesh.mesh_dim_names
-            if "tp" not in names or not isinstance(param.placements[names.index("tp")], Shard):
-                continue
-            torch.distributed.broadcast(param.to_local(), group=mesh.get_group(), group_src=0)
-            copied += 1
-    print(f"fault injection: {copied} tensor-parallel weights copied from tp rank 0", flush=True)
 
 
 def _slow_loader(loader: Any, fault: FaultInjector, slow: bool, stall: bool) -> None:

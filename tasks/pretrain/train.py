@@ -20,7 +20,6 @@ Exit codes: 0 done; 75 (``PREEMPTED_EXIT_CODE``) stopped by SIGTERM after saving
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import json
 import os
@@ -31,8 +30,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
 from llmflow.model.kernels import chosen_kernels
 from llmflow.model.loss import IGNORE_INDEX
@@ -43,13 +40,10 @@ from llmflow.tasks.pretrain.checkpointer import Checkpointer
 from llmflow.tasks.pretrain.config import TrainConfig
 from llmflow.tasks.pretrain.detectors import StallDetector, ThroughputDetector
 from llmflow.tasks.pretrain.distributed import (
-    all_reduce_sum,
-    apply_activation_checkpointing,
     launched_world_size,
     materialize_sharded,
     param_checksum,
     setup_runtime,
-    shard_model,
     teardown_runtime,
 )
 from llmflow.tasks.pretrain.faults import FaultInjector
@@ -58,9 +52,8 @@ from llmflow.tasks.pretrain.health import LayerStats, StepClock
 from llmflow.tasks.pretrain.init_weights import is_weights_only, load_weights
 from llmflow.tasks.pretrain.launch import die_with_launcher, failure_report
 from llmflow.tasks.pretrain.optim import build_optimizers, set_lr
-from llmflow.tasks.pretrain.parallel import pp, tp  # pp: pipeline parallelism
-from llmflow.tasks.pretrain.parallel.cp import shard_batch
 from llmflow.tasks.pretrain.parallel.mesh import build_mesh
+from llmflow.tasks.pretrain.parallel.parts import Parallelism
 from llmflow.tasks.pretrain.preemption import Preemption
 from llmflow.tasks.pretrain.schedule import lr_multiplier, micro_batch_size, steps_for_tokens
 from llmflow.tasks.pretrain.state import StepOutput, TrainState
@@ -98,16 +91,10 @@ class Trainer:
             check_data(cfg, val_dir, role="val_dir")
         self.mesh = build_mesh(rt.device.type, self.layout) if rt.distributed else None
         self.dp_rank = self.mesh.dp_rank if self.mesh is not None else 0
-        # FSDP2 averages gradients over the ranks it shards on (data and context parallel)
-        self.fsdp_ranks = self.layout.dp * self.layout.cp if rt.distributed else 1
         self.compute_dtype = cfg.compute_dtype(rt.device.type)
+        # how this rank builds, steps, evaluates and exports the model (parallel/parts.py)
+        self.parallel = Parallelism(self.layout, self.mesh, rt, cfg, self.compute_dtype)
         self.model = self._build_model()
-        # PP: this rank's stage runs the step's micro-batches through the schedule (pp.py)
-        self.pipeline = (
-            pp.PipelineRunner.on_mesh(self.model, self.mesh, rt.device, self.layout.pp_schedule)
-            if self.layout.pp > 1
-            else None
-        )
         self.optimizers = build_optimizers(self.model, cfg.optimizer)
         self.base_lrs = [[g["base_lr"] for g in o.param_groups] for o in self.optimizers]
         self.loss_fn = functools.partial(model_loss, z_loss_weight=cfg.z_loss)
@@ -117,13 +104,6 @@ class Trainer:
             data_dir, cfg.batch.micro_batch_size, self.dp_rank, self.layout.dp, seed=cfg.seed
         )
         self.state = TrainState()
-        # NOTE: one process computes in bf16 under autocast; sharded, FSDP2 gathers bf16
-        # parameters (shard_model), so no autocast is needed there.
-        self.autocast = (
-            torch.autocast(rt.device.type, dtype=self.compute_dtype)
-            if self.compute_dtype != torch.float32 and self.fsdp_ranks == 1
-            else contextlib.nullcontext()
-        )
         self.guard = StabilityGuard(cfg.guard, cfg.monitor)
         self.checkpointer = Checkpointer(cfg.checkpoint, self.out_dir)
         self.clock = StepClock()  # where the step's time goes (health.py)
@@ -134,49 +114,26 @@ class Trainer:
 
     # ----------------------------------------------------------------------------- setup
     def _build_model(self) -> torch.nn.Module:
-        """Build on the meta device, checkpoint/compile/shard, then allocate and init (seeded).
+        """Build on the meta device, parallelize (PP stage, TP, activation checkpointing,
+        compile, FSDP2), then allocate and init (seeded).
 
         No rank ever holds the full weights: each draws only its shard's rows of the seeded
         init, which equals a one-process ``init_weights(seed)``.
         """
-        rt, cfg = self.runtime, self.cfg
         with torch.device("meta"):
             model = Transformer(self.model_config)
-        if self.layout.pp > 1:  # PP: keep this rank's stage, full-model names (pp.py)
-            model = pp.build_stage(model, self.mesh.rank("pp"), self.layout.pp, cfg.z_loss)
-        if self.layout.tp > 1:  # torchtitan's order: TP, activation checkpointing, compile, FSDP
-            tp.apply_tp(model, self.mesh["tp"])
-        apply_activation_checkpointing(
-            model, cfg.activation_checkpointing, cfg.activation_checkpointing_every_k
-        )
+        model = self.parallel.parallelize(model)
         self.matmul_dtype: str | None = None  # seen in the first forward (ranks/*.json)
-        if not cfg.compile:  # NOTE: a hook inside a compiled block would be traced into it
+        if not self.cfg.compile:  # NOTE: a hook inside a compiled block would be traced into it
             self._watch_matmul_dtype(model)
-        if cfg.compile:  # per block, before sharding, as torchtitan does
-            for block in model.layers:
-                block.compile()
-        if self.fsdp_ranks > 1:
-            shard_model(model, rt, self.compute_dtype, self._fsdp_mesh())
-        materialize_sharded(model, rt, cfg.seed)
+        materialize_sharded(model, self.runtime, self.cfg.seed)
         self.init_checksum = param_checksum(model)
+        self.parallel.attach(model)  # PP: the stage's schedule runner (collective)
         return model
 
-    def _fsdp_mesh(self) -> DeviceMesh | None:
-        """FSDP2's mesh: ``dp_shard_cp``, with ``dp_replicate`` outside it (HSDP); None for
-        plain data parallelism (all ranks, as the trainer always sharded)."""
-        if self.layout.is_plain:
-            return None
-        if self.layout.dp_replicate > 1:
-            return self.mesh.world[("dp_replicate", "dp_shard_cp")]
-        return self.mesh["dp_shard_cp"]
-
     def dp_sum(self, value: torch.Tensor) -> torch.Tensor:
-        """Sum over the data- and context-parallel ranks (in place; returns it): the TP/PP
-        ranks of one of them hold the same tokens, counted once; CP ranks hold different ones."""
-        if self.mesh is None or self.layout.is_plain:
-            return all_reduce_sum(value, self.runtime)
-        torch.distributed.all_reduce(value, group=self.mesh.group("dp_cp"))
-        return value
+        """Sum over the data- and context-parallel ranks (in place; returns it)."""
+        return self.parallel.dp_sum(value)
 
     def _watch_matmul_dtype(self, model: torch.nn.Module) -> None:
         """Record the dtype the first block's first projection computes in (bf16 or float32)."""
@@ -296,41 +253,23 @@ class Trainer:
 
         Returns the global mean loss and the global number of tokens.
         """
-        rt = self.runtime
-        if self.layout.cp > 1:  # context parallel: this rank's T/cp tokens of every row (cp.py)
-            batches = [shard_batch(b, self.mesh.group("cp")) for b in batches]
+        batches = self.parallel.local_batches(batches)  # CP: this rank's T/cp tokens (cp.py)
         counts = [int((b["labels"] != IGNORE_INDEX).sum()) for b in batches]
         totals = torch.tensor(
             [sum(counts), sum(b["input_ids"].numel() for b in batches)],
             dtype=torch.float64,
-            device=rt.device,
+            device=self.runtime.device,
         )
         num_valid, num_tokens = self.dp_sum(totals).tolist()
-        if self.pipeline is not None:  # PP: the schedule runs all micro-batches (pp.py)
-            with self.autocast:
-                loss_sum = self.pipeline.step(batches, self.fsdp_ranks / max(num_valid, 1))
-            return self.dp_sum(loss_sum).item() / max(num_valid, 1), int(num_tokens)
-        loss_sum = torch.zeros((), dtype=torch.float64, device=rt.device)
-        for batch, count in zip(batches, counts, strict=True):
-            batch = {k: v.to(rt.device, non_blocking=True) for k, v in batch.items()}
-            with self.autocast:
-                loss, _ = self.loss_fn(self.model, batch)
-            # NOTE: FSDP averages gradients over the ranks it shards on; weighting by this
-            # micro-batch's share of the global tokens times their number makes the result the
-            # global token mean. Tensor-parallel ranks share one loss and split its gradients.
-            (loss * (count * self.fsdp_ranks / max(num_valid, 1))).backward()
-            loss_sum += loss.detach().double() * count
+        loss_sum = self.parallel.forward_backward(
+            self.model, self.loss_fn, batches, counts, num_valid
+        )
         return self.dp_sum(loss_sum).item() / max(num_valid, 1), int(num_tokens)
 
     def clip_gradients(self) -> float:
         """Clip the (possibly sharded) gradients; return the global norm before clipping."""
         max_norm = self.cfg.optimizer.grad_clip or float("inf")
-        if self.pipeline is not None:  # PP: the norm over every stage's gradients (pp.py)
-            return self.pipeline.clip_grad_norm_(max_norm)
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=True)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        return float(norm)
+        return self.parallel.clip_grad_norm_(self.model, max_norm)
 
     def optimizer_step(self, step: int) -> float:
         """Apply the schedule's LR and step every optimizer; return the LR of group 0."""

@@ -3,5 +3,6 @@
 - ``config.py``: ``ParallelConfig`` (``pretrain.train.parallel``), resolved against a world size and
   checked before any compute;
 - ``mesh.py``: the named device mesh ``(pp, dp_replicate, dp_shard, cp, tp)``, TP innermost;
-- ``tp.py``, ``cp.py``, ``pp.py``: each parallelism applied to the model.
+- ``tp.py``, ``cp.py``, ``pp.py``: each parallelism applied to the model;
+- ``parts.py``: ``Parallelism``, what the trainer does per layout, composed from them.
 """

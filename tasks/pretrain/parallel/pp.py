@@ -17,7 +17,7 @@ through ``torch.distributed.pipelining``'s ``ScheduleGPipe`` or ``Schedule1F1B``
 - The loss of micro-batch i is ``mean_loss_i * count_i * grad_scale``: with ``grad_scale =
   dp / num_valid`` the gradients summed over micro-batches (``scale_grads=False``) and averaged
   by FSDP over the ``dp`` ranks are those of the global token-mean loss, as in
-  ``Trainer.forward_backward``.
+  ``Parallelism.forward_backward`` (parts.py).
 
 Bubble: ``(pp - 1) / n_microbatches`` of a step for both schedules. Activations in flight on the
 first stage: all ``n_microbatches`` with GPipe, at most ``pp`` with 1F1B.

@@ -344,6 +344,22 @@ def canonical_full(model: nn.Module, full: dict[str, Tensor]) -> dict[str, Tenso
     return full
 
 
+def copy_rank0_shards(model: nn.Module, mesh: DeviceMesh) -> int:
+    """Overwrite each tensor-parallel shard with tp rank 0's (what ranks seeded alike draw);
+    return the number of parameters copied (collective over the 1-D ``mesh``)."""
+    copied = 0
+    with torch.no_grad():
+        for param in model.parameters():
+            if not isinstance(param, DTensor) or param.device_mesh.mesh_dim_names is None:
+                continue
+            names = param.device_mesh.mesh_dim_names
+            if "tp" not in names or not isinstance(param.placements[names.index("tp")], Shard):
+                continue
+            torch.distributed.broadcast(param.to_local(), group=mesh.get_group(), group_src=0)
+            copied += 1
+    return copied
+
+
 # --- the planner's terms for TP (`memory_model.memory`, `layout_planner.communication`) ------
 
 EMBEDDING_BACKWARD_BUFFERS = {"cuda": 2, "cpu": 4}

@@ -1,7 +1,8 @@
 """The planner's parameters per rank against the trainer's own parallelize code at the 3B
 shapes: the model built on the meta device, split (``pp.build_stage``), tensor-parallelised
-(``tp.apply_tp``) and sharded (``distributed.shard_model``) exactly as ``Trainer._build_model``
-does, on a fake process group of the layout's world size (no memory, no communication).
+(``tp.apply_tp``) and sharded (``distributed.shard_model``) exactly as
+``Parallelism.parallelize`` does, on a fake process group of the layout's world size (no
+memory, no communication).
 
 Rank 0 of each layout is measured (FSDP2 gives the first ranks the padded, fuller shards) and,
 under PP, the first and the last stage (the planner counts the fuller one). The planner leaves
