@@ -56,6 +56,14 @@ def _pread(fd: int, dtype: np.dtype, count: int, item_offset: int) -> np.ndarray
     return np.frombuffer(data, dtype=dtype)
 
 
+def _nonempty_meta(data_dir: Path) -> dict:
+    """``meta.json`` of a packed dataset that holds at least one sequence."""
+    meta = read_meta(data_dir)
+    if meta["num_sequences"] < 1:
+        raise ValueError(f"{data_dir} holds no sequences; rebuild the packed dataset")
+    return meta
+
+
 class PackedLoader:
     """Yields batches of packed sequences for one data-parallel rank, forever.
 
@@ -80,30 +88,33 @@ class PackedLoader:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
         self.data_dir = Path(data_dir)
-        self.meta = read_meta(self.data_dir)
-        if self.meta["num_sequences"] < 1:
-            raise ValueError(f"{self.data_dir} holds no sequences; rebuild the packed dataset")
+        self.meta = _nonempty_meta(self.data_dir)
         self.rank, self.world_size, self.seed = rank, world_size, seed
         self.set_batch_size(batch_size)
         self.epoch, self.position = 0, 0
         self._dtype = np.dtype(self.meta["dtype"])
         counts = [s["num_sequences"] for s in self.meta["shards"]]
         self._shard_starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        self.with_domains = with_domains
+        self.domain_names: list[str] | None = self.meta.get("domains")
+        self._files = _Files(self._file_paths())
+        self._perms: dict[int, np.ndarray] = {}
+        self._padding = self._find_padding()
+
+    def _file_paths(self) -> list[Path]:
+        """The files `_Files` opens: shards in order, doc offsets, doc starts (and segment
+        domains ``with_domains``)."""
         index = self.meta["index"]
         paths = [self.data_dir / s["file"] for s in self.meta["shards"]]
         paths += [self.data_dir / index["doc_offsets"], self.data_dir / index["doc_starts"]]
-        self.with_domains = with_domains
-        self.domain_names: list[str] | None = self.meta.get("domains")
-        if with_domains:
+        if self.with_domains:
             if "segment_domains" not in index:
                 raise ValueError(
                     f"{self.data_dir} records no per-document domains; pack the validation set "
                     "with validation.by_domain=true"
                 )
             paths.append(self.data_dir / index["segment_domains"])
-        self._files = _Files(paths)
-        self._perms: dict[int, np.ndarray] = {}
-        self._padding = self._find_padding()
+        return paths
 
     @property
     def seq_len(self) -> int:
@@ -183,6 +194,11 @@ class PackedLoader:
         start = int(self.meta["num_tokens"]) - (rows - 1) * row_len
         if start == row_len:
             return None
+        return self._search_padding(start)
+
+    def _search_padding(self, start: int) -> tuple[int, int]:
+        """The one stored row whose last document starts at ``start`` and whose tail from there
+        is pad_id (a dataset packed before meta.json recorded its padding)."""
         index = self.meta["index"]
         offsets = np.fromfile(self.data_dir / index["doc_offsets"], np.int64)
         starts = np.fromfile(self.data_dir / index["doc_starts"], np.int32)
@@ -218,14 +234,19 @@ class PackedLoader:
         fd = self._files.get(num_shards + 2)
         return _pread(fd, np.dtype(np.int32), int(hi - lo) + 1, int(lo) + row)
 
-    def _collate(self, rows: np.ndarray) -> dict[str, torch.Tensor]:
-        B, T = len(rows), self.seq_len
-        tokens = np.empty((B, T + 1), np.int64)
-        begins = np.zeros((B, T + 1), bool)  # True where a document begins
+    def _read_rows(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Tokens (B, T+1) of dataset ``rows`` and where their documents begin (B, T+1 bool)."""
+        tokens = np.empty((len(rows), self.seq_len + 1), np.int64)
+        begins = np.zeros((len(rows), self.seq_len + 1), bool)  # True where a document begins
         begins[:, 0] = True
         for b, row in enumerate(rows):
             tokens[b], starts = self._read_row(int(row))
             begins[b, starts] = True
+        return tokens, begins
+
+    def _collate(self, rows: np.ndarray) -> dict[str, torch.Tensor]:
+        B, T = len(rows), self.seq_len
+        tokens, begins = self._read_rows(rows)
         labels = tokens[:, 1:].copy()
         labels[begins[:, 1:]] = IGNORE_INDEX  # target is the first token of the next document
         if self._padding is not None:
@@ -242,12 +263,16 @@ class PackedLoader:
             "cu_seqlens": torch.from_numpy(cu),
         }
         if self.with_domains:
-            segment = np.cumsum(begins, axis=1)[:, 1:] - 1  # label t: its target's segment
-            domains = np.stack(
-                [self._row_domains(int(r))[s] for r, s in zip(rows, segment, strict=True)]
-            )
-            batch["domains"] = torch.from_numpy(domains.astype(np.int64))
+            batch["domains"] = self._label_domains(rows, begins)
         return batch
+
+    def _label_domains(self, rows: np.ndarray, begins: np.ndarray) -> torch.Tensor:
+        """The domain of each label's target (B, T) long: its segment's, -1 in the padding."""
+        segment = np.cumsum(begins, axis=1)[:, 1:] - 1  # label t: its target's segment
+        domains = np.stack(
+            [self._row_domains(int(r))[s] for r, s in zip(rows, segment, strict=True)]
+        )
+        return torch.from_numpy(domains.astype(np.int64))
 
     def close(self) -> None:
         """Close the shard files (also done on garbage collection)."""

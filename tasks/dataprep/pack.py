@@ -276,23 +276,10 @@ def _finish(
     """Index, permute and shard the padded stream, then write ``meta.json`` (last): ``head``
     (seq_len, dtype, vocab_size, eos_id, pad_id), the layout, ``extra_meta``; with
     ``doc_domains``, each row segment's domain too."""
-    out_dir, row_len = pack.out_dir, pack.row_len
     num_tokens = int(doc_lengths.sum())
-    num_rows = -(-num_tokens // row_len)
-    offsets, starts = _row_index(doc_lengths, num_rows, row_len)
+    num_rows = -(-num_tokens // pack.row_len)
     perm = np.random.default_rng(seed).permutation(num_rows)
-    pad_start = num_tokens - (num_rows - 1) * row_len  # in 1..row_len; row_len: no padding
-    padding = None
-    if pad_start < row_len:  # the last unshuffled row, wherever the permutation put it
-        padding = {"row": int(np.flatnonzero(perm == num_rows - 1)[0]), "start": int(pad_start)}
-    offsets, starts = _permute_index(offsets, starts, perm)
-    offsets.tofile(out_dir / INDEX_FILES["doc_offsets"])
-    starts.tofile(out_dir / INDEX_FILES["doc_starts"])
-    index = INDEX_FILES
-    if doc_domains is not None:
-        domains = _segment_domains(offsets, starts, perm, doc_lengths, doc_domains, row_len)
-        domains.tofile(out_dir / SEGMENT_DOMAINS)
-        index = {**INDEX_FILES, "segment_domains": SEGMENT_DOMAINS}
+    index = _write_index(pack, doc_lengths, perm, doc_domains)
     shards = _write_shards(pack, perm, map_fn, workers)
     pack.stream_path.unlink()
     meta = {
@@ -300,13 +287,38 @@ def _finish(
         "num_sequences": int(num_rows),
         "num_tokens": num_tokens,
         "num_documents": int(len(doc_lengths)),
-        "padding": padding,
+        "padding": _padding(num_tokens, pack.row_len, perm),
         "shards": shards,
         "index": index,
         **(extra_meta or {}),
     }
-    (out_dir / "meta.json").write_text(json.dumps(meta, indent=2))
+    (pack.out_dir / "meta.json").write_text(json.dumps(meta, indent=2))
     return meta
+
+
+def _padding(num_tokens: int, row_len: int, perm: np.ndarray) -> dict | None:
+    """``meta.json``'s ``padding``: the stored row holding the padding and where it begins, or
+    None when the last row is full."""
+    num_rows = len(perm)
+    pad_start = num_tokens - (num_rows - 1) * row_len  # in 1..row_len; row_len: no padding
+    if pad_start >= row_len:
+        return None
+    # the last unshuffled row, wherever the permutation put it
+    return {"row": int(np.flatnonzero(perm == num_rows - 1)[0]), "start": int(pad_start)}
+
+
+def _write_index(pack: _Pack, doc_lengths, perm: np.ndarray, doc_domains) -> dict:
+    """Write the document-start index of the permuted rows (and, given ``doc_domains``, the
+    segment domains); return ``meta.json``'s ``index``."""
+    offsets, starts = _row_index(doc_lengths, len(perm), pack.row_len)
+    offsets, starts = _permute_index(offsets, starts, perm)
+    offsets.tofile(pack.out_dir / INDEX_FILES["doc_offsets"])
+    starts.tofile(pack.out_dir / INDEX_FILES["doc_starts"])
+    if doc_domains is None:
+        return INDEX_FILES
+    domains = _segment_domains(offsets, starts, perm, doc_lengths, doc_domains, pack.row_len)
+    domains.tofile(pack.out_dir / SEGMENT_DOMAINS)
+    return {**INDEX_FILES, "segment_domains": SEGMENT_DOMAINS}
 
 
 def _segment_domains(offsets, starts, perm, doc_lengths, doc_domains, row_len) -> np.ndarray:
