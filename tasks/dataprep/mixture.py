@@ -254,6 +254,16 @@ def _selection_order(seed: int, counts: list[np.ndarray]) -> np.ndarray:
     return order[np.random.default_rng([seed, 1]).permutation(len(order))]
 
 
+def _selection_lengths(tokenized_dir: Path, infos: tuple[dict, ...], order: np.ndarray):
+    """Tokens (eos included) of each (domain, doc) row of ``order``; domain k is ``infos[k]``."""
+    lengths = np.empty(len(order), np.int64)
+    for k, info in enumerate(infos):
+        of_domain = order[:, 0] == k
+        domain_lengths = _lengths_with_eos(tokenized_dir, info)
+        lengths[of_domain] = domain_lengths[order[of_domain, 1]]
+    return lengths
+
+
 def _pack_selection(
     cfg, tokenized_dir, meta, split, counts_by_domain, out_dir, extra_meta, by_domain=False
 ):
@@ -263,16 +273,10 @@ def _pack_selection(
     names = sorted(counts_by_domain)
     infos = tuple(meta[split][d] for d in names)
     order = _selection_order(cfg.seed, [counts_by_domain[d] for d in names])
-    lengths = np.empty(len(order), np.int64)
-    for k, info in enumerate(infos):
-        of_domain = order[:, 0] == k
-        domain_lengths = _lengths_with_eos(tokenized_dir, info)
-        lengths[of_domain] = domain_lengths[order[of_domain, 1]]
-    source = _DomainSource(str(tokenized_dir), infos, meta["dtype"], meta["eos_id"])
     return write_packed_units(
-        source,
+        _DomainSource(str(tokenized_dir), infos, meta["dtype"], meta["eos_id"]),
         order,
-        lengths,
+        _selection_lengths(tokenized_dir, infos, order),
         out_dir,
         seq_len=cfg.seq_len,
         vocab_size=meta["vocab_size"],
@@ -316,19 +320,37 @@ def build_mixture(
     meta = _read_tokenized_meta(tokenized_dir)
     available = {d: info["num_tokens"] + info["num_docs"] for d, info in meta["train"].items()}
     targets, notes = plan_mixture(cfg, available)
+    counts = _select_counts(cfg, tokenized_dir, meta, targets)
+    report = _mixture_report(tokenized_dir, meta, counts, available)
+    packed = _pack_mixture(cfg, tokenized_dir, meta, counts, out_dir, report, notes)
+    return _mixture_metrics(packed, notes, report)
+
+
+def _select_counts(cfg: StageMixture, tokenized_dir: Path, meta: dict, targets: dict) -> dict:
+    """Uses of each training document per domain, reaching the domain's target tokens."""
     rng = np.random.default_rng([cfg.seed, 0])
     counts = {}
     for domain in sorted(targets):
         lengths = _lengths_with_eos(tokenized_dir, meta["train"][domain])
         counts[domain] = select_documents(lengths, targets[domain], rng)
-    report = _mixture_report(tokenized_dir, meta, counts, available)
+    return counts
+
+
+def _pack_mixture(cfg, tokenized_dir, meta, counts, out_dir, report, notes) -> dict:
+    """Pack the selected training documents; ``meta.json`` also holds the stage, the report,
+    the reweighting notes and where the document counts are (written here)."""
     extra = {
         "stage": cfg.model_dump(),
         "mixture": report,
         "notes": notes,
         "doc_counts": _save_counts(out_dir, counts, meta, "train"),
     }
-    packed = _pack_selection(cfg, tokenized_dir, meta, "train", counts, out_dir, extra)
+    return _pack_selection(cfg, tokenized_dir, meta, "train", counts, out_dir, extra)
+
+
+def _mixture_metrics(packed: dict, notes: list[str], report: dict) -> dict:
+    """`build_mixture`'s metrics: sequences, tokens, reweighted domains, per-domain share and
+    epochs."""
     metrics = {"num_sequences": packed["num_sequences"], "num_tokens": packed["num_tokens"]}
     metrics["num_reweighted"] = len(notes)
     for domain, row in report.items():
@@ -365,12 +387,7 @@ def build_validation(
     """
     _check_seq_len(cfg.seq_len, max_seq_len)
     meta = _read_tokenized_meta(tokenized_dir)
-    domains = {d: info for d, info in meta["validation"].items() if info["num_docs"] > 0}
-    if not domains:
-        raise BadInputError(
-            f"{tokenized_dir} holds no validation documents; re-run tokenize_corpus with "
-            "validation_fraction > 0"
-        )
+    domains = _validation_domains(meta, tokenized_dir)
     counts = {d: np.ones(info["num_docs"], np.int64) for d, info in domains.items()}
     extra = {
         "validation": {
@@ -381,11 +398,18 @@ def build_validation(
     packed = _pack_selection(
         cfg, tokenized_dir, meta, "validation", counts, out_dir, extra, cfg.by_domain
     )
-    return {
-        "num_sequences": packed["num_sequences"],
-        "num_tokens": packed["num_tokens"],
-        "num_documents": packed["num_documents"],
-    }
+    return {k: packed[k] for k in ("num_sequences", "num_tokens", "num_documents")}
+
+
+def _validation_domains(meta: dict, tokenized_dir: Path) -> dict[str, dict]:
+    """The domains holding validation documents, with their ``meta.json`` entries."""
+    domains = {d: info for d, info in meta["validation"].items() if info["num_docs"] > 0}
+    if not domains:
+        raise BadInputError(
+            f"{tokenized_dir} holds no validation documents; re-run tokenize_corpus with "
+            "validation_fraction > 0"
+        )
+    return domains
 
 
 def chinchilla_report(num_params: int, num_tokens: int) -> dict:
@@ -399,22 +423,23 @@ def chinchilla_report(num_params: int, num_tokens: int) -> dict:
         raise BadInputError(f"num_params={num_params} and num_tokens={num_tokens} must be >= 1")
     optimal = CHINCHILLA_TOKENS_PER_PARAM * num_params
     ratio = num_tokens / optimal
-    if abs(ratio - 1) < 0.05:
-        verdict = "about compute-optimal"
-    elif ratio > 1:
-        verdict = f"over-trains: {ratio:.2f}x the compute-optimal tokens"
-    else:
-        verdict = (
-            f"under-trains: {ratio:.2f}x the compute-optimal tokens ({1 / ratio:.1f}x too few)"
-        )
     return {
         "num_params": num_params,
         "num_tokens": num_tokens,
         "optimal_tokens": optimal,
         "tokens_per_param": round(num_tokens / num_params, 3),
         "ratio_to_optimal": round(ratio, 4),
-        "verdict": verdict,
+        "verdict": _verdict(ratio),
     }
+
+
+def _verdict(ratio: float) -> str:
+    """`chinchilla_report`'s one line for a budget ``ratio`` times the compute-optimal one."""
+    if abs(ratio - 1) < 0.05:
+        return "about compute-optimal"
+    if ratio > 1:
+        return f"over-trains: {ratio:.2f}x the compute-optimal tokens"
+    return f"under-trains: {ratio:.2f}x the compute-optimal tokens ({1 / ratio:.1f}x too few)"
 
 
 def _headline(metrics: dict) -> Metrics:
