@@ -12,6 +12,8 @@ temporary Prefect server (``prefect_test_harness``) started by this script:
   dedup with the single-process union-find (one Prefect task per shard, the old ``shard`` way,
   was removed with ``runner.fan_out``; its figures are in the results of 2026-11-26);
 - ``processes`` (opt-in): the same on a pool of 2 spawned processes (``runner.kind=processes``);
+- ``default`` (opt-in): the runner's defaults, threads with the size rule (a stage of
+  ``runner.processes_from_mb`` or more runs on 2 spawned processes); ``stage`` turns the rule off;
 - ``ray``: ``runner.kind=ray`` on a local Ray cluster (127.0.0.1, 2 CPUs), one Prefect task per
   stage, exact and near dedup ``method=partitioned`` (Ray tasks);
 - ``datatrove``: datatrove 0.10's ``LocalPipelineExecutor`` (workers=2, one task per shard):
@@ -71,9 +73,9 @@ from benchmarks.common import emit, load_average  # noqa: E402
 from llmflow.tasks.curation.config import MinhashConfig  # noqa: E402
 from llmflow.tasks.framework.step import Metrics, step  # noqa: E402
 
-WAYS = ("stage", "ray", "datatrove", "processes", "datatrove_ray")
+WAYS = ("stage", "ray", "datatrove", "processes", "datatrove_ray", "default")
 DEFAULT_WAYS = WAYS[:3]
-OURS = ("stage", "processes", "ray")
+OURS = ("stage", "processes", "ray", "default")
 WORKERS = 2
 SHARED_TEXT = ROOT.parent / "shared" / "data" / "text"
 WORDS = ["alpha", "bravo", "delta", "omega", "zeta"]  # near-copy edits, as the sample plants
@@ -288,11 +290,8 @@ def run_ours(
     from llmflow.tasks.framework.stage_overhead import measure
 
     kind = way if way in ("ray", "processes") else "threads"
-    runner = RunnerConfig(
-        kind=kind,
-        max_workers=WORKERS,
-        ray={"address": "local"},
-    )
+    size_rule = {} if way == "default" else {"processes_from_mb": None}
+    runner = RunnerConfig(kind=kind, max_workers=WORKERS, ray={"address": "local"}, **size_rule)
     graph = Graph()
     num_shards = len(list(Path(corpus, "shards").glob("*.parquet")))
     final = add_curation(graph, curate_config(way, partitions), Existing(corpus), "bench")
@@ -607,6 +606,10 @@ def main() -> None:
         started, corpus, counts = time.perf_counter(), "", {}
         if args.ways:
             corpus, counts = build_corpus(work / "corpus", corpus_cfg)
+            from llmflow.tasks.framework.store import Store
+
+            # what runner.processes_from_mb compares: the first stage's mapped input (Parquet)
+            counts["stage_input_bytes"] = Store(str(work / "corpus")).output_bytes(corpus)
             print(f"corpus: {counts} in {time.perf_counter() - started:.1f} s", flush=True)
         ways: dict[str, dict] = {}
         for way in args.ways:
@@ -654,6 +657,7 @@ def main() -> None:
         for o, peers in (
             ("stage", ("datatrove", "datatrove_ray")),
             ("processes", ("stage", "datatrove")),
+            ("default", ("stage", "processes")),
             ("ray", ("stage", "processes", "datatrove", "datatrove_ray")),
         )
         for p in peers

@@ -89,6 +89,10 @@ class RayEngineConfig(BaseModel):
     )
 
 
+PROCESSES_FROM_MB = 1.0
+"""Where spawned processes start to beat a thread pool on a mapped stage (runner.processes_from_mb)."""
+
+
 class RunnerConfig(BaseModel):
     """Where data-parallel work runs (`backend.make_backend`): a mapped stage's shards, and the
     units steps map themselves (ingest's and tokenize's files, the mixture's pack units, the
@@ -99,12 +103,22 @@ class RunnerConfig(BaseModel):
 
     kind: Literal["threads", "processes", "ray"] = Field(
         "threads",
-        description="threads: a mapped stage's shards on a thread pool, a step's own units in "
-        "this process; processes: both on spawned processes (where the GIL binds: Python-heavy "
-        "steps over large inputs); ray: both as Ray tasks (needs the ray extra).",
+        description="threads: a mapped stage's shards on a thread pool (on spawned processes "
+        "from processes_from_mb of input), a step's own units in this process; processes: both "
+        "on spawned processes (where the GIL binds: Python-heavy steps over large inputs); ray: "
+        "both as Ray tasks (needs the ray extra).",
     )
     max_workers: int | None = Field(
         None, ge=1, description="Threads or processes (None: Python's default for the pool)."
+    )
+    processes_from_mb: float | None = Field(
+        PROCESSES_FROM_MB,
+        ge=0,
+        description="Under threads, a mapped stage whose input holds at least this many MB runs "
+        "its shards on spawned processes instead (Python-heavy filters hold the GIL; measured "
+        "faster from about this size: benchmarks/README.md, 'Threads or processes'); None: "
+        "threads at every size.",
+        json_schema_extra=ADDED_EXECUTION,
     )
     fan_out: Literal["stage"] = Field(
         "stage",

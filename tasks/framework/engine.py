@@ -18,6 +18,7 @@ shard computed (not found committed) appends its name to LOG.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -27,7 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from llmflow.tasks.framework.backend import Backend, make_backend
+from llmflow.tasks.framework.backend import Backend, ProcessBackend, make_backend
 from llmflow.tasks.framework.errors import BadInputError
 from llmflow.tasks.framework.step import Step, StepResult
 from llmflow.tasks.framework.store import Store
@@ -93,10 +94,37 @@ class Progress:
 
 
 class StageEngine:
-    """Runs ``run_shard`` over a stage's shards on a `Backend`, results in shard order."""
+    """Runs ``run_shard`` over a stage's shards on a `Backend`, results in shard order.
 
-    def __init__(self, backend: Backend):
+    With ``large`` (a function that makes a backend) and ``large_from_bytes``, a stage whose
+    mapped input holds at least that many bytes runs on the ``large`` backend instead, made at
+    its first such stage and kept for the others (the size rule of ``runner.processes_from_mb``).
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        large: Callable[[], Backend] | None = None,
+        large_from_bytes: int | None = None,
+    ):
         self.backend = backend
+        self.large, self.large_from_bytes = large, large_from_bytes
+        self._large: Backend | None = None
+
+    def backend_for(self, input_bytes: int | None, label: str = "stage") -> Backend:
+        """The backend of a stage whose mapped input holds ``input_bytes`` (None: unknown)."""
+        if self.large is None or self.large_from_bytes is None or input_bytes is None:
+            return self.backend
+        if input_bytes < self.large_from_bytes:
+            return self.backend
+        if self._large is None:
+            self._large = self.large()
+        log.info(
+            "%s: %.1f MB of input (>= %.1f MB): shards on %d %s",
+            label, input_bytes / 1e6, self.large_from_bytes / 1e6,
+            self._large.workers, self._large.kind,
+        )  # fmt: skip
+        return self._large
 
     def run_stage(
         self,
@@ -106,14 +134,17 @@ class StageEngine:
         stage: str,
         shards: list[ShardCall],
         progress: Progress | None = None,
+        input_bytes: int | None = None,
     ) -> list[StepResult]:
         """Every shard's result, in order, each committed into the stage output at ``stage``;
         raises after the in-flight shards finish if any failed (a ``BadInputError`` first,
-        since a retry would fail the same way)."""
+        since a retry would fail the same way). ``input_bytes``: the size of the stage's mapped
+        input (`backend_for`)."""
         results: list[StepResult | None] = [None] * len(shards)
         failures: dict[int, BaseException] = {}
         job = (step, config, root, stage)
-        values = self.backend.stream(_shard, job, shards, errors=True)
+        backend = self.backend_for(input_bytes, step.name)
+        values = backend.stream(_shard, job, shards, errors=True)
         for index, value in enumerate(values):
             if isinstance(value, BaseException):
                 failures[index] = value
@@ -128,6 +159,9 @@ class StageEngine:
     def close(self) -> None:
         """Release the workers (and a Ray cluster the backend started)."""
         self.backend.close()
+        if self._large is not None:
+            self._large.close()
+            self._large = None
 
 
 def _shard(job: tuple, call: ShardCall) -> StepResult:
@@ -155,5 +189,10 @@ def _stage_error(
 
 
 def make_engine(runner: Any) -> StageEngine:
-    """The stage engine of a ``RunnerConfig``, on its backend (`backend.make_backend`)."""
-    return StageEngine(make_backend(runner))
+    """The stage engine of a ``RunnerConfig``, on its backend (`backend.make_backend`); under
+    ``threads``, a stage of ``processes_from_mb`` or more runs on spawned processes."""
+    backend = make_backend(runner)
+    if runner.kind != "threads" or runner.processes_from_mb is None:
+        return StageEngine(backend)
+    large = functools.partial(ProcessBackend, runner.max_workers)
+    return StageEngine(backend, large, int(runner.processes_from_mb * 1e6))

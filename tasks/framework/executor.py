@@ -106,7 +106,7 @@ class Executor:
         """A mapped step's stage output (``Step.run_stage``), its shards run by ``map``."""
 
         def run_shards(uri: str, shards: list[tuple[str, dict]]) -> list[StepResult]:
-            return self.map(step, config, uri, shards)
+            return self.map(step, config, uri, shards, self.store.output_bytes(inputs[mapped]))
 
         return step.run_stage(
             self.store, config, name, inputs, mapped, per_shard, run_shards, self.run_info()
@@ -150,14 +150,23 @@ class Executor:
         return {name: bad for name, bad in found.items() if bad}
 
     def map(
-        self, step: Step, config: Any, stage: str, per_shard: list[tuple[str, dict]]
+        self,
+        step: Step,
+        config: Any,
+        stage: str,
+        per_shard: list[tuple[str, dict]],
+        input_bytes: int | None = None,
     ) -> list[StepResult]:
-        """Run one step once per shard into the stage output at ``stage``."""
+        """Run one step once per shard into the stage output at ``stage`` (``input_bytes``: the
+        size of its mapped input, which may choose the engine's backend)."""
         if self.engine is not None and self.reads is None:
             from llmflow.tasks.framework.engine import Progress
 
             progress = Progress(f"{step.name} {Store.address_of(stage)[1]}", len(per_shard))
-            return self.engine.run_stage(step, config, self.store.root, stage, per_shard, progress)
+            root = self.store.root
+            return self.engine.run_stage(
+                step, config, root, stage, per_shard, progress, input_bytes
+            )
         reads = None if self.reads is None else self.reads.setdefault(step.name, set())
         return [
             step.run_shard(self.store, config, stage, label, inputs, reads=reads)
@@ -185,7 +194,7 @@ class CachedOnly(Executor):
             raise NotCached(uri)
         return step._cached(self.store, uri, digest, started)
 
-    def map(self, step: Step, config: Any, stage: str, per_shard: list) -> list[StepResult]:
+    def map(self, step: Step, config: Any, stage: str, per_shard: list, *_: Any) -> list:
         raise NotCached(stage)  # only reached when the stage output is not complete
 
 

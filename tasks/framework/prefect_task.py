@@ -204,14 +204,15 @@ def stage_task(step: Step, engine: StageEngine):
         report = _progress_artifact(step.name, name, len(shards))
         ran: list[str] = []
 
+        store = Store(root)
+
         def run_shards(stage: str, todo: list[ShardCall]) -> list[StepResult]:
             ran.append(stage)
             progress = Progress(label, len(todo), report)
-            return engine.run_stage(step, config, root, stage, todo, progress)
+            size = store.output_bytes(inputs[mapped])
+            return engine.run_stage(step, config, root, stage, todo, progress, size)
 
-        result = step.run_stage(
-            Store(root), config, name, inputs, mapped, shards, run_shards, run_info()
-        )
+        result = step.run_stage(store, config, name, inputs, mapped, shards, run_shards, run_info())
         # NOTE: run_stage runs the shards only for a stage output that was not complete, and
         # then commits it. Every shard may have been in already (a crash between the last
         # shard's commit and the stage's): the stage output is still new, and its asset too.

@@ -177,6 +177,12 @@ class Store:
         except FileNotFoundError:
             return None
 
+    def output_bytes(self, uri: str) -> int | None:
+        """The bytes of a committed output's files, from its lineage's manifest (None: not
+        committed, or committed before manifests existed)."""
+        manifest = self._manifest(uri) if isinstance(uri, str) else None
+        return None if manifest is None else sum(int(f["bytes"]) for f in manifest.values())
+
     def input_hash(self, uri: str) -> str:
         """The hash of a complete output, read from its lineage record.
 

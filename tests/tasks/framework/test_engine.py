@@ -244,3 +244,26 @@ def test_a_prefect_retry_of_the_stage_task_computes_each_shard_once(prefect_harn
                 break
             time.sleep(1)
     assert len(runs) == 2 and len(stage) == 1 and stage[0].run_count == 2
+
+
+def _pids(root: Path) -> set[int]:
+    return {json.loads(p.read_text())["pid"] for p in root.glob("*/*/shards/*/value.json")}
+
+
+def test_threads_move_a_stage_to_processes_from_its_input_size(tmp_path, caplog):
+    """runner.processes_from_mb: a stage whose mapped input reaches it runs on spawned processes
+    (the same outputs); below it, and with None, on the thread pool in this process."""
+    graph, _ = graph_of(6)
+    (source,) = graph.find(step="overhead-shards")
+    reference_run = Executor(str(tmp_path / "size"))
+    input_mb = reference_run.store.output_bytes(reference_run.run(graph)[source].uri) / 1e6
+    reference = values(tmp_path / "size")
+    ways = {"below": 2 * input_mb, "above": input_mb / 2, "off": None}
+    for way, threshold in ways.items():
+        runner = RunnerConfig(kind="threads", max_workers=2, processes_from_mb=threshold)
+        with caplog.at_level(logging.INFO, logger="llmflow.engine"):
+            run_closing(make_engine(runner), tmp_path / way, graph)
+        assert values(tmp_path / way) == reference, way
+        in_this_process = _pids(tmp_path / way) == {os.getpid()}
+        assert in_this_process == (way != "above"), way
+    assert "MB of input" in caplog.text and "processes" in caplog.text
