@@ -21,8 +21,6 @@ from llmflow.tasks.pretrain.config import TrainConfig
 from llmflow.tasks.pretrain.curriculum import stage_train_config
 from llmflow.tasks.pretrain.step import pretrain
 
-__all__ = ["AblationConfig", "ablation_graph", "annealing_ablation", "arm_weights"]
-
 
 def arm_weights(baseline: dict[str, float], candidate: str, share: float) -> dict[str, float]:
     """(1 - share) x the baseline mix plus share on the candidate domain.
