@@ -38,6 +38,8 @@ FAULT_ENV = "LLMFLOW_ENGINE_FAULT"
 
 # (output label, inputs) of one shard: what ``Step.run`` takes besides the config
 ShardCall = tuple[str, dict[str, Any]]
+# the size of a stage's mapped input, read only when the engine's size rule needs it
+InputBytes = Callable[[], int | None] | None
 
 
 def run_shard(
@@ -111,17 +113,19 @@ class StageEngine:
         self.large, self.large_from_bytes = large, large_from_bytes
         self._large: Backend | None = None
 
-    def backend_for(self, input_bytes: int | None, label: str = "stage") -> Backend:
-        """The backend of a stage whose mapped input holds ``input_bytes`` (None: unknown)."""
+    def backend_for(self, input_bytes: InputBytes, label: str = "stage") -> Backend:
+        """The backend of a stage whose mapped input holds ``input_bytes()`` bytes (asked only
+        when a size rule is set; None: unknown)."""
         if self.large is None or self.large_from_bytes is None or input_bytes is None:
             return self.backend
-        if input_bytes < self.large_from_bytes:
+        size = input_bytes()
+        if size is None or size < self.large_from_bytes:
             return self.backend
         if self._large is None:
             self._large = self.large()
         log.info(
             "%s: %.1f MB of input (>= %.1f MB): shards on %d %s",
-            label, input_bytes / 1e6, self.large_from_bytes / 1e6,
+            label, size / 1e6, self.large_from_bytes / 1e6,
             self._large.workers, self._large.kind,
         )  # fmt: skip
         return self._large
@@ -134,11 +138,11 @@ class StageEngine:
         stage: str,
         shards: list[ShardCall],
         progress: Progress | None = None,
-        input_bytes: int | None = None,
+        input_bytes: InputBytes = None,
     ) -> list[StepResult]:
         """Every shard's result, in order, each committed into the stage output at ``stage``;
         raises after the in-flight shards finish if any failed (a ``BadInputError`` first,
-        since a retry would fail the same way). ``input_bytes``: the size of the stage's mapped
+        since a retry would fail the same way). ``input_bytes``: gives the size of the mapped
         input (`backend_for`)."""
         results: list[StepResult | None] = [None] * len(shards)
         failures: dict[int, BaseException] = {}

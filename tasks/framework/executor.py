@@ -11,6 +11,7 @@ Prefect, a mapped node is one task for the whole stage, its shards on the run's 
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -106,7 +107,8 @@ class Executor:
         """A mapped step's stage output (``Step.run_stage``), its shards run by ``map``."""
 
         def run_shards(uri: str, shards: list[tuple[str, dict]]) -> list[StepResult]:
-            return self.map(step, config, uri, shards, self.store.output_bytes(inputs[mapped]))
+            size = functools.partial(self.store.output_bytes, inputs[mapped])
+            return self.map(step, config, uri, shards, size)
 
         return step.run_stage(
             self.store, config, name, inputs, mapped, per_shard, run_shards, self.run_info()
@@ -155,9 +157,9 @@ class Executor:
         config: Any,
         stage: str,
         per_shard: list[tuple[str, dict]],
-        input_bytes: int | None = None,
+        input_bytes: Callable[[], int | None] | None = None,
     ) -> list[StepResult]:
-        """Run one step once per shard into the stage output at ``stage`` (``input_bytes``: the
+        """Run one step once per shard into the stage output at ``stage`` (``input_bytes()``: the
         size of its mapped input, which may choose the engine's backend)."""
         if self.engine is not None and self.reads is None:
             from llmflow.tasks.framework.engine import Progress

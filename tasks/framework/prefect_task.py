@@ -12,6 +12,7 @@ engine (``engine.py``), and the stage is one asset, linked as one (a Prefect eve
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 from collections.abc import Callable
@@ -209,7 +210,7 @@ def stage_task(step: Step, engine: StageEngine):
         def run_shards(stage: str, todo: list[ShardCall]) -> list[StepResult]:
             ran.append(stage)
             progress = Progress(label, len(todo), report)
-            size = store.output_bytes(inputs[mapped])
+            size = functools.partial(store.output_bytes, inputs[mapped])
             return engine.run_stage(step, config, root, stage, todo, progress, size)
 
         result = step.run_stage(store, config, name, inputs, mapped, shards, run_shards, run_info())
