@@ -56,11 +56,7 @@ def ablation_graph(
 ) -> tuple[Graph, list[Evaluated]]:
     """The recipe up to pretraining, plus each arm's mixture, annealing run, export and evaluation
     (baseline first)."""
-    if ablation.candidate is None:
-        raise BadInputError(
-            "ablation.candidate is not set: name the domain to test as late-stage data "
-            "(--candidate DOMAIN or --set ablation.candidate=DOMAIN)"
-        )
+    ablation.required_candidate()
     graph = recipe(config).until("pretrain")
     start = graph.find(step="pretrain")[ablation.from_stage]
     (tokenizer,), (tokenized,) = graph.find(step="tokenizer"), graph.find(step="tokenize")

@@ -252,13 +252,8 @@ def cmd_ablate(args: argparse.Namespace) -> int:
     from llmflow.flows.ablation import annealing_ablation
 
     config = load_recipe(args)
-    if config.ablation.candidate is None:
-        raise BadInputError(
-            "ablation.candidate is not set: name the domain to test as late-stage data "
-            "(--candidate DOMAIN or --set ablation.candidate=DOMAIN)"
-        )
+    candidate = "+" + config.ablation.required_candidate()  # before Prefect starts
     rows = annealing_ablation(config, config.ablation)
-    candidate = "+" + config.ablation.candidate
     print(f"{'metric':<34} {'baseline':>10} {candidate:>10} {'diff':>10}")
     for row in rows:
         print(

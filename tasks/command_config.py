@@ -11,6 +11,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from llmflow.tasks.framework.errors import BadInputError
+
 
 class PreflightOptions(BaseModel):
     """How much of the checklist to run here, and at what size."""
@@ -96,3 +98,12 @@ class AblationConfig(BaseModel):
     )
     candidate_share: float = Field(0.6, gt=0, lt=1, description="Share of the candidate source.")
     num_tokens: int = Field(50_000, gt=0, description="Annealing budget of each arm.")
+
+    def required_candidate(self) -> str:
+        """The candidate domain; a ``BadInputError`` naming the field when it is not set."""
+        if self.candidate is None:
+            raise BadInputError(
+                "ablation.candidate is not set: name the domain to test as late-stage data "
+                "(--candidate DOMAIN or --set ablation.candidate=DOMAIN)"
+            )
+        return self.candidate
