@@ -6,10 +6,13 @@ import dataclasses
 from dataclasses import dataclass, field
 
 ROPE_TYPES = ("default", "yarn", "linear", "llama3")
-HF_MODEL_TYPES = ("smollm3", "llama", "qwen2", "qwen3")
+HF_MODEL_TYPES = ("smollm3", "llama", "qwen2", "qwen3", "qwen3_moe", "mixtral")
 """transformers architectures a model is exported as (`model_type` in its config.json)."""
 HF_DTYPES = ("float32", "bfloat16", "float16")
 """dtypes an export writes its weights in (`dtype`/`torch_dtype` in its config.json)."""
+MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
+"""The transformers architectures of mixture-of-experts models (`num_experts` > 0)."""
+SCORING_FUNCS = ("softmax", "sigmoid")
 ADDED = {"omit_default": True}
 """Metadata of a field added after outputs were made: at its default it stays out of the hashes
 of the configs that carry it, so those outputs keep their addresses."""
@@ -70,6 +73,36 @@ class ModelConfig:
     """The dtype the export writes (one of `HF_DTYPES`): an imported bf16 checkpoint keeps
     "bfloat16" though the trainer holds float32 master weights; None: the weights' own dtype."""
 
+    num_experts: int = field(default=0, metadata=ADDED)
+    """Routed experts of each sparse layer (transformers' Qwen3-MoE name); 0: a dense model."""
+    num_experts_per_tok: int = field(default=2, metadata=ADDED)
+    """Experts each token is routed to (top-k)."""
+    moe_intermediate_size: int | None = field(default=None, metadata=ADDED)
+    """Width of one expert's SwiGLU hidden layer; None: `intermediate_size`."""
+    norm_topk_prob: bool = field(default=True, metadata=ADDED)
+    """Renormalize the top-k routing weights to sum to 1 (Mixtral always does; Qwen3-MoE's
+    released models do)."""
+    scoring_func: str = field(default="softmax", metadata=ADDED)
+    """Router scores: "softmax" over the experts (Qwen3-MoE, Mixtral) or "sigmoid" of each
+    (DeepSeek-V3's name and choice)."""
+    n_shared_experts: int = field(default=0, metadata=ADDED)
+    """Experts every token goes through (DeepSeek-V3's name), one SwiGLU of width
+    `n_shared_experts * moe_intermediate_size`."""
+    decoder_sparse_step: int = field(default=1, metadata=ADDED)
+    """Layer i is sparse when (i + 1) % decoder_sparse_step == 0 (Qwen3-MoE's name)."""
+    mlp_only_layers: list[int] | None = field(default=None, metadata=ADDED)
+    """Layers kept dense whatever the step (Qwen3-MoE's name)."""
+    first_k_dense_replace: int = field(default=0, metadata=ADDED)
+    """The first k layers are dense (DeepSeek-V3's name)."""
+    router_aux_loss_coef: float = field(default=0.0, metadata=ADDED)
+    """Weight of the auxiliary load-balancing loss, summed over the sparse layers (1 per layer
+    when balanced); 0: off."""
+    router_z_loss_coef: float = field(default=0.0, metadata=ADDED)
+    """Weight of the router z-loss (ST-MoE), summed over the sparse layers; 0: off."""
+    router_bias_update_rate: float = field(default=0.0, metadata=ADDED)
+    """DeepSeek-V3's auxiliary-loss-free balancing: the per-expert selection bias moves by this
+    much after each optimizer step, towards even loads; 0: off (DeepSeek-V3 used 0.001)."""
+
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads"):
             _require_positive(self, name)
@@ -86,6 +119,49 @@ class ModelConfig:
             if any(v is not None and not 0 <= v < self.vocab_size for v in values):
                 raise ValueError(f"{name}={value} must be in [0, vocab_size={self.vocab_size})")
         _validate_rope_scaling(self.rope_scaling)
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        if self.num_experts < 0:
+            raise ValueError(f"num_experts={self.num_experts} must be >= 0 (0: dense)")
+        if not self.num_experts:
+            return
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok={self.num_experts_per_tok} must be in "
+                f"[1, num_experts={self.num_experts}]"
+            )
+        if self.scoring_func not in SCORING_FUNCS:
+            raise ValueError(f"scoring_func={self.scoring_func!r} must be one of {SCORING_FUNCS}")
+        if self.moe_intermediate_size is not None:
+            _require_positive(self, "moe_intermediate_size")
+        for name in ("n_shared_experts", "first_k_dense_replace", "router_aux_loss_coef"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
+        for name in ("router_z_loss_coef", "router_bias_update_rate"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
+        _require_positive(self, "decoder_sparse_step")
+        if not any(self.is_sparse(i) for i in range(self.num_layers)):
+            raise ValueError(
+                f"num_experts={self.num_experts} but no layer is sparse (decoder_sparse_step="
+                f"{self.decoder_sparse_step}, mlp_only_layers={self.mlp_only_layers}, "
+                f"first_k_dense_replace={self.first_k_dense_replace}, num_layers={self.num_layers})"
+            )
+
+    @property
+    def expert_size(self) -> int:
+        """Width of one expert's hidden layer."""
+        return self.moe_intermediate_size or self.intermediate_size
+
+    def is_sparse(self, layer_idx: int) -> bool:
+        """Whether layer `layer_idx` has a mixture of experts (Qwen3-MoE's and DeepSeek-V3's
+        rules: the sparse step, the dense-only list, the first k dense)."""
+        if not self.num_experts or layer_idx < self.first_k_dense_replace:
+            return False
+        if self.mlp_only_layers and layer_idx in self.mlp_only_layers:
+            return False
+        return (layer_idx + 1) % self.decoder_sparse_step == 0
 
     def _check_heads(self) -> None:
         if self.explicit_head_dim is not None:
@@ -126,8 +202,14 @@ class ModelConfig:
             raise ValueError(f"hf_dtype={self.hf_dtype!r} must be one of {HF_DTYPES} or None")
         required = {  # field: the value the architecture needs (None: any)
             "attention_bias": {"qwen2": True}.get(kind, False),
-            "qk_norm": {"qwen3": True, "smollm3": None}.get(kind, False),
+            "qk_norm": {"qwen3": True, "qwen3_moe": True, "smollm3": None}.get(kind, False),
         }
+        if (kind in MOE_MODEL_TYPES) != (self.num_experts > 0):
+            raise ValueError(
+                f"num_experts={self.num_experts} does not fit hf_model_type={kind!r} (the "
+                f"mixture-of-experts architectures are {MOE_MODEL_TYPES}; num_experts > 0 needs "
+                "one of them, and they need it)"
+            )
         for name, value in required.items():
             if value is not None and getattr(self, name) != value:
                 raise ValueError(
@@ -163,13 +245,30 @@ class ModelConfig:
         attention += self.num_heads * head_dim * hidden + (2 * head_dim if self.qk_norm else 0)
         if self.attention_bias:
             attention += (self.num_heads + 2 * self.num_kv_heads) * head_dim
-        mlp = 3 * hidden * self.intermediate_size
-        per_layer = attention + mlp + 2 * hidden  # two RMSNorm weights
-        body = self.num_layers * per_layer + hidden  # final norm
+        body = hidden  # final norm
+        for i in range(self.num_layers):
+            body += attention + self._mlp_parameters(i, active=False) + 2 * hidden  # two norms
         if non_embedding:
             return body
         embeddings = self.vocab_size * hidden * (1 if self.tie_embeddings else 2)
         return body + embeddings
+
+    def active_parameters(self, non_embedding: bool = False) -> int:
+        """Parameters a token goes through: `num_parameters` with each sparse layer's routed
+        experts counted `num_experts_per_tok` times instead of `num_experts` (equal for a dense
+        model)."""
+        total = self.num_parameters(non_embedding)
+        for i in range(self.num_layers):
+            total -= self._mlp_parameters(i, active=False) - self._mlp_parameters(i, active=True)
+        return total
+
+    def _mlp_parameters(self, layer_idx: int, active: bool) -> int:
+        hidden = self.hidden_size
+        if not self.is_sparse(layer_idx):
+            return 3 * hidden * self.intermediate_size
+        experts = self.num_experts_per_tok if active else self.num_experts
+        shared = 3 * hidden * self.n_shared_experts * self.expert_size
+        return experts * 3 * hidden * self.expert_size + shared + self.num_experts * hidden
 
     def to_dict(self) -> dict:
         """Plain-JSON form (round-trips through `ModelConfig(**d)`)."""
@@ -251,11 +350,28 @@ PRESETS: dict[str, dict] = {
         vocab_size=128256, hidden_size=2048, num_layers=36, num_heads=16, num_kv_heads=4,
         intermediate_size=11008, max_seq_len=4096, rope_theta=50000.0, nope_interval=4,
     ),
+    # "debug" with a mixture of experts in every layer, at its active size: 8 experts of half
+    # its SwiGLU width, 2 per token (the same 384 active width, plus a 8 x 128 router per
+    # layer); Mixtral's layout (exported as MixtralForCausalLM), balanced by the
+    # auxiliary-loss-free bias.
+    "moe-debug": dict(
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=192,
+        hf_model_type="mixtral", router_bias_update_rate=0.001,
+    ),
+    # Qwen3-30B-A3B's shapes (48 layers, 128 experts of width 768, 8 per token), for the planner.
+    "30b-a3b": dict(
+        vocab_size=151936, hidden_size=2048, num_layers=48, num_heads=32, num_kv_heads=4,
+        explicit_head_dim=128, intermediate_size=6144, moe_intermediate_size=768,
+        num_experts=128, num_experts_per_tok=8, max_seq_len=4096, rope_theta=1000000.0,
+        qk_norm=True, hf_model_type="qwen3_moe", tie_embeddings=False,
+        router_aux_loss_coef=0.001,
+    ),
 }  # fmt: skip
 
 
 def preset(name: str, **overrides) -> ModelConfig:
-    """Build a preset config ("debug", "135m", "360m", "1.7b", "3b"), with field overrides."""
+    """Build a preset config ("debug", "135m", "360m", "1.7b", "3b", "moe-debug", "30b-a3b"),
+    with field overrides."""
     if name not in PRESETS:
         raise ValueError(f"preset name={name!r} must be one of {sorted(PRESETS)}")
     fields = {f.name for f in dataclasses.fields(ModelConfig)}

@@ -21,6 +21,7 @@ from llmflow.model.loss import (
     tied_embedding,
     vocab_parallel_logits,
 )
+from llmflow.model.moe import GroupedExperts, MoE, Router
 from llmflow.model.norm import RMSNorm
 from llmflow.model.rope import RotaryEmbedding
 
@@ -110,10 +111,11 @@ def init_normal_(
 class MLP(nn.Module):
     """SwiGLU feed-forward: `down(silu(gate(x)) * up(x))`, gate and up fused in one weight."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None):
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        width = intermediate_size or cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * width, bias=False)
+        self.down_proj = nn.Linear(width, cfg.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
         weight = self.gate_up_proj.weight
@@ -173,7 +175,7 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attn = Attention(cfg, use_rope=cfg.uses_rope(layer_idx))
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg) if cfg.is_sparse(layer_idx) else MLP(cfg)
 
     def forward(
         self,
@@ -218,11 +220,17 @@ class Transformer(nn.Module):
         residual_std = std / math.sqrt(2 * self.cfg.num_layers)
         self.rope.reset_parameters()
         for name, module in self.named_modules():
-            if isinstance(module, RMSNorm):
+            if isinstance(module, (RMSNorm, MoE)):
                 module.reset_parameters()
             elif isinstance(module, (nn.Linear, nn.Embedding)):
                 is_residual_out = name.endswith(("o_proj", "down_proj"))
                 _init_projection(name, module, residual_std if is_residual_out else std, seed)
+            elif isinstance(module, Router):
+                init_normal_(module.weight, std, seed, _canonical(name))
+            elif isinstance(module, GroupedExperts):  # rows: the experts (EP and FSDP2 shard)
+                key = _canonical(name)
+                init_normal_(module.gate_up_proj, std, seed, key + ".gate_up_proj")
+                init_normal_(module.down_proj, residual_std, seed, key + ".down_proj")
 
     def output_weight(self) -> Tensor:
         """The (V, C) output projection: the embedding when tied."""
