@@ -66,6 +66,8 @@ def shard_model(
     runtime: Runtime,
     compute_dtype: torch.dtype = torch.float32,
     mesh: DeviceMesh | None = None,
+    expert_mesh: DeviceMesh | None = None,
+    expert_divide_factor: float | None = None,
 ) -> nn.Module:
     """Apply FSDP2 per transformer block and at the root, as torchtitan does.
 
@@ -77,6 +79,9 @@ def shard_model(
         mesh: the data-parallel mesh to shard over (``dp_shard_cp``, or 2-D
             ``(dp_replicate, dp_shard_cp)`` for HSDP), after tensor parallelism; by default all
             ranks (plain FSDP2).
+        expert_mesh: under expert parallelism, the experts' own FSDP2 mesh
+            (``dp_shard_mod_ep``; parallel/ep.py), their gradients divided by
+            ``expert_divide_factor``.
     """
     if mesh is None:
         mesh = init_device_mesh(runtime.device.type, (runtime.world_size,))
@@ -85,6 +90,10 @@ def shard_model(
     else:
         policy = MixedPrecisionPolicy()
     for block in model.layers:
+        if expert_mesh is not None:
+            from llmflow.tasks.pretrain.parallel.ep import shard_experts
+
+            shard_experts(block, expert_mesh, policy, expert_divide_factor or mesh.size())
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     return model

@@ -20,6 +20,9 @@ if TYPE_CHECKING:
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 """Mesh dimension names, outermost first: PP spans nodes, TP ranks are neighbours in a node."""
+EP_MESH_DIMS = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "cp", "tp")
+"""The mesh's dimensions under expert parallelism (``ep > 1``): ``dp_shard`` split into
+``dp_shard_mod_ep x ep`` (torchtitan's names); the EP ranks are the inner, neighbouring ones."""
 
 
 class ParallelConfig(BaseModel):
@@ -36,6 +39,12 @@ class ParallelConfig(BaseModel):
     pp: int = Field(1, ge=1, description="Pipeline-parallel stages.")
     pp_schedule: Literal["gpipe", "1f1b"] = Field(
         "1f1b", description="Pipeline schedule: GPipe (all forwards, then all backwards) or 1F1B."
+    )
+    ep: int = Field(
+        1,
+        ge=1,
+        description="Expert-parallel degree (mixture of experts): each sparse layer's experts "
+        "split over ep ranks carved from dp_shard, which it must divide.",
     )
 
     def resolve(
@@ -74,7 +83,9 @@ class ParallelConfig(BaseModel):
                 f" x cp={self.cp} x pp={self.pp} = {fixed * dp_shard} differs from the world "
                 f"size {world_size}"
             )
-        layout = Layout(self.dp_replicate, dp_shard, self.tp, self.cp, self.pp, self.pp_schedule)
+        layout = Layout(
+            self.dp_replicate, dp_shard, self.tp, self.cp, self.pp, self.pp_schedule, self.ep
+        )
         check_layout(
             layout,
             model,
@@ -96,6 +107,8 @@ class Layout:
     cp: int = 1
     pp: int = 1
     pp_schedule: str = "1f1b"
+    ep: int = 1
+    """Expert-parallel degree, carved from ``dp_shard`` (``dp_shard = dp_shard_mod_ep x ep``)."""
 
     @property
     def world_size(self) -> int:
@@ -107,10 +120,23 @@ class Layout:
         return self.dp_replicate * self.dp_shard
 
     @property
+    def dp_shard_mod_ep(self) -> int:
+        """The FSDP2 shards of each expert: ``dp_shard / ep`` (``dp_shard`` when ep is 1)."""
+        return self.dp_shard // self.ep
+
+    @property
     def shape(self) -> tuple[int, ...]:
+        """The mesh's sizes along :attr:`mesh_dims`."""
+        if self.ep > 1:
+            return (self.pp, self.dp_replicate, self.dp_shard_mod_ep, self.ep, self.cp, self.tp)
         return (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
+
+    @property
+    def mesh_dims(self) -> tuple[str, ...]:
+        """The mesh's dimension names: :data:`MESH_DIMS`, or :data:`EP_MESH_DIMS` with EP."""
+        return EP_MESH_DIMS if self.ep > 1 else MESH_DIMS
 
     @property
     def is_plain(self) -> bool:
         """Only data parallelism (the FSDP2 path the trainer always had)."""
-        return self.tp == self.cp == self.pp == 1 and self.dp_replicate == 1
+        return self.tp == self.cp == self.pp == self.ep == 1 and self.dp_replicate == 1

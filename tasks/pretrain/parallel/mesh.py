@@ -1,4 +1,5 @@
-"""One named device mesh for every parallelism: ``(pp, dp_replicate, dp_shard, cp, tp)``.
+"""One named device mesh for every parallelism: ``(pp, dp_replicate, dp_shard, cp, tp)``, or
+``(pp, dp_replicate, dp_shard_mod_ep, ep, cp, tp)`` under expert parallelism (``dp_shard`` split).
 
 TP is innermost (contiguous ranks: neighbours inside a node), PP outermost. Flattened views, as
 torchtitan names them:
@@ -7,6 +8,9 @@ torchtitan names them:
 - ``dp_shard_cp``: ``dp_shard x cp``, the dimension FSDP2 shards parameters over (CP ranks hold
   the same parameters and their gradients are reduced together);
 - ``dp_cp``: ``dp_replicate x dp_shard x cp``, over which the loss's token counts are summed.
+
+Under EP, ``dp_shard`` is itself the flattened ``dp_shard_mod_ep x ep`` and the views above keep
+their meaning; ``ep`` shards the experts and ``dp_shard_mod_ep`` is the experts' FSDP2 dimension.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from llmflow.tasks.pretrain.parallel.config import MESH_DIMS, Layout
+from llmflow.tasks.pretrain.parallel.config import Layout
 
 
 @dataclass
@@ -48,10 +52,13 @@ class Mesh:
 
 def build_mesh(device_type: str, layout: Layout) -> Mesh:
     """Make the world mesh for ``layout`` (the process group must be initialised)."""
-    world = init_device_mesh(device_type, layout.shape, mesh_dim_names=MESH_DIMS)
+    world = init_device_mesh(device_type, layout.shape, mesh_dim_names=layout.mesh_dims)
+    shard = ("dp_shard_mod_ep", "ep") if layout.ep > 1 else ("dp_shard",)
     flattened = {
-        "dp": world[("dp_replicate", "dp_shard")]._flatten("dp"),
-        "dp_shard_cp": world[("dp_shard", "cp")]._flatten("dp_shard_cp"),
-        "dp_cp": world[("dp_replicate", "dp_shard", "cp")]._flatten("dp_cp"),
+        "dp": world[("dp_replicate", *shard)]._flatten("dp"),
+        "dp_shard_cp": world[(*shard, "cp")]._flatten("dp_shard_cp"),
+        "dp_cp": world[("dp_replicate", *shard, "cp")]._flatten("dp_cp"),
     }
+    if layout.ep > 1:
+        flattened["dp_shard"] = world[shard]._flatten("dp_shard")
     return Mesh(layout, world, flattened)

@@ -1,11 +1,11 @@
 """The trainer's parallel layout as one object: every step that differs by layout, in one place.
 
-``Parallelism`` composes the per-dimension code (``pp.py``, ``tp.py``, ``cp.py``, FSDP2 in
+``Parallelism`` composes the per-dimension code (``pp.py``, ``tp.py``, ``cp.py``, ``ep.py``, FSDP2 in
 ``distributed.py``) for the operations the trainer and its components need, as torchtitan's
 per-model ``parallelize`` functions do:
 
 - :meth:`Parallelism.parallelize`: the meta-device model made this rank's part (PP stage, TP,
-  activation checkpointing, compile, FSDP2, in that order);
+  EP, activation checkpointing, compile, FSDP2, in that order);
 - :meth:`Parallelism.attach`: after the weights exist, the pipeline schedule's runner (PP);
 - :meth:`Parallelism.local_batches`: this rank's part of the micro-batches (CP: T/cp tokens);
 - :meth:`Parallelism.forward_backward`, :meth:`Parallelism.clip_grad_norm_`,
@@ -34,7 +34,7 @@ from llmflow.tasks.pretrain.distributed import (
     apply_activation_checkpointing,
     shard_model,
 )
-from llmflow.tasks.pretrain.parallel import pp, tp
+from llmflow.tasks.pretrain.parallel import ep, pp, tp
 from llmflow.tasks.pretrain.parallel.config import Layout
 from llmflow.tasks.pretrain.parallel.cp import shard_batch
 
@@ -81,12 +81,14 @@ class Parallelism:
     # ------------------------------------------------------------------------- the model
     def parallelize(self, model: nn.Module) -> nn.Module:
         """This rank's part of ``model`` (built on the meta device), in torchtitan's order:
-        PP stage, TP, activation checkpointing, compile (per block), FSDP2."""
+        PP stage, TP, EP, activation checkpointing, compile (per block), FSDP2."""
         cfg, layout = self.cfg, self.layout
         if layout.pp > 1:  # PP: keep this rank's stage, full-model names (pp.py)
             model = pp.build_stage(model, self.mesh.rank("pp"), layout.pp, cfg.z_loss)
         if layout.tp > 1:
             tp.apply_tp(model, self.mesh["tp"])
+        if layout.ep > 1:
+            ep.apply_ep(model, self.mesh["ep"])
         apply_activation_checkpointing(
             model, cfg.activation_checkpointing, cfg.activation_checkpointing_every_k
         )
@@ -94,7 +96,9 @@ class Parallelism:
             for block in model.layers:
                 block.compile()
         if self.fsdp_ranks > 1:
-            shard_model(model, self.runtime, self.compute_dtype, self.fsdp_mesh())
+            experts = self.mesh["dp_shard_mod_ep"] if layout.ep > 1 else None
+            shard_model(model, self.runtime, self.compute_dtype, self.fsdp_mesh(), experts,
+                        self.fsdp_ranks)  # fmt: skip
         return model
 
     def fsdp_mesh(self) -> DeviceMesh | None:
@@ -182,6 +186,8 @@ class Parallelism:
         """Clip the (possibly sharded) gradients; return the global norm before clipping."""
         if self.pipeline is not None:  # PP: the norm over every stage's gradients (pp.py)
             return self.pipeline.clip_grad_norm_(max_norm)
+        if self.layout.ep > 1:  # EP: the experts' DTensors live on another mesh (ep.py)
+            return ep.clip_grad_norm_(model, max_norm)
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()

@@ -58,12 +58,15 @@ def check_layout(
 
     Raises:
         ConfigError: An unsupported combination (CP with PP, TP with compile, TP with
-            ``model.qk_norm``, TP with PP and tied embeddings), a degree that does not divide
+            ``model.qk_norm``, TP with PP and tied embeddings; EP with anything but FSDP2,
+            with compile or Muon, on a dense model), a degree that does not divide
             the model (TP: heads, KV heads, intermediate and vocabulary sizes; PP: layers) or
             a stage (CP: ``seq_len`` by 2 x cp; TP: ``seq_len`` by cp x tp; PP: fewer
-            micro-batches than stages); the message names the fields.
+            micro-batches than stages; EP: ``dp_shard`` and the experts); the message names
+            the fields.
     """
     _check_combination(layout, compile, field)
+    _check_ep(layout, compile, optimizer, field)
     if model is not None:
         _check_model(layout, model, field)
     for stage in stages:
@@ -87,7 +90,49 @@ def _check_combination(layout: Layout, compile: bool, field: str) -> None:
         )
 
 
+def _check_ep(layout: Layout, compile: bool, optimizer: str | None, field: str) -> None:
+    """Expert parallelism (parallel/ep.py): carved from ``dp_shard``, with FSDP2 and nothing
+    else yet."""
+    ep = layout.ep
+    if ep == 1:
+        return
+    if layout.dp_shard % ep:
+        raise ConfigError(
+            f"{field}.ep={ep} does not divide dp_shard={layout.dp_shard} (the expert-parallel "
+            "ranks are carved from the FSDP2 ranks: dp_shard = dp_shard_mod_ep x ep)"
+        )
+    others = {"tp": layout.tp, "cp": layout.cp, "pp": layout.pp}
+    others["dp_replicate"] = layout.dp_replicate
+    for name, degree in others.items():
+        if degree > 1:
+            # NOTE: the dispatcher exchanges whole (unsharded) token rows over the EP group; TP's
+            # sequence shards, CP's load-balanced chunks, a pipeline stage's schedule and HSDP's
+            # replicated expert shards are not wired to it (nor tested).
+            raise ConfigError(
+                f"{field}.ep={ep} with {name}={degree}: expert parallelism runs with FSDP2 "
+                "(dp_shard) only yet; set tp, cp, pp and dp_replicate to 1"
+            )
+    if compile:
+        raise ConfigError(
+            f"{field}.ep={ep} with pretrain.train.compile=true: compiled blocks are not tested "
+            "with the expert all-to-all yet; set compile false or ep 1"
+        )
+    if optimizer == "muon":
+        raise ConfigError(f"{field}.ep={ep} with optimizer muon is not supported yet; use adamw")
+
+
 def _check_model(layout: Layout, model: ModelConfig, field: str) -> None:
+    if layout.ep > 1:
+        if not model.num_experts:
+            raise ConfigError(
+                f"{field}.ep={layout.ep} needs a mixture-of-experts model; the model is dense "
+                "(model.num_experts=0)"
+            )
+        if model.num_experts % layout.ep:
+            raise ConfigError(
+                f"{field}.ep={layout.ep} does not divide the model's "
+                f"num_experts={model.num_experts}"
+            )
     if layout.tp > 1:
         for name in ("num_heads", "num_kv_heads", "intermediate_size", "vocab_size"):
             size = getattr(model, name)

@@ -1,0 +1,241 @@
+"""Expert parallelism (parallel/ep.py) against one process on the same global batch.
+
+Each case runs this file as a worker (``python -m torch.distributed.run ... test_ep.py``): the
+trainer takes ``STEPS`` steps of the tiny mixture-of-experts model; the worker records the
+initial weights, the step-1 gradients and the final weights (whole, by state-dict name), every
+step's loss and every step's tokens per expert (summed over the data-parallel ranks). One
+process is the reference. Checkpoints (DCP) are resharded between ep=2 and one process, and a
+run killed mid-stage at ep=2 resumes to the uninterrupted run's weights.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+HELPERS = Path(__file__).resolve().parents[1] / "conftest.py"
+STEPS = 10
+GLOBAL_ROWS = 4
+
+
+def _helpers():
+    """tests/tasks/pretrain/conftest.py (make_packed, tiny_config, TINY_MODEL) by path."""
+    spec = importlib.util.spec_from_file_location("pretrain_test_helpers", HELPERS)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+"""moe-debug at the tiny model's width: 8 experts of width 32, 2 per token, every layer sparse."""
+
+
+def ep_config(parallel: dict, processes: int, **changes):
+    """The tiny MoE (moe-debug at the tiny width) at a layout, ``GLOBAL_ROWS`` rows a step."""
+    helpers = _helpers()
+    dp = processes // parallel.get("ep", 1) * parallel.get("ep", 1)
+    base = dict(
+        model={"preset": "moe-debug", "overrides": {**helpers.TINY_MODEL, **MOE}},
+        optimizer={"name": "adamw", "lr": 3e-3},
+        parallel=parallel,
+        batch={"micro_batch_size": GLOBAL_ROWS // dp, "grad_accum_steps": 1},
+        max_steps=STEPS,
+        checkpoint={"interval": 100, "keep_last": 1},
+        eval_interval=100,
+    )
+    return helpers.tiny_config(**{**base, **changes})
+
+
+def run_worker(cfg, data_dir: Path, out_dir: Path, processes: int, timeout: float = 240) -> dict:
+    """Train in ``processes`` ranks; rank 0's record."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cfg.save(out_dir / "train_config.json")
+    command = [sys.executable, __file__, str(out_dir / "train_config.json"), str(data_dir)]
+    if processes > 1:
+        launcher = ["-m", "torch.distributed.run", "--standalone"]
+        command[1:1] = [*launcher, "--nproc_per_node", str(processes)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        command, cwd=out_dir, env=env, capture_output=True, text=True, timeout=timeout
+    )
+    if proc.returncode != 0:
+        raise AssertionError(f"worker failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return torch.load(out_dir / "record.pt")
+
+
+def max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest difference relative to the reference's largest magnitude."""
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
+
+
+def compare(got: dict, expected: dict) -> dict[str, float]:
+    """Max differences: loss (relative, any step), weights at init, step-1 gradients, final
+    weights; whether the expert loads were the same at every step."""
+    assert got["weights"].keys() == expected["weights"].keys()
+    pairs = zip(got["losses"], expected["losses"], strict=True)
+    return {
+        "loss_rel": max(abs(a - b) / abs(b) for a, b in pairs),
+        "init_abs": max(
+            (got["weights"][k] - v).abs().max().item() for k, v in expected["weights"].items()
+        ),  # fmt: skip
+        "grad_rel": max(max_rel(got["grads"][k], v) for k, v in expected["grads"].items()),
+        "final_rel": max(max_rel(got["final"][k], v) for k, v in expected["final"].items()),
+        "same_loads": float(torch.equal(got["loads"], expected["loads"])),
+    }
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    return _helpers().make_packed(tmp_path_factory.mktemp("ep") / "train", 300, seed=0)
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, data) -> dict:
+    return run_worker(ep_config({}, 1), data, tmp_path_factory.mktemp("one"), 1)
+
+
+def assert_matches(got: dict, expected: dict, name: str) -> None:
+    diffs = compare(got, expected)
+    print(f"{name}: {diffs}")
+    assert diffs["init_abs"] == 0.0  # each EP rank draws its experts' rows of the seeded init
+    assert diffs["same_loads"] == 1.0  # identical routing: every expert got the same tokens
+    assert diffs["loss_rel"] <= 1e-5
+    assert diffs["grad_rel"] <= 1e-5
+    assert diffs["final_rel"] <= 1e-4
+
+
+# ----------------------------------------------------------------------------- the rule
+@pytest.mark.parametrize(
+    ("parallel", "world", "model", "support", "needles"),
+    [
+        ({"ep": 2}, 2, "debug", {}, ["parallel.ep=2 needs a mixture-of-experts", "num_experts=0"]),
+        ({"ep": 3}, 3, "moe-debug", {}, ["parallel.ep=3 does not divide", "num_experts=8"]),
+        ({"ep": 4}, 2, "moe-debug", {}, ["parallel.ep=4 does not divide dp_shard=2"]),
+        ({"ep": 2, "tp": 2}, 4, "moe-debug", {}, ["parallel.ep=2 with tp=2"]),
+        ({"ep": 2, "cp": 2}, 4, "moe-debug", {}, ["parallel.ep=2 with cp=2"]),
+        ({"ep": 2, "pp": 2}, 4, "moe-debug", {}, ["parallel.ep=2 with pp=2"]),
+        ({"ep": 2, "dp_replicate": 2}, 4, "moe-debug", {}, ["parallel.ep=2 with dp_replicate=2"]),
+        ({"ep": 2}, 2, "moe-debug", {"compile": True}, ["parallel.ep=2", "compile=true"]),
+        (
+            {"ep": 2}, 2, "moe-debug", {"optimizer": "muon"},
+            ["pretrain.train.parallel.ep=2 with optimizer muon is not supported yet; use adamw"],
+        ),
+    ],
+)  # fmt: skip
+def test_check_layout_refuses_what_ep_does_not_run(parallel, world, model, support, needles):
+    from llmflow.model.config import preset
+    from llmflow.tasks.framework.errors import ConfigError
+    from llmflow.tasks.pretrain.parallel.config import ParallelConfig
+
+    with pytest.raises(ConfigError) as err:
+        ParallelConfig(**parallel).resolve(world, preset(model), **support)
+    for needle in needles:
+        assert needle in str(err.value), str(err.value)
+
+
+def test_ep_layout_keeps_the_dense_mesh_unless_set():
+    from llmflow.model.config import preset
+    from llmflow.tasks.pretrain.parallel.config import MESH_DIMS, Layout, ParallelConfig
+
+    dense = Layout(dp_shard=4)
+    assert dense.ep == 1 and dense.shape == (1, 1, 4, 1, 1) and dense.mesh_dims == MESH_DIMS
+    layout = ParallelConfig(ep=2).resolve(4, preset("moe-debug"), optimizer="adamw")
+    assert (layout.dp_shard, layout.ep, layout.dp_shard_mod_ep, layout.dp) == (4, 2, 2, 4)
+    assert layout.shape == (1, 1, 2, 2, 1, 1) and "ep" in layout.mesh_dims
+    assert not layout.is_plain and layout.world_size == 4
+
+
+# ----------------------------------------------------------------------------- the trainer
+def test_ep2_matches_one_process(tmp_path, data, one_process):
+    """ep=2 on 2 ranks (dp_shard 2 = ep: no expert FSDP2 shards, the rest FSDP2 over 2)."""
+    started = time.perf_counter()
+    got = run_worker(ep_config({"ep": 2}, 2), data, tmp_path / "ep2", 2)
+    assert_matches(got, one_process, f"ep2 ({time.perf_counter() - started:.1f}s)")
+    assert got["expert_shape"] == [4, 64, 32]  # 8 experts / 2 ranks, local (E/ep, 2I, C)
+
+
+@pytest.mark.slow
+def test_ep2_fsdp2_matches_one_process(tmp_path, data, one_process):
+    """ep=2 x dp_shard 4 on 4 ranks: the experts also FSDP2-sharded over dp_shard_mod_ep=2."""
+    started = time.perf_counter()
+    got = run_worker(ep_config({"ep": 2}, 4), data, tmp_path / "ep2-fsdp2", 4, timeout=360)
+    assert_matches(got, one_process, f"ep2 x fsdp2 ({time.perf_counter() - started:.1f}s)")
+    assert got["expert_shape"] == [2, 64, 32]  # 4 experts per EP rank, halved by FSDP2
+
+
+# ----------------------------------------------------------------------------- the worker
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    return full.detach().float().cpu().clone()
+
+
+def _tensors(model, pick) -> dict[str, torch.Tensor]:
+    from llmflow.model.transformer import _canonical
+
+    return {_canonical(n): _full(pick(p)) for n, p in model.named_parameters()}
+
+
+def worker(config_path: str, data_dir: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from llmflow.model.moe import Router
+    from llmflow.tasks.pretrain.config import TrainConfig
+    from llmflow.tasks.pretrain.distributed import teardown_runtime
+    from llmflow.tasks.pretrain.train import Trainer
+
+    cfg = TrainConfig.load(Path(config_path))
+    trainer = Trainer(cfg, Path(data_dir), Path.cwd())
+    model = trainer.model
+    experts = next(m for n, m in model.named_modules() if n.endswith("experts"))
+    local = experts.gate_up_proj
+    local = local.to_local() if isinstance(local, DTensor) else local
+    record = {"weights": _tensors(model, lambda p: p), "losses": [], "loads": []}
+    record["expert_shape"] = list(local.shape)
+    routers = [m for m in model.modules() if isinstance(m, Router)]
+    step_loads = torch.zeros(len(routers), routers[0].num_experts, dtype=torch.int64)
+
+    def count(index):
+        def hook(module, args, output) -> None:
+            if torch.is_grad_enabled():  # training forwards only
+                step_loads[index] += torch.bincount(output[2].reshape(-1), minlength=8)
+
+        return hook
+
+    for index, router in enumerate(routers):
+        router.register_forward_hook(count(index))
+    clip = trainer.clip_gradients
+
+    def clip_recording() -> float:
+        if "grads" not in record:
+            record["grads"] = _tensors(model, lambda p: p.grad)
+        return clip()
+
+    trainer.clip_gradients = clip_recording
+    model.train()
+    while trainer.state.step < trainer.state.end_step:
+        out = trainer.train_step()
+        record["losses"].append(out.loss)
+        loads = step_loads.clone()
+        if dist.is_initialized():  # every rank is a data-parallel rank here
+            dist.all_reduce(loads)
+        record["loads"].append(loads)
+        step_loads.zero_()
+    record["loads"] = torch.stack(record["loads"])
+    record["final"] = _tensors(model, lambda p: p)
+    if trainer.runtime.is_main:
+        torch.save(record, Path.cwd() / "record.pt")
+    teardown_runtime()
+
+
+if __name__ == "__main__":
+    worker(*sys.argv[1:3])
