@@ -149,6 +149,9 @@ def benchmarks(data: Path) -> list[Bench]:
               [Goal("overhead", "<=", 0.02, "health metrics + detectors, share of a train step"),
                Goal("clean_alerts", "<=", 0, "trainer alerts on 5 clean seeds")]),
         Bench("tp_seed_bug", "bench_tp_seed_bug.py", ["--steps", "48", "--seeds", "3"], ["--quick"]),
+        Bench("moe", "bench_moe.py", ["--rounds", "7"], ["--quick", "--rounds", "1"],
+              [Goal("ratio", ">=", 1.2,
+                    "MoE block fwd+bwd vs transformers Qwen3-MoE (grouped_mm), fp32")]),
     ]  # fmt: skip
 
 
