@@ -1,7 +1,13 @@
 """Conversion to and from Hugging Face model folders, and our own checkpoint format.
 
-`import_hf` reads a LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM or SmolLM3ForCausalLM
-folder (`model/hf_arch.py` maps the config and refuses what does not map). The export is a
+`import_hf` reads a LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, SmolLM3ForCausalLM,
+Qwen3MoeForCausalLM or MixtralForCausalLM folder (`model/hf_arch.py` maps the config and refuses
+what does not map). The experts of a mixture are written as the Hub's checkpoints hold them and
+transformers' `save_pretrained` writes them, one tensor per expert and projection (Qwen3-MoE:
+`mlp.experts.{e}.gate_proj/up_proj/down_proj`, router `mlp.gate`; Mixtral:
+`block_sparse_moe.experts.{e}.w1/w3/w2`, router `block_sparse_moe.gate`); the import also reads
+the fused 3-D form transformers 5 holds in memory (`mlp.experts.gate_up_proj`/`down_proj`, e.g.
+a `torch.save` of its state dict). The export is a
 directory of the architecture the model came from (SmolLM3ForCausalLM for a model trained here:
 safetensors weights, `config.json` with the RoPE parameters, `generation_config.json`, tokenizer
 files) that `AutoModelForCausalLM.from_pretrained` loads with the same logits as
@@ -55,35 +61,117 @@ def _clean(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
     return out
 
 
-def to_hf_state_dict(state_dict: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
-    """Rename and split our tensors into transformers' Llama/Qwen/SmolLM3 names."""
+def to_hf_state_dict(
+    state_dict: dict[str, Tensor], cfg: ModelConfig, fused_experts: bool = False
+) -> dict[str, Tensor]:
+    """Rename and split our tensors into transformers' Llama/Qwen/SmolLM3/Qwen3-MoE/Mixtral names.
+
+    Args:
+        fused_experts: a mixture's experts as transformers 5 holds them in memory (3-D
+            `mlp.experts.gate_up_proj`/`down_proj`, router `mlp.gate`) instead of the per-expert
+            tensors of the Hub's checkpoints (the default). The router's selection bias is not
+            written (`export_hf` refuses a non-zero one).
+    """
     sd = _clean(state_dict)
     sizes = [cfg.num_heads * cfg.head_dim] + [cfg.num_kv_heads * cfg.head_dim] * 2
     hf = {theirs: sd[ours] for ours, theirs in _outer_renames(cfg).items()}
-    for ours, theirs in _layer_prefixes(cfg):
-        hf.update({theirs + dst: sd[ours + src] for src, dst in _layer_renames(cfg).items()})
+    for i, (ours, theirs) in enumerate(_layer_prefixes(cfg)):
+        sparse = cfg.is_sparse(i)
+        renames = _layer_renames(cfg, sparse)
+        hf.update({theirs + dst: sd[ours + src] for src, dst in renames.items()})
         for kind in _qkv_kinds(cfg):
             q, k, v = sd[ours + f"attn.qkv_proj.{kind}"].split(sizes)
             hf[theirs + f"self_attn.q_proj.{kind}"] = q
             hf[theirs + f"self_attn.k_proj.{kind}"] = k
             hf[theirs + f"self_attn.v_proj.{kind}"] = v
+        if sparse:
+            hf.update(_experts_to_hf(sd, ours, theirs, cfg, fused_experts))
+            continue
         gate, up = sd[ours + "mlp.gate_up_proj.weight"].chunk(2)
         hf[theirs + "mlp.gate_proj.weight"] = gate
         hf[theirs + "mlp.up_proj.weight"] = up
     return {name: t.contiguous() for name, t in hf.items()}
 
 
-def from_hf_state_dict(hf: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
-    """Inverse of `to_hf_state_dict`: fuse q/k/v and gate/up back into our names."""
+def from_hf_state_dict(
+    hf: dict[str, Tensor], cfg: ModelConfig, fused_experts: bool = False
+) -> dict[str, Tensor]:
+    """Inverse of `to_hf_state_dict`: fuse q/k/v, gate/up (and stack the experts) back into our
+    names; a router's selection bias is zero (the transformers classes have none)."""
     sd = {ours: hf[theirs] for ours, theirs in _outer_renames(cfg).items()}
-    for ours, theirs in _layer_prefixes(cfg):
-        sd.update({ours + src: hf[theirs + dst] for src, dst in _layer_renames(cfg).items()})
+    for i, (ours, theirs) in enumerate(_layer_prefixes(cfg)):
+        sparse = cfg.is_sparse(i)
+        sd.update(
+            {ours + src: hf[theirs + dst] for src, dst in _layer_renames(cfg, sparse).items()}
+        )
         for kind in _qkv_kinds(cfg):
             qkv = [hf[theirs + f"self_attn.{p}_proj.{kind}"] for p in "qkv"]
             sd[ours + f"attn.qkv_proj.{kind}"] = torch.cat(qkv)
+        if sparse:
+            sd.update(_experts_from_hf(hf, ours, theirs, cfg, fused_experts))
+            continue
         gate_up = [hf[theirs + f"mlp.{p}_proj.weight"] for p in ("gate", "up")]
         sd[ours + "mlp.gate_up_proj.weight"] = torch.cat(gate_up)
     return sd
+
+
+_EXPERT_NAMES = {  # transformers class -> (its sparse block, gate, up, down of one expert)
+    "qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
+    "mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
+}
+
+
+def _experts_to_hf(
+    sd: dict[str, Tensor], ours: str, theirs: str, cfg: ModelConfig, fused: bool
+) -> dict[str, Tensor]:
+    """One sparse layer's router and experts in transformers' names."""
+    router, gate_up, down = (
+        sd[ours + "mlp.router.weight"],
+        sd[ours + "mlp.experts.gate_up_proj"],
+        sd[ours + "mlp.experts.down_proj"],
+    )
+    if fused:  # transformers 5's modules: `mlp` for Mixtral too
+        return {
+            theirs + "mlp.gate.weight": router,
+            theirs + "mlp.experts.gate_up_proj": gate_up,
+            theirs + "mlp.experts.down_proj": down,
+        }
+    block, gate_name, up_name, down_name = _EXPERT_NAMES[cfg.hf_model_type]
+    out = {theirs + f"{block}.gate.weight": router}
+    for e in range(cfg.num_experts):
+        gate, up = gate_up[e].chunk(2)
+        prefix = theirs + f"{block}.experts.{e}."
+        out[prefix + f"{gate_name}.weight"] = gate
+        out[prefix + f"{up_name}.weight"] = up
+        out[prefix + f"{down_name}.weight"] = down[e]
+    return out
+
+
+def _experts_from_hf(
+    hf: dict[str, Tensor], ours: str, theirs: str, cfg: ModelConfig, fused: bool
+) -> dict[str, Tensor]:
+    """One sparse layer's router and experts in our names (experts stacked on dim 0)."""
+    if fused:
+        router = hf[theirs + "mlp.gate.weight"]
+        gate_up = hf[theirs + "mlp.experts.gate_up_proj"]
+        down = hf[theirs + "mlp.experts.down_proj"]
+    else:
+        block, gate_name, up_name, down_name = _EXPERT_NAMES[cfg.hf_model_type]
+        router = hf[theirs + f"{block}.gate.weight"]
+        prefix = theirs + f"{block}.experts."
+        gate_up = torch.stack(
+            [
+                torch.cat([hf[f"{prefix}{e}.{n}.weight"] for n in (gate_name, up_name)])
+                for e in range(cfg.num_experts)
+            ]
+        )
+        down = torch.stack([hf[f"{prefix}{e}.{down_name}.weight"] for e in range(cfg.num_experts)])
+    return {
+        ours + "mlp.router.weight": router,
+        ours + "mlp.router.expert_bias": torch.zeros(cfg.num_experts, dtype=torch.float32),
+        ours + "mlp.experts.gate_up_proj": gate_up,
+        ours + "mlp.experts.down_proj": down,
+    }
 
 
 def _outer_renames(cfg: ModelConfig) -> dict[str, str]:
@@ -105,15 +193,16 @@ def _qkv_kinds(cfg: ModelConfig) -> tuple[str, ...]:
     return ("weight", "bias") if cfg.attention_bias else ("weight",)
 
 
-def _layer_renames(cfg: ModelConfig) -> dict[str, str]:
-    """Ours -> transformers, for a layer's unfused tensors."""
-    if not cfg.qk_norm:
-        return _LAYER_RENAMES
-    return {
-        **_LAYER_RENAMES,
-        "attn.q_norm.weight": "self_attn.q_norm.weight",
-        "attn.k_norm.weight": "self_attn.k_norm.weight",
-    }
+def _layer_renames(cfg: ModelConfig, sparse: bool = False) -> dict[str, str]:
+    """Ours -> transformers, for a layer's unfused tensors (a sparse layer has no dense
+    `down_proj`: its experts are renamed by `_experts_to_hf`)."""
+    renames = dict(_LAYER_RENAMES)
+    if sparse:
+        del renames["mlp.down_proj.weight"]
+    if cfg.qk_norm:
+        renames["attn.q_norm.weight"] = "self_attn.q_norm.weight"
+        renames["attn.k_norm.weight"] = "self_attn.k_norm.weight"
+    return renames
 
 
 def export_hf(
@@ -136,9 +225,25 @@ def export_hf(
     """
     dtype = _export_dtype(state_dict, cfg)
     config = hf_config(cfg, dtype=dtype)
+    _refuse_expert_bias(state_dict, cfg)
     weights = to_hf_state_dict(state_dict, cfg)
     weights = {k: v.to(device="cpu", dtype=dtype).contiguous() for k, v in weights.items()}
     _write_hf_folder(Path(out_dir), weights, config, tokenizer_dir)
+
+
+def _refuse_expert_bias(state_dict: dict[str, Tensor], cfg: ModelConfig) -> None:
+    """A router with a non-zero selection bias (auxiliary-loss-free balancing) chooses other
+    experts than the transformers class, which has no such bias, would: `ValueError`."""
+    sd = _clean(state_dict)
+    for i in range(cfg.num_layers):
+        bias = sd.get(f"layers.{i}.mlp.router.expert_bias")
+        if bias is not None and bias.any():
+            raise ValueError(
+                f"layer {i}: router.expert_bias is non-zero (range [{bias.min().item():.4g}, "
+                f"{bias.max().item():.4g}]); {cfg.hf_model_type} has no "
+                "expert selection bias, so the export would route tokens to other experts "
+                "(train with router_bias_update_rate=0 to export)"
+            )
 
 
 def _export_dtype(state_dict: dict[str, Tensor], cfg: ModelConfig) -> torch.dtype:
@@ -197,10 +302,13 @@ def import_hf(hf_dir: Path) -> tuple[ModelConfig, dict[str, Tensor]]:
         raise BadInputError(f"{hf_dir / 'config.json'} is not JSON: {err}") from err
     cfg = config_from_hf(config, source=str(hf_dir / "config.json"))
     files = _weight_files(hf_dir)
-    expected = _expected_shapes(cfg)
-    _check_shapes(_saved_shapes(files), expected, cfg, hf_dir)
+    saved = _saved_shapes(files)
+    fused = any(name.endswith(".experts.gate_up_proj") for name in saved)
+    expected = _expected_shapes(cfg, fused)
+    _check_shapes(saved, expected, cfg, hf_dir)
     weights = _load_weights(files)
-    return cfg, from_hf_state_dict({k: v for k, v in weights.items() if k in expected}, cfg)
+    weights = {k: v for k, v in weights.items() if k in expected}
+    return cfg, from_hf_state_dict(weights, cfg, fused)
 
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
@@ -224,11 +332,13 @@ def _weight_files(hf_dir: Path) -> list[Path]:
     )
 
 
-def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """transformers' tensor names and shapes for `cfg` (from a model on the meta device)."""
+def _expected_shapes(cfg: ModelConfig, fused_experts: bool = False) -> dict[str, tuple[int, ...]]:
+    """transformers' tensor names and shapes for `cfg` (from a model on the meta device); a
+    mixture's experts per expert, or fused (`fused_experts`)."""
     with torch.device("meta"):
         model = Transformer(cfg)
-    return {k: tuple(v.shape) for k, v in to_hf_state_dict(model.state_dict(), cfg).items()}
+    hf = to_hf_state_dict(model.state_dict(), cfg, fused_experts)
+    return {k: tuple(v.shape) for k, v in hf.items()}
 
 
 def _saved_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:

@@ -1,10 +1,13 @@
 """Which transformers architectures map onto `ModelConfig`, in both directions.
 
 `config_from_hf` reads the `config.json` of a LlamaForCausalLM, Qwen2ForCausalLM (q/k/v bias),
-Qwen3ForCausalLM (per-head q/k RMSNorm) or SmolLM3ForCausalLM (NoPE layers) and returns the
-`ModelConfig` whose `Transformer` computes the same logits. Anything else (another head, a mixture
-of experts, sliding-window attention, a RoPE scaling we do not implement) is refused before a
-weight is read, naming the config field and its value. `hf_config` writes the config back for the
+Qwen3ForCausalLM (per-head q/k RMSNorm), SmolLM3ForCausalLM (NoPE layers), or of the mixtures of
+experts Qwen3MoeForCausalLM (softmax top-k router, optional renormalisation, dense layers by
+`mlp_only_layers`/`decoder_sparse_step`) and MixtralForCausalLM (every layer sparse, renormalised
+top-k), and returns the `ModelConfig` whose `Transformer` computes the same logits. Anything else
+(another head, another mixture of experts, shared experts, router jitter, sliding-window
+attention, a RoPE scaling we do not implement) is refused before a weight is read, naming the
+config field and its value. `hf_config` writes the config back for the
 architecture the model came from (`ModelConfig.hf_model_type`). Nothing here imports transformers.
 """
 
@@ -20,6 +23,8 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "SmolLM3ForCausalLM": "smollm3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
 """transformers class -> its `model_type`, for every class `config_from_hf` maps."""
 CLASS_OF = {kind: name for name, kind in ARCHITECTURES.items()}
@@ -41,9 +46,37 @@ _DEFAULTS = {  # transformers' values for keys a config.json may leave out
         "rope_theta": 2000000.0,
         "max_position_embeddings": 32768,
     },
+    "qwen3_moe": {
+        "tie_word_embeddings": False,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 32768,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 768,
+        "norm_topk_prob": False,
+        "decoder_sparse_step": 1,
+        "router_aux_loss_coef": 0.001,
+    },
+    "mixtral": {
+        "tie_word_embeddings": False,
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 131072,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "router_aux_loss_coef": 0.001,
+    },
 }
 MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 """Config fields that give a mixture of experts its expert count."""
+MOE_KINDS = ("qwen3_moe", "mixtral")
+"""The mixtures of experts `config_from_hf` maps (their transformers `model_type`)."""
+SHARED_EXPERT_FIELDS = (
+    "shared_expert_intermediate_size",
+    "n_shared_experts",
+    "num_shared_experts",
+    "moe_shared_expert_intermediate_size",
+)
+"""Config fields of shared experts (Qwen2-MoE, DeepSeek): neither mapped class has them."""
 _REQUIRED = (
     "vocab_size",
     "hidden_size",
@@ -73,6 +106,8 @@ def _mappable_kind(config: dict, source: str) -> str:
     _refuse_other_heads(config, source)
     _refuse_moe(config, source)
     kind = _model_type(config, source)
+    if kind in MOE_KINDS:
+        _refuse_unmapped_moe(config, kind, source)
     missing = [name for name in _REQUIRED if config.get(name) is None]
     if missing:
         raise BadInputError(f"{source}: {CLASS_OF[kind]} config has no {', '.join(missing)}")
@@ -97,7 +132,48 @@ def _model_fields(config: dict, kind: str, source: str) -> dict:
         pad_token_id=config.get("pad_token_id"),
         hf_model_type=kind,
         hf_dtype=_dtype(config, source),
+        **(_moe_fields(config, kind) if kind in MOE_KINDS else {}),
     )
+
+
+def _moe_fields(config: dict, kind: str) -> dict:
+    """The mixture-of-experts fields of a Qwen3-MoE or Mixtral config.
+
+    Mixtral: `num_local_experts` experts of width `intermediate_size` in every layer, and its
+    router's softmax over the top-k logits, which equals the top-k of the softmax over all
+    experts renormalised (`norm_topk_prob=True`). Qwen3-MoE: `num_experts` (transformers 5
+    writes it as `num_local_experts`) of width `moe_intermediate_size`, dense layers of width
+    `intermediate_size` where `mlp_only_layers` or `decoder_sparse_step` say.
+    """
+    defaults = _DEFAULTS[kind]
+    fields = dict(
+        num_experts=_num_experts(config, kind),
+        num_experts_per_tok=config.get("num_experts_per_tok", defaults["num_experts_per_tok"]),
+        router_aux_loss_coef=float(
+            config.get("router_aux_loss_coef", defaults["router_aux_loss_coef"])
+        ),
+    )
+    if kind == "mixtral":
+        return dict(
+            **fields, moe_intermediate_size=config["intermediate_size"], norm_topk_prob=True
+        )
+    return dict(
+        **fields,
+        moe_intermediate_size=config.get(
+            "moe_intermediate_size", defaults["moe_intermediate_size"]
+        ),
+        norm_topk_prob=bool(config.get("norm_topk_prob", defaults["norm_topk_prob"])),
+        decoder_sparse_step=config.get("decoder_sparse_step", defaults["decoder_sparse_step"]),
+        mlp_only_layers=sorted(config.get("mlp_only_layers") or []) or None,
+    )
+
+
+def _num_experts(config: dict, kind: str) -> int:
+    """The expert count: `num_experts` or `num_local_experts` (transformers' alias either way)."""
+    for name in ("num_experts", "num_local_experts"):
+        if config.get(name) is not None:
+            return config[name]
+    return _DEFAULTS[kind]["num_experts"]
 
 
 def _shape_fields(config: dict, kind: str) -> dict:
@@ -111,7 +187,7 @@ def _shape_fields(config: dict, kind: str) -> dict:
         num_heads=heads,
         num_kv_heads=config.get("num_key_value_heads") or heads,
         intermediate_size=config["intermediate_size"],
-        qk_norm=kind == "qwen3",
+        qk_norm=kind in ("qwen3", "qwen3_moe"),
         attention_bias=kind == "qwen2",
         explicit_head_dim=None if head_dim * heads == hidden else head_dim,
     )
@@ -160,13 +236,43 @@ def _refuse_other_heads(config: dict, source: str) -> None:
 
 
 def _refuse_moe(config: dict, source: str) -> None:
+    """A mixture of experts of another class than the mapped ones is refused, naming the field."""
+    architectures = config.get("architectures") or []
+    kinds = [ARCHITECTURES.get(name) for name in architectures] or [config.get("model_type")]
+    if kinds[0] in MOE_KINDS:
+        return
     for name in MOE_FIELDS:
         value = config.get(name)
         if isinstance(value, int) and value > 1:
             raise BadInputError(
-                f"{source}: {name}={value}: mixture-of-experts models are not supported "
-                f"(dense {', '.join(CLASS_OF[k] for k in CLASS_OF)} only)"
+                f"{source}: {name}={value}: this mixture-of-experts model "
+                f"({architectures or config.get('model_type')}) is not supported; the "
+                f"mixture-of-experts classes that map are {', '.join(CLASS_OF[k] for k in MOE_KINDS)}"
             )
+
+
+def _refuse_unmapped_moe(config: dict, kind: str, source: str) -> None:
+    """What a Qwen3-MoE or Mixtral config may set that our `MoE` does not compute."""
+    for name in SHARED_EXPERT_FIELDS:
+        if config.get(name):
+            raise BadInputError(
+                f"{source}: {name}={config[name]}: shared experts are not supported for "
+                f"{CLASS_OF[kind]} (its transformers class has none)"
+            )
+    jitter = config.get("router_jitter_noise") or 0.0
+    if jitter:
+        raise BadInputError(
+            f"{source}: router_jitter_noise={jitter} is not supported (the router takes the "
+            "hidden states as they are; continued pretraining would train another model)"
+        )
+    experts = _num_experts(config, kind)
+    top_k = config.get("num_experts_per_tok", _DEFAULTS[kind]["num_experts_per_tok"])
+    if not (isinstance(experts, int) and experts > 0):
+        raise BadInputError(f"{source}: num_experts={experts} must be > 0 for {CLASS_OF[kind]}")
+    if not (isinstance(top_k, int) and 1 <= top_k <= experts):
+        raise BadInputError(
+            f"{source}: num_experts_per_tok={top_k} must be in [1, num_experts={experts}]"
+        )
 
 
 def _model_type(config: dict, source: str) -> str:
@@ -195,6 +301,10 @@ def _model_type(config: dict, source: str) -> str:
 def _refuse_sliding_window(config: dict, kind: str, num_layers: int, source: str) -> None:
     layer_types = config.get("layer_types")
     window = config.get("sliding_window")
+    if kind == "mixtral" and window is not None:  # Mixtral slides whenever a window is given
+        raise BadInputError(
+            f"{source}: sliding_window={window}: sliding-window attention is not supported"
+        )
     if layer_types is not None:
         other = sorted({t for t in layer_types if t != "full_attention"})
         if other:
@@ -281,7 +391,73 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype | None = None) -> dict:
     dtype_name = cfg.hf_dtype or str(dtype or torch.float32).removeprefix("torch.")
     config = {**_size_config(cfg), **_token_rope_config(cfg, dtype_name)}
     _add_class_fields(config, cfg)
+    if cfg.hf_model_type in MOE_KINDS:
+        config.update(_moe_config(cfg))
     return config
+
+
+def _moe_config(cfg: ModelConfig) -> dict:
+    """`config.json`'s mixture-of-experts keys; `ValueError` naming the field for what the
+    class cannot express (shared experts, sigmoid scores; Mixtral: a dense layer, no
+    renormalisation)."""
+    kind = cfg.hf_model_type
+    if cfg.n_shared_experts:
+        raise ValueError(
+            f"n_shared_experts={cfg.n_shared_experts}: {CLASS_OF[kind]} has no shared experts, "
+            "so this model cannot be exported as it"
+        )
+    if cfg.scoring_func != "softmax":
+        raise ValueError(
+            f"scoring_func={cfg.scoring_func!r}: {CLASS_OF[kind]}'s router is a softmax, so this "
+            "model cannot be exported as it"
+        )
+    common = {
+        "num_experts_per_tok": cfg.num_experts_per_tok,
+        "router_aux_loss_coef": cfg.router_aux_loss_coef,
+        "output_router_logits": False,
+    }
+    if kind == "mixtral":
+        _refuse_dense_layers_for_mixtral(cfg)
+        return {
+            **common,
+            "num_local_experts": cfg.num_experts,
+            "intermediate_size": cfg.expert_size,  # Mixtral's experts are its only MLPs
+            "router_jitter_noise": 0.0,
+        }
+    # the first k dense layers are dense-only layers in Qwen3-MoE's terms
+    dense = sorted(set(cfg.mlp_only_layers or []) | set(range(cfg.first_k_dense_replace)))
+    return {
+        **common,
+        "num_experts": cfg.num_experts,
+        "moe_intermediate_size": cfg.expert_size,
+        "norm_topk_prob": cfg.norm_topk_prob,
+        "decoder_sparse_step": cfg.decoder_sparse_step,
+        "mlp_only_layers": dense,
+    }
+
+
+def _refuse_dense_layers_for_mixtral(cfg: ModelConfig) -> None:
+    """Mixtral has a mixture of experts in every layer and always renormalises the top k."""
+    for name, value, default in (
+        ("first_k_dense_replace", cfg.first_k_dense_replace, 0),
+        ("decoder_sparse_step", cfg.decoder_sparse_step, 1),
+    ):
+        if value != default:
+            raise ValueError(
+                f"{name}={value}: MixtralForCausalLM has every layer sparse, so this model "
+                "cannot be exported as it (export it as qwen3_moe)"
+            )
+    dense = [i for i in range(cfg.num_layers) if not cfg.is_sparse(i)]
+    if dense:
+        raise ValueError(
+            f"mlp_only_layers={cfg.mlp_only_layers}: layers {dense} are dense and "
+            "MixtralForCausalLM has every layer sparse, so this model cannot be exported as it"
+        )
+    if not cfg.norm_topk_prob:
+        raise ValueError(
+            "norm_topk_prob=False: MixtralForCausalLM always renormalises the top-k weights, so "
+            "this model cannot be exported as it"
+        )
 
 
 def _size_config(cfg: ModelConfig) -> dict:
@@ -336,16 +512,17 @@ def _pad_id(cfg: ModelConfig) -> int | None:
 def _add_class_fields(config: dict, cfg: ModelConfig) -> None:
     """The keys only some of the transformers classes read (each class's own defaults)."""
     kind = cfg.hf_model_type
-    if cfg.explicit_head_dim is not None or kind in ("llama", "qwen3"):
+    if cfg.explicit_head_dim is not None or kind in ("llama", "qwen3", "qwen3_moe"):
         config["head_dim"] = cfg.head_dim
-    if kind != "qwen2":
+    if kind not in ("qwen2", "mixtral"):
         config["attention_bias"] = False
     if kind in ("llama", "smollm3"):
         config["mlp_bias"] = False
     if kind == "llama":
         config["pretraining_tp"] = 1
-    if kind != "llama":
+    if kind not in ("llama", "mixtral"):
         config["use_sliding_window"] = False
+    if kind != "llama":
         config["sliding_window"] = None
     if kind in ("qwen2", "qwen3"):
         config["max_window_layers"] = cfg.num_layers

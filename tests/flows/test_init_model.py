@@ -179,15 +179,16 @@ def _edit_config(**fields):
     return change
 
 
-def _mixtral(folder: Path) -> None:
-    from transformers import MixtralConfig, MixtralForCausalLM
+def _qwen2_moe(folder: Path) -> None:
+    """A mixture of experts of a class we do not map (Qwen3-MoE and Mixtral import)."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
     for path in folder.iterdir():
         path.unlink() if path.name.startswith(("config", "model")) else None
-    config = MixtralConfig(vocab_size=384, hidden_size=32, intermediate_size=64,
-                           num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                           num_local_experts=4, num_experts_per_tok=2)  # fmt: skip
-    MixtralForCausalLM(config).save_pretrained(folder)
+    config = Qwen2MoeConfig(vocab_size=384, hidden_size=32, intermediate_size=64,
+                            num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)  # fmt: skip
+    Qwen2MoeForCausalLM(config).save_pretrained(folder)
 
 
 def _classifier(folder: Path) -> None:
@@ -218,7 +219,7 @@ def _smaller_model(folder: Path) -> None:
             r"holds no weights",
         ),
         (lambda m: _variant(m, "classifier", _classifier), r"is not a causal language model"),
-        (lambda m: _variant(m, "moe", _mixtral), r"num_local_experts=4: mixture-of-experts"),
+        (lambda m: _variant(m, "moe", _qwen2_moe), r"num_\w*experts=4: this mixture-of-experts"),
         (
             lambda m: _variant(
                 m, "window", _edit_config(sliding_window=128, use_sliding_window=True)

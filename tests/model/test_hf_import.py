@@ -163,17 +163,17 @@ def _save(model, folder):
     return folder
 
 
-def test_mixture_of_experts_is_refused(tmp_path):
-    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+def test_other_mixtures_of_experts_are_refused(tmp_path):
+    """Qwen3-MoE and Mixtral import (tests/model/test_hf_moe.py); another mixture is refused
+    naming its expert count and the classes that do map."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
     small = {k: v for k, v in SHAPES.items() if k != "initializer_range"}
-    mixtral = MixtralForCausalLM(MixtralConfig(**small, num_local_experts=4))
-    _raises(_save(mixtral, tmp_path / "mixtral"), "num_local_experts=4", "mixture-of-experts")
-    qwen = Qwen3MoeForCausalLM(Qwen3MoeConfig(**small, num_experts=4, moe_intermediate_size=32))
-    folder = _save(qwen, tmp_path / "qwen3moe")
+    qwen2 = Qwen2MoeForCausalLM(Qwen2MoeConfig(**small, num_experts=4, moe_intermediate_size=32))
+    folder = _save(qwen2, tmp_path / "qwen2moe")
     saved = json.loads((folder / "config.json").read_text())  # which name transformers writes
     field = "num_experts" if "num_experts" in saved else "num_local_experts"
-    _raises(folder, f"{field}=4", "mixture-of-experts")
+    _raises(folder, f"{field}=4", "mixture-of-experts", "Qwen3MoeForCausalLM")
 
 
 def test_sliding_window_is_refused(tmp_path):
