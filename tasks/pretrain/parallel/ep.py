@@ -153,7 +153,9 @@ def shard_experts(
         if isinstance(module, MoE) and module.dispatcher is not None:
             fully_shard(module.experts, mesh=mesh, mp_policy=policy)
             module.experts.set_gradient_divide_factor(divide_factor)
-            if mesh.device_type == "cpu":  # gloo has no PREMUL_SUM: a sum, then a divide
+            if mesh.device_type == "cpu" and mesh.size() > 1:
+                # NOTE: gloo has no PREMUL_SUM: a sum, then a divide. Not on one rank: torch
+                # 2.13 then divides twice (the copy and the post-divide), halving the gradients.
                 module.experts.set_force_sum_reduction_for_comms(True)
 
 

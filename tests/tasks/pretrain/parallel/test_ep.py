@@ -170,6 +170,60 @@ def test_ep2_fsdp2_matches_one_process(tmp_path, data, one_process):
     assert got["expert_shape"] == [2, 64, 32]  # 4 experts per EP rank, halved by FSDP2
 
 
+# ----------------------------------------------------------------------------- checkpoints
+def _run(cfg, data, out, processes, **kwargs):
+    return _helpers().run_trainer(cfg, data, out, num_processes=processes, timeout=300, **kwargs)
+
+
+@pytest.mark.slow  # 5 trainer launches, about 60 s on 2 cores
+def test_checkpoint_reshards_between_ep2_and_one_process(tmp_path, data):
+    """A stage trained at ep=2 continues at one process (its DCP checkpoint resharded: each
+    rank's experts and their AdamW moments) and the reverse; the next step's loss is the one
+    the one-process curriculum takes."""
+    helpers = _helpers()
+    data2 = helpers.make_packed(tmp_path / "data2", num_docs=120, seed=1)
+    layouts = {"one": ({}, 1), "ep2": ({"ep": 2}, 2)}
+    for name, (parallel, processes) in layouts.items():
+        _run(ep_config(parallel, processes, max_steps=4), data, tmp_path / name / "s1", processes)
+    losses = {}
+    for first, second in (("one", "one"), ("ep2", "one"), ("one", "ep2")):
+        parallel, processes = layouts[second]
+        cfg = ep_config(parallel, processes, max_steps=2)
+        out = tmp_path / f"{first}-then-{second}"
+        proc = _run(cfg, data2, out, processes, init_from=tmp_path / first / "s1")
+        assert "initialised from" in proc.stdout
+        losses[(first, second)] = helpers.losses_by_step(out)
+    expected = losses[("one", "one")]
+    assert sorted(expected) == [5, 6]
+    print(losses)
+    for key, got in losses.items():
+        for step, value in expected.items():
+            assert abs(got[step] - value) <= 1e-5 * value, (key, step, losses)
+
+
+@pytest.mark.slow  # 3 trainer launches at ep=2, about 40 s on 2 cores
+def test_ep2_killed_resumes_bitwise(tmp_path, data):
+    """kill -9 after step 5 (checkpoint at step 3) at ep=2: the rerun resumes from step 3 and
+    ends on the uninterrupted run's weights, bit for bit."""
+    from safetensors.torch import load_file
+
+    cfg = ep_config({"ep": 2}, 2, max_steps=7, checkpoint={"interval": 3, "keep_last": 2})
+    full, killed = tmp_path / "full", tmp_path / "killed"
+    _run(cfg, data, full, 2)
+    proc = _run(cfg, data, killed, 2, check=False, faults={"sigkill_after_step": 5})
+    assert proc.returncode != 0 and "SIGKILL after step 5" in proc.stdout + proc.stderr
+    assert not (killed / "final").exists()
+    proc = _run(cfg, data, killed, 2)
+    assert "resumed from" in proc.stdout and "step 3" in proc.stdout
+    helpers = _helpers()
+    assert helpers.losses_by_step(killed) == helpers.losses_by_step(full)
+    expected = load_file(full / "final" / "model.safetensors")
+    got = load_file(killed / "final" / "model.safetensors")
+    assert got.keys() == expected.keys() and any("experts" in k for k in got)
+    for name, value in expected.items():
+        assert torch.equal(got[name], value), name
+
+
 # ----------------------------------------------------------------------------- the worker
 def _full(tensor: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
