@@ -146,6 +146,8 @@ class MetricsLogger(Callback):
             text += f" tok/s {row['tokens_per_s']:.0f}"
         if "val_loss" in row:
             text += f" val_loss {row['val_loss']:.4f}"
+        if "moe/load_max_mean" in row:  # a mixture of experts (moe_balance.py)
+            text += f" moe_load_max/mean {row['moe/load_max_mean']:.2f}"
         if self.bar is not None:
             self.bar.set_postfix_str(text)
         else:

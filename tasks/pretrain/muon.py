@@ -19,6 +19,13 @@ orthogonalized per logical matrix, each with its own learning-rate adjustment: t
 ``torch.optim.Muon`` applied to the separate q, k, v (gate, up) matrices. Under TP the fused
 weights hold their rows in tensor-parallel order (``parallel/tp.py``: each rank's q, k, v
 heads together); the owner puts the rows back in canonical order before cutting the blocks.
+
+A mixture of experts' 3-D weights (``gate_up_proj`` (E, 2I, C), ``down_proj`` (E, C, I)) are
+E stacked matrices (2E for ``gate_up_proj``: each expert's gate and up): Muon takes them as one
+(E * rows, C) matrix of row blocks, each block orthogonalized on its own (one batched
+Newton–Schulz over the experts), so the update equals ``torch.optim.Muon`` applied to every
+expert's gate, up and down matrices separately. FSDP2 shards them by experts (dim 0): each rank
+holds whole experts' rows, which the owner puts together like any row shard.
 """
 
 from __future__ import annotations
@@ -41,8 +48,11 @@ EPS = 1e-7
 
 
 def newton_schulz(update: Tensor, steps: int = NS_STEPS, eps: float = EPS) -> Tensor:
-    """Approximate ``U V^T`` of ``update = U S V^T`` in bf16 (the quintic of torch.optim.Muon)."""
+    """Approximate ``U V^T`` of ``update = U S V^T`` in bf16 (the quintic of torch.optim.Muon);
+    a 3-D ``update`` is a batch of matrices, each orthogonalized on its own."""
     a, b, c = NS_COEFFICIENTS
+    if update.ndim == 3:
+        return _batched_newton_schulz(update, steps, eps)
     x = update.bfloat16()
     tall = update.size(0) > update.size(1)
     if tall:
@@ -52,6 +62,20 @@ def newton_schulz(update: Tensor, steps: int = NS_STEPS, eps: float = EPS) -> Te
         gram = x @ x.T
         x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
     return x.T if tall else x
+
+
+def _batched_newton_schulz(update: Tensor, steps: int, eps: float) -> Tensor:
+    """:func:`newton_schulz` of each matrix of a (B, R, C) batch (batched matmuls)."""
+    a, b, c = NS_COEFFICIENTS
+    x = update.bfloat16()
+    tall = update.size(1) > update.size(2)
+    if tall:
+        x = x.mT
+    x = x / x.norm(dim=(1, 2), keepdim=True).clamp(min=eps)
+    for _ in range(steps):
+        gram = x @ x.mT
+        x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.mT if tall else x
 
 
 def adjusted_lr(lr: float, rule: str, rows: int, cols: int) -> float:
@@ -65,7 +89,9 @@ def logical_rows(model: nn.Module) -> dict[str, tuple[int, ...]]:
     """Rows of each logical matrix stacked in a fused projection, by parameter name.
 
     ``qkv_proj`` stacks q (heads x head_dim rows), k and v (kv_heads x head_dim rows each);
-    ``gate_up_proj`` stacks gate and up (half the rows each). Other matrices are whole.
+    ``gate_up_proj`` stacks gate and up (half the rows each). Other matrices are whole, but a
+    mixture of experts' 3-D weights are one matrix per expert (``default_parts``), and its
+    ``gate_up_proj`` (E, 2I, C) is 2E matrices: each expert's gate and up.
     """
     found: dict[str, tuple[int, ...]] = {}
     for name, module in model.named_modules():
@@ -81,7 +107,28 @@ def logical_rows(model: nn.Module) -> dict[str, tuple[int, ...]]:
         if isinstance(gate_up, nn.Linear):
             half = gate_up.weight.shape[0] // 2
             found[f"{prefix}gate_up_proj.weight"] = (half, half)
+        elif isinstance(gate_up, Tensor) and gate_up.ndim == 3:  # experts (model/moe.py)
+            experts, rows, _ = gate_up.shape
+            found[f"{prefix}gate_up_proj"] = (rows // 2,) * (2 * experts)
     return found
+
+
+def default_parts(param: Tensor) -> tuple[int, ...]:
+    """Rows of each logical matrix of a parameter without fused parts: the whole matrix, or
+    each (rows, cols) matrix of a 3-D (experts, rows, cols) stack."""
+    if param.ndim == 3:
+        return (param.shape[1],) * param.shape[0]
+    return (param.shape[0],)
+
+
+def matrix_shape(param: Tensor) -> tuple[int, int]:
+    """The 2-D shape Muon sees: a 3-D stack's matrices one under the other."""
+    return param.numel() // param.shape[-1], param.shape[-1]
+
+
+def _rows(tensor: Tensor) -> Tensor:
+    """A 3-D local piece as the rows of its matrices (a 2-D one as it is)."""
+    return tensor.reshape(-1, tensor.shape[-1]) if tensor.ndim == 3 else tensor
 
 
 def row_orders(model: nn.Module) -> dict[str, Tensor]:
@@ -137,6 +184,11 @@ class _Matrix:
     parts: tuple[int, ...]  # rows of each logical matrix
     spread: Spread
 
+    @property
+    def batched(self) -> bool:
+        """A stack of equal matrices (experts): one batched Newton–Schulz."""
+        return self.param.ndim == 3
+
 
 class Muon(torch.optim.Optimizer):
     """Muon (momentum + Newton–Schulz) over whole matrices of plain or sharded parameters.
@@ -170,14 +222,18 @@ class Muon(torch.optim.Optimizer):
         super().__init__(params, defaults)
         params = [p for group in self.param_groups for p in group["params"]]
         for p in params:
-            if p.ndim != 2:
-                raise ValueError(f"Muon takes 2-D parameters, got shape {tuple(p.shape)}")
+            if p.ndim not in (2, 3):
+                raise ValueError(
+                    f"Muon takes 2-D parameters (or 3-D stacks of experts' matrices), got shape "
+                    f"{tuple(p.shape)}"
+                )
         self.parts = {id(p): v for p, v in (parts or {}).items()}
         orders = {id(p): v for p, v in (orders or {}).items()}
         self.spreads = spreads(params, orders)
         # (first, last + 1, rows of its logical matrix) of each run of local rows in one matrix
         self.runs = {
-            id(p): _runs(self.spreads[id(p)], self.parts.get(id(p), (p.shape[0],))) for p in params
+            id(p): _runs(self.spreads[id(p)], self.parts.get(id(p), default_parts(p)))
+            for p in params
         }
 
     @torch.no_grad()
@@ -201,16 +257,16 @@ class Muon(torch.optim.Optimizer):
         grad, buf = _local(param.grad), _local(state["momentum_buffer"])
         buf.lerp_(grad, 1 - group["momentum"])
         local = grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
-        parts = self.parts.get(id(param), (param.shape[0],))
-        return _Matrix(param, local, parts, self.spreads[id(param)])
+        parts = self.parts.get(id(param), default_parts(param))
+        return _Matrix(param, _rows(local), parts, self.spreads[id(param)])
 
     def _apply(self, matrix: _Matrix, update: Tensor, group: dict) -> None:
         """Decay, then add each logical matrix's rows of the update with its adjusted LR."""
         lr = group["lr"]
-        param = _local(matrix.param)
+        param = _rows(_local(matrix.param))
         param.mul_(1 - lr * group["weight_decay"])
         for lo, hi, rows in self.runs[id(matrix.param)]:
-            step = adjusted_lr(lr, group["adjust_lr_fn"], rows, matrix.param.shape[1])
+            step = adjusted_lr(lr, group["adjust_lr_fn"], rows, matrix.param.shape[-1])
             param[lo:hi].add_(update[lo:hi], alpha=-step)
 
 
@@ -274,25 +330,28 @@ def _shard_group(param: Tensor) -> tuple[dist.ProcessGroup | None, int]:
 
 
 def _local_indices(param: Tensor, order: Tensor | None) -> tuple[Tensor, Tensor]:
-    """Canonical rows and the columns of this rank's piece of ``param``.
+    """Canonical rows and the columns of this rank's piece of ``param`` (of a 3-D stack's
+    matrices one under the other: row ``e * rows + r`` is row r of matrix e).
 
     The piece of an index matrix placed like ``param`` (Replicate to its placements cuts
     locally, no communication) holds the indices.
     """
-    rows, cols = param.shape
+    rows, cols = matrix_shape(param)
     device = _local(param).device
     row_index = order.to(device) if order is not None else torch.arange(rows, device=device)
     col_index = torch.arange(cols, device=device)
     if not isinstance(param, DTensor):
         return row_index, col_index
+    shape = param.shape
 
     def piece(index: Tensor) -> Tensor:
         mesh = param.device_mesh
-        whole = DTensor.from_local(index, mesh, [Replicate()] * mesh.ndim, run_check=False)
-        return whole.redistribute(mesh, param.placements).to_local()
+        whole = DTensor.from_local(index.reshape(shape), mesh, [Replicate()] * mesh.ndim,
+                                   run_check=False)  # fmt: skip
+        return _rows(whole.redistribute(mesh, param.placements).to_local())
 
     local_rows = piece(row_index[:, None].expand(rows, cols))
-    if local_rows.size(0) == 0:  # an empty piece (uneven row shards): no columns to place
+    if local_rows.numel() == 0:  # an empty piece (uneven row shards): no columns to place
         return row_index[:0].clone(), col_index[:0].clone()
     local_cols = piece(col_index[None, :].expand(rows, cols))
     return local_rows[:, 0].clone(), local_cols[0].clone()
@@ -320,7 +379,7 @@ def orthogonalize(matrices: Sequence[_Matrix], ns_steps: int = NS_STEPS) -> list
     shared: dict[dist.ProcessGroup, list[int]] = {}
     for i, matrix in enumerate(matrices):
         if matrix.spread.group is None:
-            out[i] = _whole_update(matrix.local, matrix.parts, ns_steps)
+            out[i] = _whole_update(matrix.local, matrix.parts, ns_steps, matrix.batched)
         else:
             shared.setdefault(matrix.spread.group, []).append(i)
     for members in shared.values():
@@ -345,8 +404,8 @@ def _round(matrices: Sequence[_Matrix], ns_steps: int) -> list[Tensor]:
     dist.all_to_all_single(received, send, mine, sizes, group=group)
     back = send.new_empty(0)
     if owned is not None:
-        whole = owned.spread.assemble(received.split(mine), owned.param.shape)
-        update = _whole_update(whole, owned.parts, ns_steps)
+        whole = owned.spread.assemble(received.split(mine), matrix_shape(owned.param))
+        update = _whole_update(whole, owned.parts, ns_steps, owned.batched)
         back = torch.cat([owned.spread.piece(update, r) for r in range(world)])
     result = send.new_empty(sum(sizes))
     dist.all_to_all_single(result, back, sizes, mine, group=group)
@@ -354,6 +413,12 @@ def _round(matrices: Sequence[_Matrix], ns_steps: int) -> list[Tensor]:
     return [c.view(m.local.shape) for c, m in zip(chunks, matrices, strict=True)]
 
 
-def _whole_update(whole: Tensor, parts: tuple[int, ...], ns_steps: int) -> Tensor:
-    """Newton–Schulz on each logical matrix (row block) of ``whole``, stacked back."""
+def _whole_update(
+    whole: Tensor, parts: tuple[int, ...], ns_steps: int, batched: bool = False
+) -> Tensor:
+    """Newton–Schulz on each logical matrix (row block) of ``whole``, stacked back; ``batched``
+    (a stack of experts' matrices): blocks of one height go through one batched call."""
+    if batched and len(set(parts)) == 1:
+        stack = whole.view(len(parts), parts[0], whole.shape[-1])
+        return newton_schulz(stack, ns_steps).reshape(whole.shape)
     return torch.cat([newton_schulz(block, ns_steps) for block in whole.split(list(parts))])

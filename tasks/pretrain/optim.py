@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from llmflow.model.moe import Router
 from llmflow.tasks.pretrain.config import OptimizerConfig
 from llmflow.tasks.pretrain.muon import Muon, logical_rows, row_orders
 
@@ -18,14 +19,18 @@ def split_parameters(model: nn.Module) -> dict[str, list[tuple[str, nn.Parameter
     """Sort trainable parameters into ``hidden_matrix``, ``decay`` and ``no_decay`` lists.
 
     ``no_decay``: embeddings, norms and biases (anything under 2-D, or owned by an Embedding).
-    ``hidden_matrix``: 2-D weights inside the transformer blocks (``model.layers``).
-    ``decay``: the other 2-D weights (an untied output head).
+    ``hidden_matrix``: 2-D weights inside the transformer blocks (``model.layers``), and the
+    3-D stacks of a mixture of experts' matrices.
+    ``decay``: the other 2-D weights (an untied output head, a mixture of experts' routers:
+    Muon is for hidden matrices, a router is a classifier, as torchtitan and Moonlight treat
+    it).
     """
     embedding_ids = {
         id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()
     }
     layers = getattr(model, "layers", None)
     block_ids = {id(p) for p in layers.parameters()} if layers is not None else set()
+    router_ids = {id(m.weight) for m in model.modules() if isinstance(m, Router)}
     groups: dict[str, list[tuple[str, nn.Parameter]]] = {
         "hidden_matrix": [],
         "decay": [],
@@ -36,7 +41,7 @@ def split_parameters(model: nn.Module) -> dict[str, list[tuple[str, nn.Parameter
             continue
         if param.ndim < 2 or id(param) in embedding_ids:
             groups["no_decay"].append((name, param))
-        elif id(param) in block_ids:
+        elif id(param) in block_ids and id(param) not in router_ids:
             groups["hidden_matrix"].append((name, param))
         else:
             groups["decay"].append((name, param))
@@ -88,10 +93,15 @@ def _say_who_takes_what(groups: dict[str, list[tuple[str, nn.Parameter]]]) -> No
         return
     others = groups["decay"] + groups["no_decay"]
     not_2d = sum(1 for _, p in others if p.ndim != 2)
+    stacks = sum(1 for _, p in groups["hidden_matrix"] if p.ndim == 3)
+    routers = sum(1 for name, _ in others if name.endswith("router.weight"))
+    # NOTE: a dense model's line is as it was
+    experts = f" (of them {stacks} 3-D stacks of experts' matrices)" if stacks else ""
+    rest = f", {routers} routers" if routers else ""
     print(
-        f"muon: {len(groups['hidden_matrix'])} hidden 2-D matrices; AdamW takes the other "
-        f"{len(others)} parameters ({not_2d} not 2-D: norms, biases; the rest embeddings or "
-        "the output head)",
+        f"muon: {len(groups['hidden_matrix'])} hidden 2-D matrices{experts}; AdamW takes the "
+        f"other {len(others)} parameters ({not_2d} not 2-D: norms, biases; the rest embeddings "
+        f"or the output head{rest})",
         flush=True,
     )
 

@@ -51,6 +51,7 @@ from llmflow.tasks.pretrain.guard import StabilityGuard
 from llmflow.tasks.pretrain.health import LayerStats, StepClock
 from llmflow.tasks.pretrain.init_weights import is_weights_only, load_weights
 from llmflow.tasks.pretrain.launch import die_with_launcher, failure_report
+from llmflow.tasks.pretrain.moe_balance import MoEBalance
 from llmflow.tasks.pretrain.optim import build_optimizers, set_lr
 from llmflow.tasks.pretrain.parallel.mesh import build_mesh
 from llmflow.tasks.pretrain.parallel.parts import Parallelism
@@ -151,8 +152,10 @@ class Trainer:
         The detectors (rank 0) come after the logger: they judge the row it just wrote.
         """
         main, monitor, stage = self.runtime.is_main, self.cfg.monitor, self.out_dir.name
+        self.moe_balance = MoEBalance.build(self)  # None for a dense model (moe_balance.py)
         found: list[Callback | None] = [
             self.guard,
+            self.moe_balance,
             Validator(val_dir, self.cfg.eval_interval) if val_dir is not None else None,
             MetricsLogger(self.cfg, self.out_dir) if main else None,
             ThroughputDetector(monitor, self.out_dir, stage) if main else None,
@@ -339,11 +342,13 @@ class Trainer:
                 "attention": chosen_kernels(),
                 # NOTE: only when measured: other stages' summary.json stay as they were
                 **({"val_loss_by_domain": by_domain} if by_domain is not None else {}),
+                **(self.moe_balance.summary() if self.moe_balance is not None else {}),
             }
         )
 
     def mfu(self, tokens_per_s: float) -> float | None:
-        """Model FLOPs utilisation on GPU (6N + attention per token); None on CPU."""
+        """Model FLOPs utilisation on GPU (6N + attention per token, N the parameters a token
+        goes through: a mixture of experts counts its active experts); None on CPU."""
         if self.runtime.device.type != "cuda":
             return None
         name = torch.cuda.get_device_name(self.runtime.device)
@@ -351,8 +356,8 @@ class Trainer:
         if peak is None:
             return None
         mc = self.model_config
-        dense = mc.num_parameters(non_embedding=True) + mc.vocab_size * mc.hidden_size
-        flops = 6 * dense + 12 * mc.num_layers * mc.hidden_size * self.loader.seq_len
+        active = mc.active_parameters(non_embedding=True) + mc.vocab_size * mc.hidden_size
+        flops = 6 * active + 12 * mc.num_layers * mc.hidden_size * self.loader.seq_len
         return flops * tokens_per_s / (peak * self.runtime.world_size)
 
 
