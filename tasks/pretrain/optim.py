@@ -96,10 +96,12 @@ def _say_who_takes_what(groups: dict[str, list[tuple[str, nn.Parameter]]]) -> No
     stacks = sum(1 for _, p in groups["hidden_matrix"] if p.ndim == 3)
     routers = sum(1 for name, _ in others if name.endswith("router.weight"))
     # NOTE: a dense model's line is as it was
-    experts = f" (of them {stacks} 3-D stacks of experts' matrices)" if stacks else ""
+    kind = (
+        f"matrices ({stacks} of them 3-D stacks of experts' matrices)" if stacks else "2-D matrices"
+    )
     rest = f", {routers} routers" if routers else ""
     print(
-        f"muon: {len(groups['hidden_matrix'])} hidden 2-D matrices{experts}; AdamW takes the "
+        f"muon: {len(groups['hidden_matrix'])} hidden {kind}; AdamW takes the "
         f"other {len(others)} parameters ({not_2d} not 2-D: norms, biases; the rest embeddings "
         f"or the output head{rest})",
         flush=True,
