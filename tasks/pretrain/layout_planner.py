@@ -22,6 +22,7 @@ from llmflow.tasks.pretrain.memory_model import (
     memory,
 )
 from llmflow.tasks.pretrain.parallel import cp as parallel_cp
+from llmflow.tasks.pretrain.parallel import ep as parallel_ep
 from llmflow.tasks.pretrain.parallel import pp as parallel_pp
 from llmflow.tasks.pretrain.parallel import tp as parallel_tp
 from llmflow.tasks.pretrain.parallel.config import Layout, ParallelConfig
@@ -56,6 +57,9 @@ class Communication:
     reduce-scatter in float32 once per step, HSDP's all-reduce across replicas."""
     pp_gb: float = 0.0
     """PP: activations forward and their gradients backward per micro-batch per boundary."""
+    ep_gb: float = 0.0
+    """EP: the routed rows to their experts' ranks and back, forward and backward (2
+    all-to-alls each way per sparse layer)."""
 
 
 @dataclass
@@ -120,16 +124,33 @@ def communication(
     fsdp_bytes = params * (2 * micro_batches * activation_bytes + 4) * (shards - 1) / shards
     r = layout.dp_replicate
     fsdp_bytes += 2 * params / shards * 4 * (r - 1) / r
+    if layout.ep > 1:  # the experts are gathered over dp_shard_mod_ep only (E/ep of them)
+        experts = parallel_ep.expert_parameters(cfg) / tp
+        mod = layout.dp_shard_mod_ep * cp
+        fsdp_bytes -= experts * (2 * micro_batches * activation_bytes + 4) * (shards - 1) / shards
+        fsdp_bytes += (
+            experts / layout.ep * (2 * micro_batches * activation_bytes + 4) * ((mod - 1) / mod)
+        )
     pp_bytes = parallel_pp.traffic_bytes(residual, tp=tp, pp=pp, micro_batches=micro_batches)
-    return Communication(tp_bytes / GB, cp_bytes / GB, fsdp_bytes / GB, pp_bytes / GB)
+    ep_bytes = parallel_ep.traffic_bytes(
+        cfg, tokens * micro_batches, layout.ep, activation_bytes, recomputed
+    )
+    return Communication(
+        tp_bytes / GB, cp_bytes / GB, fsdp_bytes / GB, pp_bytes / GB, ep_bytes / GB
+    )
 
 
 def _traffic_seconds(layout: Layout, comm: Communication, hardware) -> float:
-    """Seconds of TP and CP traffic, each at the bandwidth of the link it crosses."""
+    """Seconds of TP, CP and EP traffic, each at the bandwidth of the link it crosses (the EP
+    ranks are neighbours: inside a node while ep fits in one)."""
     inside = layout.tp * layout.cp <= hardware.gpus_per_node
     bandwidth = INTRA_NODE_GBPS if inside else INTER_NODE_GBPS
     tp_bandwidth = INTRA_NODE_GBPS if layout.tp <= hardware.gpus_per_node else INTER_NODE_GBPS
-    return comm.tp_gb / tp_bandwidth + comm.cp_gb / bandwidth
+    seconds = comm.tp_gb / tp_bandwidth + comm.cp_gb / bandwidth
+    if comm.ep_gb:
+        ep_inside = layout.ep * layout.tp * layout.cp <= hardware.gpus_per_node
+        seconds += comm.ep_gb / (INTRA_NODE_GBPS if ep_inside else INTER_NODE_GBPS)
+    return seconds
 
 
 def step_seconds(
@@ -147,11 +168,18 @@ def step_seconds(
     """(step time, compute time) of one GPU, seconds. The model FLOPs of the global batch split
     over every GPU at the hardware's MFU, plus a third of a block's forward and backward for
     each recomputed block, plus the bubble, plus the TP and CP traffic at the bandwidth of the
-    link it crosses (inside a node while tp x cp fits in one)."""
+    link it crosses (inside a node while tp x cp fits in one); for a mixture of experts, the
+    FSDP2 traffic that outlasts the compute."""
     flops = flops_per_token(cfg, seq_len) * global_batch * seq_len / layout.world_size
     recomputed = checkpointed_blocks(cfg, activation_checkpointing, every_k) / cfg.num_layers
     compute = flops * (1 + recomputed / 3) / (hardware.peak_tflops * 1e12 * hardware.mfu)
     traffic = _traffic_seconds(layout, comm, hardware)
+    if cfg.num_experts:
+        # NOTE: a mixture of experts computes top-k experts but FSDP2 gathers all of a block's
+        # (E/ep under EP): its traffic can outlast the compute it overlaps; the excess counts.
+        inside = layout.world_size <= hardware.gpus_per_node
+        fsdp = comm.fsdp_gb / (INTRA_NODE_GBPS if inside else INTER_NODE_GBPS)
+        traffic += max(0.0, fsdp - compute)
     bubble = compute * bubble_fraction(layout.pp, micro_batches)
     return compute + bubble + traffic, compute
 
@@ -214,6 +242,8 @@ def configured_degrees(parallel: ParallelConfig) -> dict:
     values = parallel.model_dump()
     if values["dp_shard"] == -1:
         del values["dp_shard"]
+    if values["ep"] == 1:  # NOTE: a dense recipe's degrees read as before EP existed
+        del values["ep"]
     return values
 
 
@@ -269,6 +299,7 @@ def choose_layout(
     pps = [fixed["pp"]] if "pp" in fixed else _powers_of_two(model.num_layers)
     replicate = fixed.get("dp_replicate", 1)
     schedule = fixed.get("pp_schedule", "1f1b")
+    eps = [fixed["ep"]] if "ep" in fixed else _expert_degrees(model, world)
     start = CHECKPOINTING.index(activation_checkpointing)
     ladder = CHECKPOINTING[start:]
     best, smallest = None, None
@@ -280,20 +311,26 @@ def choose_layout(
                     continue
                 if fixed.get("dp_shard", rest) != rest or global_batch % (rest * replicate):
                     continue
-                layout = Layout(replicate, rest, tp, cp, pp, schedule)
-                per_rank = global_batch // layout.dp
-                for micro in _divisors_descending(per_rank, micro_batch):
-                    accum = per_rank // micro
-                    if not _supported(layout, model, StageShape(seq_len, accum), support):
+                for ep in eps:
+                    if rest % ep:
                         continue
-                    for ac in ladder:
-                        plan = _evaluate(model, layout, seq_len, micro, accum, ac, hardware,
-                                         param_dtype_bytes, optimizer, every_k, usable, fixed)  # fmt: skip
-                        key = (plan.step_seconds, tp * cp * pp, -micro)
-                        if plan.fits and (best is None or key < best[0]):
-                            best = (key, plan)
-                        if smallest is None or plan.memory.total_gb < smallest.memory.total_gb:
-                            smallest = plan
+                    layout = Layout(replicate, rest, tp, cp, pp, schedule, ep)
+                    per_rank = global_batch // layout.dp
+                    for micro in _divisors_descending(per_rank, micro_batch):
+                        accum = per_rank // micro
+                        if not _supported(layout, model, StageShape(seq_len, accum), support):
+                            continue
+                        for ac in ladder:
+                            plan = _evaluate(model, layout, seq_len, micro, accum, ac, hardware,
+                                             param_dtype_bytes, optimizer, every_k, usable,
+                                             fixed)  # fmt: skip
+                            key = (plan.step_seconds, tp * cp * pp * ep, -micro)
+                            if plan.fits and (best is None or key < best[0]):
+                                best = (key, plan)
+                            if smallest is None or (
+                                plan.memory.total_gb < smallest.memory.total_gb
+                            ):
+                                smallest = plan
     if smallest is None:
         raise ConfigError(
             f"{PARALLEL_FIELD}: no layout of {world} GPUs {fixed or ''} that the trainer runs "
@@ -301,6 +338,14 @@ def choose_layout(
             f"dp) at seq_len {seq_len}"
         )
     return best[1] if best else smallest
+
+
+def _expert_degrees(model: ModelConfig, world: int) -> list[int]:
+    """The EP degrees tried: 1, and for a mixture of experts the powers of two dividing the
+    experts, up to the world size."""
+    if not model.num_experts:
+        return [1]
+    return [e for e in _powers_of_two(world) if model.num_experts % e == 0]
 
 
 def _supported(layout: Layout, model: ModelConfig, stage: StageShape, support: dict) -> bool:
@@ -332,6 +377,7 @@ def layout_text(layout: Layout) -> str:
     """``tp=2 cp=4 pp=1 dp_shard=36 dp_replicate=1``, and the schedule when pp > 1."""
     text = (f"tp={layout.tp} cp={layout.cp} pp={layout.pp} dp_shard={layout.dp_shard} "
             f"dp_replicate={layout.dp_replicate}")  # fmt: skip
+    text += f" ep={layout.ep}" if layout.ep > 1 else ""
     return text + (f" ({layout.pp_schedule})" if layout.pp > 1 else "")
 
 
@@ -354,8 +400,11 @@ def format_layout_plan(name: str, seq_len: int, p: LayoutPlan) -> list[str]:
         f"{m.activations_gb:.2f}: {m.total_gb:.1f} at the peak, of {p.usable_gb:.1f} usable: "
         + ("fits" if p.fits else "does NOT fit"),
         f"{'':<14} bubble {p.bubble:.1%}; per step per GPU: TP {c.tp_gb:.1f} GB, CP "
-        f"{c.cp_gb:.1f} GB, FSDP {c.fsdp_gb:.1f} GB, PP {c.pp_gb:.2f} GB; step ~{p.step_seconds:.2f}"
-        f" s ({hidden:.1%} bubble and unhidden TP/CP traffic)",
+        f"{c.cp_gb:.1f} GB, FSDP {c.fsdp_gb:.1f} GB, PP {c.pp_gb:.2f} GB"
+        + (f", EP {c.ep_gb:.1f} GB" if c.ep_gb else "")
+        + f"; step ~{p.step_seconds:.2f} s ({hidden:.1%} bubble and unhidden "
+        + ("TP/CP/EP" if c.ep_gb else "TP/CP")
+        + " traffic)",
     ]
 
 

@@ -3,7 +3,8 @@
 `memory(shape, layout)` takes the step's `Shape` (the model, one micro-batch, the precision, the
 optimizer, checkpointing) and a ``parallel.config.Layout``. The terms of each parallel dimension
 live beside the code that implements it: ``parallel/tp.py`` (the tied embedding's backward
-buffers, TP traffic), ``parallel/cp.py`` (the gathered K/V, CP traffic), ``parallel/pp.py``
+buffers, TP traffic), ``parallel/cp.py`` (the gathered K/V, CP traffic), ``parallel/ep.py``
+(the experts per rank, the dispatched rows, the all-to-all traffic), ``parallel/pp.py``
 (the fullest stage, the final save, PP traffic, the bubble); FSDP2's sharding is here. Each term
 is checked against the trainer by measurement (tests/tasks/pretrain/test_planner_terms.py,
 test_planner_parallel_memory.py, tests/flows/test_preflight_memory.py) and the parameters per
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from llmflow.model.config import ModelConfig
 from llmflow.tasks.framework.errors import BadInputError
 from llmflow.tasks.pretrain.parallel import cp as parallel_cp
+from llmflow.tasks.pretrain.parallel import ep as parallel_ep
 from llmflow.tasks.pretrain.parallel import pp as parallel_pp
 from llmflow.tasks.pretrain.parallel import tp as parallel_tp
 from llmflow.tasks.pretrain.parallel.config import Layout
@@ -122,6 +124,7 @@ def activation_bytes_per_token(
     activation_checkpointing: bool | str,
     every_k: int = 2,
     tp: int = 1,
+    ep: int = 1,
 ) -> float:
     """Bytes kept for the backward pass per token of one micro-batch (loss buffers aside).
 
@@ -134,7 +137,7 @@ def activation_bytes_per_token(
     do not grow with the tokens (`loss_buffer_bytes`).
     """
     c = cfg.hidden_size
-    per_block = block_activation_bytes(cfg, activation_bytes, tp)
+    per_block = block_activation_bytes(cfg, activation_bytes, tp, ep)
     recomputed = checkpointed_blocks(cfg, activation_checkpointing, every_k)
     blocks = (cfg.num_layers - recomputed) * per_block
     if recomputed:
@@ -147,7 +150,9 @@ FLOAT32 = 4
 logsumexp)."""
 
 
-def block_activation_bytes(cfg: ModelConfig, activation_bytes: int, tp: int = 1) -> float:
+def block_activation_bytes(
+    cfg: ModelConfig, activation_bytes: int, tp: int = 1, ep: int = 1
+) -> float:
     """What one block keeps for its backward pass, per token, at tensor-parallel degree ``tp``
     with sequence parallelism.
 
@@ -187,10 +192,18 @@ def block_activation_bytes(cfg: ModelConfig, activation_bytes: int, tp: int = 1)
     Megatron, which saves the sharded input and gathers it again in the backward pass (its
     34/t), autograd keeps the gathered tensor. Hence
     ``2h + (6h + 2kv + 4I)/t`` elements and ``(a + 2)/t`` floats per token.
+
+    A mixture of experts (averaged over the layers, the sparse share of them): a sparse layer's
+    routed rows and top-k expert widths (``ep.dispatch_bytes``) replace the dense ``4I``.
     """
     c, kv = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim
     elements = 2 * c + (6 * c + 2 * kv + 4 * cfg.intermediate_size) / tp
-    return elements * activation_bytes + (cfg.num_heads + 2) * FLOAT32 / tp
+    dense = elements * activation_bytes + (cfg.num_heads + 2) * FLOAT32 / tp
+    if not cfg.num_experts:
+        return dense
+    sparse = sum(cfg.is_sparse(i) for i in range(cfg.num_layers)) / cfg.num_layers
+    moe = parallel_ep.dispatch_bytes(cfg, 1, activation_bytes, ep)
+    return dense + sparse * (moe - 4 * cfg.intermediate_size / tp * activation_bytes)
 
 
 def loss_buffer_bytes(cfg: ModelConfig, tokens: int, tp: int = 1) -> float:
@@ -324,6 +337,9 @@ def memory(shape: Shape, layout: Layout) -> MemoryEstimate:
     shards = layout.dp_shard * cp if shape.fsdp else 1
     per_block, root, blocks = _stage_parts(cfg, pp)
     params = (blocks * per_block + root) / tp
+    if layout.ep > 1:  # EP: each rank holds E/ep experts (ep.py), FSDP2 shards them further
+        params = parameters_per_rank(cfg, layout, shape.fsdp) * shards
+        per_block -= parallel_ep.expert_parameters(cfg) / cfg.num_layers * (1 - 1 / layout.ep)
     state_floats = _optimizer_state_floats(cfg, params, blocks / tp, shape.optimizer)
     p = shape.param_dtype_bytes
     # NOTE: the parameters are float32 at any precision (they are the master weights), so are
@@ -333,7 +349,8 @@ def memory(shape: Shape, layout: Layout) -> MemoryEstimate:
     reducing = casts = 0.0
     if shape.fsdp and shards > 1:
         # NOTE: FSDP2 keeps the root unit (embedding, output projection, final norm) gathered
-        # from forward to backward, and its gradient is whole until reduce-scattered.
+        # from forward to backward, and its gradient is whole until reduce-scattered. Under EP
+        # a gathered block holds its E/ep experts.
         weights += (2 * per_block + root) / tp * p
         gradients += root / tp * p
         reducing = (per_block + root / shards) / tp * p
@@ -346,7 +363,7 @@ def memory(shape: Shape, layout: Layout) -> MemoryEstimate:
         activation_bytes=p, tp=tp, cp=cp, packed=shape.packed, device_type=shape.device_type,
     )  # fmt: skip
     activations = _stage_activations(shape, layout, tokens, extra)
-    first_block = tokens * block_activation_bytes(cfg, p, tp) + extra.per_layer
+    first_block = tokens * block_activation_bytes(cfg, p, tp, layout.ep) + extra.per_layer
     backward_end = gradients + reducing + first_block
     backward_end += parallel_tp.embedding_backward_bytes(
         cfg, tp, p if shards > 1 else FLOAT32, shape.device_type
@@ -383,10 +400,18 @@ def _stage_parts(cfg: ModelConfig, pp: int) -> tuple[float, float, int]:
 
 def parameters_per_rank(cfg: ModelConfig, layout: Layout, fsdp: bool = True) -> float:
     """Parameters one rank holds between steps (its FSDP2 shard of its TP slice of its
-    pipeline stage): what the weights, gradients and optimizer states are counted on."""
+    pipeline stage): what the weights, gradients and optimizer states are counted on. Under
+    EP the experts are its E/ep of them (``ep.expert_parameters``), FSDP2-sharded over the
+    rest of ``dp_shard``."""
     per_block, root, blocks = _stage_parts(cfg, layout.pp)
     shards = layout.dp_shard * layout.cp if fsdp else 1
-    return (blocks * per_block + root) / layout.tp / shards
+    if layout.ep == 1:
+        return (blocks * per_block + root) / layout.tp / shards
+    layers = range(blocks)  # NOTE: EP runs without PP (support.py): every layer
+    experts = parallel_ep.expert_parameters(cfg, layers=layers)
+    expert_shards = layout.dp_shard_mod_ep * layout.cp if fsdp else 1
+    mine = parallel_ep.expert_parameters(cfg, layout.ep, expert_shards, layers)
+    return ((blocks * per_block + root - experts) / shards + mine) / layout.tp
 
 
 def _optimizer_state_floats(cfg: ModelConfig, params: float, blocks: float, optimizer: str):
@@ -464,7 +489,7 @@ def _stage_activations(
     ac, every_k = shape.activation_checkpointing, shape.every_k
     recomputed = checkpointed_blocks(cfg, ac, every_k)
     kept_layers = cfg.num_layers - recomputed + (1 if recomputed else 0)
-    whole = tokens * activation_bytes_per_token(cfg, p, ac, every_k, tp)
+    whole = tokens * activation_bytes_per_token(cfg, p, ac, every_k, tp, layout.ep)
     whole += kept_layers * extra.per_layer
     loss = loss_buffer_bytes(cfg, int(tokens), tp) + extra.once
     if layout.pp == 1:

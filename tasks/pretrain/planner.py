@@ -67,9 +67,11 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
     The input embedding is a lookup, not a matmul, so it is left out of N; the few norm weights
     stay in, as in nanoGPT's MFU estimate. The attention term
-    counts QK^T and AV over the full T×T square, as PaLM's MFU convention does.
+    counts QK^T and AV over the full T×T square, as PaLM's MFU convention does. A mixture of
+    experts counts the parameters a token goes through (``active_parameters``: its top-k
+    experts, not all of them).
     """
-    matmul_params = cfg.num_parameters(non_embedding=True) + cfg.vocab_size * cfg.hidden_size
+    matmul_params = cfg.active_parameters(non_embedding=True) + cfg.vocab_size * cfg.hidden_size
     attention = 12 * cfg.num_layers * cfg.num_heads * cfg.head_dim * seq_len
     return 6 * matmul_params + attention
 

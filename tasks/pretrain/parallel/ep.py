@@ -200,25 +200,33 @@ def expert_parameters(
     return _sparse_layers(model, layers) * per_layer / (ep * fsdp)
 
 
-def dispatch_bytes(model: ModelConfig, tokens: int, dtype_bytes: int) -> float:
-    """Activation bytes one sparse layer keeps for the backward for ``tokens`` tokens of this
-    rank (under EP the rows a rank receives average its own ``N x k``): the ``N x k``
-    dispatched rows of width C (gathered, received, regrouped: 3 copies), the experts'
-    ``2I`` gate/up output and the ``I``-wide SwiGLU product, and the ``N x k`` outputs of width
-    C sent back and combined (2 copies)."""
+def dispatch_bytes(model: ModelConfig, tokens: float, dtype_bytes: int, ep: int = 1) -> float:
+    """Activation bytes one sparse layer keeps for the backward pass for ``tokens`` tokens of
+    this rank (under EP a rank receives, on average, as many rows as it sends): per
+    (token, choice) row, ``N x k`` of them, the dispatched row of width C (the grouped matmul's
+    input), the experts' ``2I`` gate/up output, silu(gate) and its product with up (``I``
+    each), the expert output (C) the routing weight multiplies; under EP the received rows
+    (C) too. Per token beside them: the router's float32 logits and scores (E each) and the
+    shared experts' SwiGLU (``4 x n_shared x I``). Replaces a dense layer's ``4 x
+    intermediate_size`` in ``memory_model.block_activation_bytes``."""
     if not model.num_experts:
         return 0.0
-    rows = tokens * model.num_experts_per_tok
-    width = 5 * model.hidden_size + 3 * model.expert_size
-    return float(rows * width * dtype_bytes)
+    c, width = model.hidden_size, model.expert_size
+    row = (2 + (ep > 1)) * c + 4 * width
+    per_token = model.num_experts_per_tok * row + 4 * model.n_shared_experts * width
+    return tokens * (per_token * dtype_bytes + 2 * model.num_experts * 4)
 
 
-def traffic_bytes(model: ModelConfig, tokens: int, ep: int, dtype_bytes: int) -> float:
-    """All-to-all bytes one rank sends per step for ``tokens`` tokens: per sparse layer the
-    ``N x k`` rows of width C to their experts and back (forward), and their gradients both ways
-    (backward); the share ``(ep - 1) / ep`` leaves the rank (balanced routing)."""
+def traffic_bytes(
+    model: ModelConfig, tokens: float, ep: int, dtype_bytes: int, recomputed: float = 0.0
+) -> float:
+    """All-to-all bytes one rank sends per step for ``tokens`` tokens (all its micro-batches):
+    per sparse layer the ``N x k`` rows of width C to their experts and back (forward: 2
+    all-to-alls), their gradients both ways (backward: 2), the forward's again for the
+    ``recomputed`` share of layers; the share ``(ep - 1) / ep`` leaves the rank (balanced
+    routing)."""
     if ep <= 1 or not model.num_experts:
         return 0.0
     rows = tokens * model.num_experts_per_tok
-    per_layer = 4 * rows * model.hidden_size * dtype_bytes * (ep - 1) / ep
+    per_layer = (4 + 2 * recomputed) * rows * model.hidden_size * dtype_bytes * (ep - 1) / ep
     return _sparse_layers(model) * per_layer
