@@ -32,8 +32,8 @@ ALL_LAYOUTS = ({"tp": 2, "dp_shard": 2}, {"cp": 2, "dp_shard": 1}, {"pp": 2, "dp
 
 
 def rehearsal_layouts(config, mode: str) -> list[dict]:
-    """The layouts to rehearse: ``plan`` those of the recipe's stage plans that use model
-    parallelism, scaled to degree 2; ``all`` each of TP, CP, PP; ``none`` none."""
+    """The layouts to rehearse: ``plan`` those of the recipe's stage plans that use model or
+    expert parallelism, scaled to degree 2; ``all`` each of TP, CP, PP; ``none`` none."""
     if mode == "none":
         return []
     if mode == "all":
@@ -45,10 +45,12 @@ def rehearsal_layouts(config, mode: str) -> list[dict]:
         layout = plan.layout
         degrees = {k: min(getattr(layout, k), 2) for k in ("tp", "cp", "pp")}
         degrees = {k: v for k, v in degrees.items() if v > 1}
+        if layout.ep > 1:  # EP is carved from dp_shard: ep=2 of dp_shard=2
+            degrees["ep"] = 2
         if not degrees:
             continue
-        model_ranks = 2 ** len(degrees)
-        degrees["dp_shard"] = 2 if model_ranks * 2 <= MAX_PROCESSES else 1
+        model_ranks = 2 ** len([k for k in degrees if k != "ep"])
+        degrees["dp_shard"] = 2 if model_ranks * 2 <= MAX_PROCESSES or "ep" in degrees else 1
         if layout.pp > 1:
             degrees["pp_schedule"] = layout.pp_schedule
         if degrees not in found:
