@@ -133,6 +133,15 @@ def _check_model(layout: Layout, model: ModelConfig, field: str) -> None:
                 f"{field}.ep={layout.ep} does not divide the model's "
                 f"num_experts={model.num_experts}"
             )
+    if layout.tp > 1 and model.num_experts:
+        # NOTE: tp.apply_tp plans the dense MLP's projections; a sparse layer's router and
+        # 3-D experts under sequence parallelism are not planned (torchtitan shards them with
+        # expert-tensor parallelism, which we do not have).
+        raise ConfigError(
+            f"{field}.tp={layout.tp} with model.num_experts={model.num_experts}: tensor "
+            "parallelism does not shard mixture-of-experts layers yet; use tp 1 (and ep for "
+            "the experts)"
+        )
     if layout.tp > 1:
         for name in ("num_heads", "num_kv_heads", "intermediate_size", "vocab_size"):
             size = getattr(model, name)

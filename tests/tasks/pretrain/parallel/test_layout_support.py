@@ -38,6 +38,12 @@ CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
         (Layout(tp=2), {"intermediate_size": 67}, {}, ["tp=2", "intermediate_size=67"]),
         (Layout(tp=2), {"vocab_size": 129}, {}, ["tp=2", "vocab_size=129"]),
         (Layout(pp=4), {"num_layers": 2}, {}, ["pp=4 exceeds", "num_layers=2"]),
+        (
+            Layout(tp=2),
+            {"num_experts": 4, "hf_model_type": "mixtral"},
+            {},
+            ["parallel.tp=2 with model.num_experts=4", "use tp 1"],
+        ),
         (Layout(tp=2, pp=2), {}, {}, ["parallel.tp=2 with pp=2", "tie_embeddings=true"]),
         (
             Layout(cp=2),
@@ -162,7 +168,10 @@ VARIANTS = ({}, {"model": {"overrides": {"qk_norm": True}}}, {"compile": True})
 
 def _variant(config, optimizer: str, changes: dict):
     """The recipe with another optimizer, QK-norm or compile (the trainer config only: a recipe
-    whose own layout refuses it must still reach the planner, which names the field)."""
+    whose own layout refuses it must still reach the planner, which names the field). QK-norm
+    on a Mixtral-layout mixture of experts is Qwen3-MoE's layout."""
+    if changes.get("model") and config.pretrain.train.model_config_obj().hf_model_type == "mixtral":
+        changes = {"model": {"overrides": {"qk_norm": True, "hf_model_type": "qwen3_moe"}}}
     train = config.pretrain.train.replaced(optimizer={"name": optimizer}, **changes)
     return config.pretrain.model_copy(update={"train": train})
 
@@ -226,6 +235,8 @@ STEPS, GRAD_ACCUM, GLOBAL_ROWS = 3, 2, 4
 """A step is ``GRAD_ACCUM`` micro-batches of ``GLOBAL_ROWS`` rows over the data-parallel ranks:
 the same rows in every layout, so each loss is one process's."""
 LOSS_TOLERANCE = 1e-4
+MOE_MODEL = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+             "router_bias_update_rate": 0.01}  # fmt: skip
 DEADLINE_S = {1: 120, 2: 240, 4: 360}
 
 
@@ -240,6 +251,9 @@ class Combination:
     compile: bool = False
     tied: bool = True
     """Tied embeddings (the tiny model's); untied only where the rule tells them apart."""
+    moe: bool = False
+    """A mixture of experts in every layer (4 experts, 2 per token), with the aux-free bias (no
+    auxiliary loss: a function of each micro-batch's rows, which layouts split differently)."""
 
     @property
     def parallel(self) -> dict:
@@ -257,7 +271,7 @@ class Combination:
     def name(self) -> str:
         parts = [f"{k}{v}" for k, v in self.parallel.items() if v > 1]
         parts += [self.optimizer] + ["qk_norm"] * self.qk_norm + ["compile"] * self.compile
-        return "-".join(parts + ["untied"] * (not self.tied))
+        return "-".join(parts + ["untied"] * (not self.tied) + ["moe"] * self.moe)
 
     def layout(self) -> Layout:
         return ParallelConfig(**self.parallel).resolve(self.world_size)
@@ -279,10 +293,15 @@ class Combination:
 
     @property
     def model_changes(self) -> dict:
-        return {"qk_norm": self.qk_norm, "tie_embeddings": self.tied}
+        changes = {"qk_norm": self.qk_norm, "tie_embeddings": self.tied}
+        if self.moe:
+            changes.update(MOE_MODEL, hf_model_type="qwen3_moe" if self.qk_norm else "mixtral")
+        return changes
 
     def reference(self) -> Combination:
-        return Combination(optimizer=self.optimizer, qk_norm=self.qk_norm, tied=self.tied)
+        return Combination(
+            optimizer=self.optimizer, qk_norm=self.qk_norm, tied=self.tied, moe=self.moe
+        )
 
 
 @functools.cache
@@ -301,12 +320,19 @@ def accepted_combinations() -> list[Combination]:
     """Each (tp, cp, pp, dp_replicate, optimizer, qk_norm, compile) at world size <= 4 that
     ``check_layout`` accepts for the tiny model; TP with PP untied (tied, it is refused)."""
     found = []
-    for tp, cp, pp, replicas, optimizer, qk_norm, compiled in itertools.product(
-        (1, 2), (1, 2), (1, 2), (1, 2), ("adamw", "muon"), (False, True), (False, True)
+    for tp, cp, pp, replicas, optimizer, qk_norm, compiled, moe in itertools.product(
+        (1, 2),
+        (1, 2),
+        (1, 2),
+        (1, 2),
+        ("adamw", "muon"),
+        (False, True),
+        (False, True),
+        (False, True),
     ):
         tied = not (tp > 1 and pp > 1)
-        combo = Combination(tp, cp, pp, replicas, optimizer, qk_norm, compiled, tied)
-        if combo.world_size > 4:
+        combo = Combination(tp, cp, pp, replicas, optimizer, qk_norm, compiled, tied, moe)
+        if combo.world_size > 4 or moe and (qk_norm or compiled):
             continue
         model = preset("debug", **{**_helpers().TINY_MODEL, **combo.model_changes})
         try:
