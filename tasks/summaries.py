@@ -77,3 +77,12 @@ class ModelSize(Summary):
     """The export and external-model steps' metrics: the model's parameter count."""
 
     num_parameters: int | None = None
+
+
+class MoeModelSize(ModelSize):
+    """``ModelSize`` of a mixture of experts, which also records the parameters one token goes
+    through (``ModelConfig.active_parameters``). Written only for a model with experts, so a dense
+    model's record (and its output's bytes) is as before; the card reads every record through it
+    (a dense record reads ``active_parameters`` None)."""
+
+    active_parameters: int | None = None

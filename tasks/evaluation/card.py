@@ -272,13 +272,16 @@ def _brief(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def compute_line(facts: dict[str, Any]) -> str:
     """Training FLOPs (6·N·D) and device-hours from the trainer's tokens and throughput."""
     stages, params = facts["stages"], facts["parameters"]
+    active = facts.get("active_parameters")  # a mixture of experts only
     tokens = sum(s["tokens"] or 0 for s in stages)
     hours = [s["device-hours"] for s in stages if s["device-hours"] is not None]
-    flops = f"{6 * params * tokens:.3e}" if params and tokens else NOT_RECORDED
+    flops = f"{6 * (active or params) * tokens:.3e}" if params and tokens else NOT_RECORDED
     device_hours = f"{sum(hours):.4f}" if hours else NOT_RECORDED
+    shown = f"{params} ({active} active per token: a mixture of experts)" if active else params
+    n = "N" if not active else "N the active parameters"
     return (
-        f"- parameters: {params or NOT_RECORDED}\n- pretraining tokens: {tokens or NOT_RECORDED}\n"
-        f"- training FLOPs (6·N·D estimate): {flops}\n"
+        f"- parameters: {shown or NOT_RECORDED}\n- pretraining tokens: {tokens or NOT_RECORDED}\n"
+        f"- training FLOPs (6·{n}·D estimate): {flops}\n"
         f"- device-hours (pretraining, from tokens/s and world size): {device_hours}"
     )
 
@@ -388,9 +391,11 @@ def classifier_line(classifier: dict[str, Any] | None) -> str:
 
 
 def limitations_section(cfg: CardConfig, facts: dict[str, Any]) -> str:
-    params = facts["parameters"]
+    params, active = facts["parameters"], facts.get("active_parameters")
     tokens = sum(s["tokens"] or 0 for s in facts["stages"])
     size = f"{params / 1e6:,.1f}M parameters" if params else f"{NOT_RECORDED} parameters"
+    if params and active:  # a mixture of experts
+        size += f" ({active / 1e6:,.1f}M active per token)"
     data = f"{tokens:,} pretraining tokens" if tokens else "pretraining tokens not recorded"
     if facts.get("external"):  # llmflow's tokens come on top of the base's, unknown here
         ours = f"{tokens:,} tokens of continued pretraining" if tokens else "no llmflow pretraining"

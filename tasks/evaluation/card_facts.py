@@ -13,7 +13,7 @@ from llmflow.tasks.decontam.lineage import read_json, upstream_records
 from llmflow.tasks.evaluation.external import STEP_NAME as EXTERNAL_STEP
 from llmflow.tasks.framework.s3config import filesystem
 from llmflow.tasks.pretrain.alerts import EVENTS
-from llmflow.tasks.summaries import CurationReport, ModelSize, PretrainSummary
+from llmflow.tasks.summaries import CurationReport, MoeModelSize, PretrainSummary
 
 IMPORT_STEP = "import-model"  # tasks/ingest/import_model.py (the recipe's init)
 NOT_RECORDED = "not recorded"
@@ -60,11 +60,22 @@ def training_facts(model: Path) -> dict[str, Any]:
             for s in ("sft", "dpo", "grpo")
             for _, r in by_step.get(s, [])
         ],
-        "parameters": ModelSize.read(_metrics_of(by_step, "export")).num_parameters
-        or ModelSize.read(_metrics_of(by_step, EXTERNAL_STEP)).num_parameters,
+        **model_size(by_step),
         "base_model": external_source(model) or base_model(model),
         "external": external_source(model),
     }
+
+
+def model_size(by_step: dict) -> dict[str, int | None]:
+    """``parameters`` (the export's count, else the external model's); for a mixture of experts
+    also ``active_parameters`` (those one token goes through), a key a dense model's facts do not
+    have."""
+    sizes = [MoeModelSize.read(_metrics_of(by_step, name)) for name in ("export", EXTERNAL_STEP)]
+    size = next((s for s in sizes if s.num_parameters), sizes[-1])
+    facts: dict[str, int | None] = {"parameters": size.num_parameters}
+    if size.num_parameters and getattr(size, "active_parameters", None):
+        facts["active_parameters"] = size.active_parameters
+    return facts
 
 
 def posttrain_contamination(by_step: dict[str, list[tuple[str, dict]]]) -> list[dict[str, Any]]:

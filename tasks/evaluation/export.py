@@ -13,7 +13,7 @@ from llmflow.model.config import ModelConfig
 from llmflow.model.hf import export_hf
 from llmflow.tasks.evaluation.models import hf_dir, write_progress
 from llmflow.tasks.framework.step import Metrics, step
-from llmflow.tasks.summaries import ModelSize
+from llmflow.tasks.summaries import ModelSize, MoeModelSize
 
 
 class ExportConfig(BaseModel):
@@ -45,11 +45,12 @@ def export(cfg: ExportConfig, checkpoint: Path, tokenizer: Path, out: Path) -> M
     tokens_seen = summary.get("total_tokens_seen", summary.get("tokens_seen"))
     train_step = summary.get("step", summary.get("steps"))
     write_progress(out, tokens_seen, train_step)
-    return ModelSize.written(
-        {
-            "label": cfg.label,
-            "tokens_seen": tokens_seen,
-            "step": train_step,
-            "num_parameters": model_cfg.num_parameters(),
-        }
-    )
+    size = {
+        "label": cfg.label,
+        "tokens_seen": tokens_seen,
+        "step": train_step,
+        "num_parameters": model_cfg.num_parameters(),
+    }
+    if model_cfg.num_experts:  # a mixture of experts: also what one token goes through
+        return MoeModelSize.written({**size, "active_parameters": model_cfg.active_parameters()})
+    return ModelSize.written(size)

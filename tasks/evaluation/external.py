@@ -29,7 +29,7 @@ from llmflow.tasks.framework.errors import BadInputError
 from llmflow.tasks.framework.hashing import UNVERSIONED
 from llmflow.tasks.framework.step import Metrics, RawFiles, step
 from llmflow.tasks.ingest import models
-from llmflow.tasks.summaries import ModelSize
+from llmflow.tasks.summaries import ModelSize, MoeModelSize
 
 SOURCE_FILE = "source.json"
 STEP_NAME = "external-model"
@@ -152,14 +152,30 @@ def external_model(cfg: ExternalModelConfig, out: Path, files: RawFiles | None =
     record = cfg.model_dump(mode="json", exclude={"source"})
     (out / SOURCE_FILE).write_text(json.dumps(record, indent=1) + "\n")
     write_progress(out, tokens_seen=None, step=None)
-    return ModelSize.written(
-        {
-            "source": cfg.pinned,
-            "architecture": (config.get("architectures") or [config.get("model_type")])[0],
-            "num_parameters": num_parameters(folder),
-            "num_files": sum(1 for p in folder.rglob("*") if p.is_file()),
-        }
-    )
+    size = {
+        "source": cfg.pinned,
+        "architecture": (config.get("architectures") or [config.get("model_type")])[0],
+        "num_parameters": num_parameters(folder),
+        "num_files": sum(1 for p in folder.rglob("*") if p.is_file()),
+    }
+    active = active_parameters(config)
+    if active is not None:  # a mixture of experts: also what one token goes through
+        return MoeModelSize.written({**size, "active_parameters": active})
+    return ModelSize.written(size)
+
+
+def active_parameters(config: dict) -> int | None:
+    """Parameters one token goes through, for a mixture of experts whose ``config.json`` maps
+    onto ``ModelConfig`` (Qwen3-MoE, Mixtral); None for a dense model or one that does not map."""
+    from llmflow.model.hf_arch import MOE_FIELDS, config_from_hf
+
+    if not any(isinstance(config.get(name), int) and config[name] > 1 for name in MOE_FIELDS):
+        return None
+    try:
+        model = config_from_hf(config)
+    except (BadInputError, ValueError):
+        return None
+    return model.active_parameters() if model.num_experts else None
 
 
 def num_parameters(folder: Path) -> int | None:

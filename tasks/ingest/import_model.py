@@ -154,13 +154,16 @@ def import_model(cfg: ImportModelConfig, out: Path, files: RawFiles | None = Non
     (final / COMPLETE).write_text("")
     copy_tokenizer(folder, out / "tokenizer")
     dtype = str(next(iter(state_dict.values())).dtype).removeprefix("torch.")
-    return {
+    metrics = {
         "source": source.name,
         "architecture": model_cfg.hf_model_type,
         "num_parameters": model_cfg.num_parameters(),
         "vocab_size": model_cfg.vocab_size,
         "dtype": dtype,
     }
+    if model_cfg.num_experts:  # a mixture of experts: also what one token goes through
+        metrics["active_parameters"] = model_cfg.active_parameters()
+    return metrics
 
 
 def copy_tokenizer(folder: Path, out: Path) -> None:

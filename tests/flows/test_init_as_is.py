@@ -1,6 +1,6 @@
 """``init`` with ``pretrain.stages: []``: the pinned model is post-trained, merged, evaluated and
-carded as transformers loads it, not through our importer (which has no mixture-of-experts or
-sliding-window attention). Tiny random ``Qwen3MoeForCausalLM`` and ``MistralForCausalLM`` in a
+carded as transformers loads it, not through our importer (which has no sliding-window attention;
+a Qwen3-MoE it imports when a stage trains it). Tiny random ``Qwen3MoeForCausalLM`` and ``MistralForCausalLM`` in a
 Hub-layout mirror (``tests/flows/foreign_models.py``)."""
 
 from __future__ import annotations
@@ -64,11 +64,24 @@ def test_without_stages_the_pinned_folder_feeds_posttraining_evaluation_merge_an
     assert tokenizer.inputs["model"] is base
 
 
-def test_with_a_stage_an_moe_init_is_refused_before_anything_is_written(mirror, tmp_path):
+def test_with_a_stage_an_moe_init_is_imported_and_pretrained(mirror, tmp_path):
+    """Qwen3-MoE imports (tests/model/test_hf_moe.py trains one); Mistral is refused before
+    anything is written."""
     save_foreign_model(mirror, "acme/tiny-moe", "qwen3-moe", COMMIT)
     root = tmp_path / "runs"
     overrides = [o for o in _overrides(root, "acme/tiny-moe") if o != "pretrain.stages=[]"]
-    with pytest.raises(BadInputError, match=r"experts=4: mixture-of-experts"):
+    graph = recipe(load_config(CONFIG, overrides))
+    (stage,) = graph.find(step="pretrain")
+    assert stage.inputs["init"] is graph.find(step="import-model")[0]
+    model = stage.config.train.model_config_obj()
+    assert (model.hf_model_type, model.num_experts, model.num_experts_per_tok) == (
+        "qwen3_moe",
+        4,
+        2,
+    )
+    save_foreign_model(mirror, "acme/tiny-mistral", "mistral", COMMIT)
+    overrides = [o for o in _overrides(root, "acme/tiny-mistral") if o != "pretrain.stages=[]"]
+    with pytest.raises(BadInputError, match=r"MistralForCausalLM'\] is not supported"):
         recipe(load_config(CONFIG, overrides))
     assert not root.exists()
 

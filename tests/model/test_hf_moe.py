@@ -23,6 +23,7 @@ most 1.11 times).
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -414,3 +415,140 @@ def test_dense_configs_are_unchanged_by_the_moe_keys():
     """A dense model's config.json has no mixture-of-experts key (its export is as before)."""
     config = hf_config(ModelConfig(hf_model_type="qwen3", qk_norm=True))
     assert not {"num_experts", "num_local_experts", "moe_intermediate_size"} & set(config)
+
+
+# ----------------------------------------------------------------------------- model card
+def _exported_size(tmp_path, cfg: ModelConfig) -> dict:
+    """The export step's metrics for a trainer checkpoint of `cfg` (run as the step runs it)."""
+    from llmflow.model.hf import save_model
+    from llmflow.tasks.evaluation.export import ExportConfig, export
+    from tests.flows.tiny_llama import build_tokenizer
+
+    checkpoint, tokenizer, out = (tmp_path / n for n in ("ckpt", "tok", "out"))
+    save_model(Transformer(cfg), cfg, checkpoint / "final")
+    (checkpoint / "summary.json").write_text(json.dumps({"steps": 10, "tokens_seen": 1000}))
+    build_tokenizer(cfg.vocab_size).save_pretrained(tokenizer)
+    out.mkdir()
+    return export.fn(ExportConfig(label="base"), checkpoint, tokenizer, out)
+
+
+def test_the_card_states_total_and_active_parameters_of_a_mixture_only(tmp_path):
+    from llmflow.tasks.evaluation.card import CardConfig, compute_line, limitations_section
+    from llmflow.tasks.evaluation.card_facts import model_size
+
+    moe = preset("moe-debug", vocab_size=384, num_layers=2, router_bias_update_rate=0.0,
+                 hf_model_type="qwen3_moe", qk_norm=True)  # fmt: skip
+    dense = preset("debug", vocab_size=384, num_layers=2)
+    stages = [{"tokens": 1000, "device-hours": None}]
+    lines = {}
+    for name, cfg in (("moe", moe), ("dense", dense)):
+        metrics = _exported_size(tmp_path / name, cfg)
+        assert metrics["num_parameters"] == cfg.num_parameters()
+        facts = {**model_size({"export": [("uri", {"metrics": metrics})]}), "stages": stages}
+        lines[name] = compute_line(facts), limitations_section(CardConfig(model_name="m"), facts)
+        if name == "dense":  # the dense record and facts are as before: no new key
+            assert "active_parameters" not in metrics and "active_parameters" not in facts
+            assert facts["parameters"] == cfg.num_parameters()
+            continue
+        assert metrics["active_parameters"] == cfg.active_parameters() < cfg.num_parameters()
+        assert facts["active_parameters"] == cfg.active_parameters()
+    compute, limits = lines["moe"]
+    assert f"{moe.num_parameters()} ({moe.active_parameters()} active per token" in compute
+    assert f"{6 * moe.active_parameters() * 1000:.3e}" in compute  # 6·N·D with N active
+    assert f"({moe.active_parameters() / 1e6:,.1f}M active per token)" in limits
+    assert "active" not in lines["dense"][0] + lines["dense"][1]
+    assert f"{6 * dense.num_parameters() * 1000:.3e}" in lines["dense"][0]
+
+
+def test_an_external_mixture_records_its_active_parameters(tmp_path):
+    """The external-model step reads them from config.json; a dense config gives none."""
+    from llmflow.tasks.evaluation.external import active_parameters
+
+    tiny_moe("qwen3_moe", tmp_path / "moe")
+    config = json.loads((tmp_path / "moe" / "config.json").read_text())
+    cfg = config_from_hf(config)
+    assert active_parameters(config) == cfg.active_parameters() < cfg.num_parameters()
+    assert active_parameters(hf_config(preset("debug"))) is None
+    assert active_parameters({**config, "router_jitter_noise": 0.5}) is None  # does not map
+
+
+# ----------------------------------------------------------------------------- continued pretraining
+def _transformers_loss(model, data_dir, batch_size: int, seed: int, batches: int = 1) -> float:
+    """transformers' token-mean loss on the trainer's first `batches` batches of a packed set:
+    each document of a row on its own (the trainer masks attention and restarts positions per
+    document), labels as the loader gives them (aligned: no shift; -100 ignored), as
+    tests/flows/test_init_model.py computes it for a dense model."""
+    import torch.nn.functional as F
+
+    from llmflow.tasks.dataprep.loader import PackedLoader
+
+    loader = PackedLoader(data_dir, batch_size, 0, 1, seed=seed)
+    total, count = torch.zeros((), dtype=torch.float64), 0
+    with torch.no_grad():
+        for _ in range(batches):
+            batch = loader.next_batch()
+            for row in range(batch["input_ids"].shape[0]):
+                starts = (batch["position_ids"][row] == 0).nonzero().flatten().tolist()
+                for a, b in zip(starts, [*starts[1:], batch["input_ids"].shape[1]], strict=True):
+                    logits = model(batch["input_ids"][row, a:b][None]).logits[0]
+                    labels = batch["labels"][row, a:b]
+                    total += F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
+                    count += int((labels != -100).sum())
+    return float(total / count)
+
+
+@pytest.mark.slow  # the recipe's data steps, 12 trainer steps and the export: about 50 s on CPU
+def test_continued_pretraining_of_an_imported_qwen3_moe(tmp_path, monkeypatch):
+    """`init=` a Hub Qwen3-MoE (tests/flows/foreign_models.py: 4 experts, 2 per token, tied):
+    the trainer's first loss is transformers' loss on the same batch, the held-out loss falls,
+    and the export is a Qwen3MoeForCausalLM with the trained weights' logits."""
+    from llmflow.flows.recipe import recipe
+    from llmflow.model.hf import load_model
+    from llmflow.tasks.config import load_config
+    from llmflow.tasks.framework.executor import Executor
+    from llmflow.tasks.ingest.hub import MIRROR_ENV
+    from tests.flows.foreign_models import save_foreign_model
+    from tests.flows.test_init_model import CONFIG, SMALL
+
+    monkeypatch.setenv(MIRROR_ENV, str(tmp_path / "mirror"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    source = save_foreign_model(tmp_path / "mirror", "acme/tiny-moe", "qwen3-moe", "c" * 40)
+    root = tmp_path / "runs"
+    graph = recipe(load_config(CONFIG, [f"root={root}", "init=hf://models/acme/tiny-moe", *SMALL]))
+    (stage,) = graph.find(step="pretrain")
+    model_cfg = stage.config.train.model_config_obj()
+    assert (model_cfg.hf_model_type, model_cfg.num_experts, model_cfg.num_experts_per_tok) == (
+        "qwen3_moe", 4, 2
+    )  # fmt: skip
+    (exported,) = graph.find(step="export")
+    outcome = Executor(str(root)).run(graph.closure([exported]))
+    run = Path(outcome[stage].uri)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    losses = {row["step"]: row["loss"] for row in rows if "loss" in row}
+
+    # Step 1 trains the imported weights: its loss is transformers' loss on the same batch (the
+    # logged loss is the cross-entropy; the router's auxiliary loss only adds gradient).
+    train = stage.config.train
+    data = Path(outcome[stage.inputs["data"]].uri)
+    theirs = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, **EAGER).eval()
+    reference = _transformers_loss(theirs, data, train.batch.micro_batch_size, train.seed)
+    assert losses[1] == pytest.approx(reference, abs=1e-4)
+
+    # The held-out loss (transformers' own forward on the validation set) falls.
+    held_out = Path(outcome[stage.inputs["validation"]].uri)
+    back = AutoModelForCausalLM.from_pretrained(outcome[exported].uri + "/hf", **EAGER).eval()
+    assert type(back) is Qwen3MoeForCausalLM
+    before = _transformers_loss(theirs, held_out, 4, 0, batches=4)
+    after = _transformers_loss(back, held_out, 4, 0, batches=4)
+    print(f"qwen3-moe init: step-1 loss {losses[1]:.4f}, transformers {reference:.4f}; step 12 "
+          f"{losses[12]:.4f} (|diff| at step 1 {abs(losses[1] - reference):.1e}); held-out loss "
+          f"{before:.4f} -> {after:.4f}")  # fmt: skip
+    assert after < before - 0.1
+
+    # The export is the trained checkpoint: transformers' logits are ours.
+    ours = load_model(run / "final").eval()
+    ids = torch.randint(
+        0, model_cfg.vocab_size, (2, 48), generator=torch.Generator().manual_seed(0)
+    )
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids).logits, ours(ids), atol=1e-4, rtol=0)
