@@ -42,7 +42,7 @@ def grouped_mm(x: Tensor, weight: Tensor, offsets: Tensor) -> Tensor:
         weight: (E, N, K), one matrix per group (transformers' and our experts' layout).
         offsets: (E,) int32 cumulative row counts; offsets[-1] == S.
     """
-    if HAS_GROUPED_MM and x.dtype in (torch.float32, torch.bfloat16):
+    if _has_grouped_mm(x.dtype):
         return torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets)
     return _grouped_mm_loop(x, weight, offsets)
 
@@ -105,22 +105,168 @@ class Router(nn.Module):
 
 class GroupedExperts(nn.Module):
     """`num_experts` SwiGLU experts held as 3-D weights (transformers' layout):
-    `gate_up_proj` (E, 2I, C) with rows [gate; up], `down_proj` (E, C, I)."""
+    `gate_up_proj` (E, 2I, C) with rows [gate; up], `down_proj` (E, C, I).
+
+    `use_loop`: None (default) runs one `mm` per expert on CPU, where it measured faster than
+    torch's CPU `_grouped_mm` (benchmarks/bench_moe.py, part d), and `torch._grouped_mm`
+    elsewhere; True or False forces one of the two.
+    """
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int):
         super().__init__()
         self.num_experts = num_experts
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.use_loop: bool | None = None
 
     def forward(self, x: Tensor, counts: Tensor) -> Tensor:
         """(S, C) rows sorted by expert, `counts` (E,) rows per expert -> (S, C)."""
-        offsets = counts.cumsum(0).to(torch.int32)
-        gate_up = _local(self.gate_up_proj).to(x.dtype)
-        down = _local(self.down_proj).to(x.dtype)
-        h = grouped_mm(x, gate_up, offsets)
-        gate, up = h.chunk(2, dim=-1)
-        return grouped_mm(F.silu(gate) * up, down, offsets)
+        dtype = _autocast_dtype(x) or x.dtype
+        loop = self.use_loop
+        if loop is None:
+            loop = x.device.type == "cpu" or not _has_grouped_mm(dtype)
+        elif not loop and not _has_grouped_mm(dtype):
+            raise ValueError(f"torch._grouped_mm is not available for {dtype}")
+        with torch.autocast(x.device.type, enabled=False):
+            return _ExpertsSwiGLU.apply(
+                x.to(dtype),
+                counts,
+                _local(self.gate_up_proj).to(dtype),
+                _local(self.down_proj).to(dtype),
+                loop,
+            )
+
+
+class _ExpertsSwiGLU(torch.autograd.Function):
+    """Every expert's `down(silu(x @ gate.T) * (x @ up.T))` over its rows, by hand.
+
+    As `transformer._SwiGLU`: gate and up are separate contiguous outputs (not strided halves
+    of one (S, 2I) output), and the per-expert path writes each expert's outputs and weight
+    gradients in place into one buffer (no `cat`).
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, counts: Tensor, gate_up: Tensor, down: Tensor, loop: bool):
+        inter = down.shape[2]
+        gate_w, up_w = gate_up[:, :inter], gate_up[:, inter:]  # (E, I, C) each
+        if loop:
+            bounds = _bounds(counts)
+            gate, up = _mm_per_expert(x, gate_w, bounds), _mm_per_expert(x, up_w, bounds)
+        else:
+            bounds, offsets = None, counts.cumsum(0).to(torch.int32)
+            gate, up = grouped_mm(x, gate_w, offsets), grouped_mm(x, up_w, offsets)
+        act = F.silu(gate)
+        h = act * up
+        out = _mm_per_expert(h, down, bounds) if loop else grouped_mm(h, down, offsets)
+        ctx.bounds, ctx.loop = bounds, loop
+        ctx.save_for_backward(x, gate_up, down, gate, up, act, h, None if loop else offsets)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: Tensor):
+        x, gate_up, down, gate, up, act, h, offsets = ctx.saved_tensors
+        grad, bounds, inter = grad.contiguous(), ctx.bounds, down.shape[2]
+        gate_w, up_w = gate_up[:, :inter], gate_up[:, inter:]
+        if ctx.loop:
+            grad_h = _mm_per_expert(grad, down.transpose(1, 2), bounds)
+            grad_down = _weight_grad_per_expert(grad, h, bounds, torch.empty_like(down))
+        else:
+            grad_h = grouped_mm(grad, down.transpose(1, 2), offsets)
+            grad_down = torch._grouped_mm(grad.t(), h, offs=offsets)
+        grad_gate = torch.ops.aten.silu_backward(grad_h * up, gate)
+        grad_up = grad_h.mul_(act)
+        if ctx.loop:
+            grad_x = _mm_per_expert(grad_gate, gate_w.transpose(1, 2), bounds)
+            for e, (a, b) in enumerate(bounds):
+                if b > a:
+                    grad_x[a:b].addmm_(grad_up[a:b], up_w[e])
+            grad_gate_up = torch.empty_like(gate_up)
+            _weight_grad_per_expert(grad_gate, x, bounds, grad_gate_up[:, :inter])
+            _weight_grad_per_expert(grad_up, x, bounds, grad_gate_up[:, inter:])
+        else:
+            grad_x = grouped_mm(grad_gate, gate_w.transpose(1, 2), offsets)
+            grad_x += grouped_mm(grad_up, up_w.transpose(1, 2), offsets)
+            grad_gate_up = torch.cat(
+                [
+                    torch._grouped_mm(grad_gate.t(), x, offs=offsets),
+                    torch._grouped_mm(grad_up.t(), x, offs=offsets),
+                ],
+                dim=1,
+            )
+        return grad_x, None, grad_gate_up, grad_down, None
+
+
+def _bounds(counts: Tensor) -> list[tuple[int, int]]:
+    """Each group's [start, stop) rows from the (E,) counts (one host sync)."""
+    ends = counts.cumsum(0).tolist()
+    return list(zip([0] + ends[:-1], ends, strict=True))
+
+
+def _mm_per_expert(x: Tensor, weight: Tensor, bounds: list[tuple[int, int]]) -> Tensor:
+    """`x[rows of e] @ weight[e].T` for every expert e, written in place into one (S, N)."""
+    out = x.new_empty(x.shape[0], weight.shape[1])
+    for e, (a, b) in enumerate(bounds):
+        if b > a:
+            torch.mm(x[a:b], weight[e].t(), out=out[a:b])
+    return out
+
+
+def _weight_grad_per_expert(
+    grad: Tensor, x: Tensor, bounds: list[tuple[int, int]], out: Tensor
+) -> Tensor:
+    """`out[e] = grad[rows of e].T @ x[rows of e]` (an expert without rows: zeros)."""
+    for e, (a, b) in enumerate(bounds):
+        if b > a:
+            torch.mm(grad[a:b].t(), x[a:b], out=out[e])
+        else:
+            out[e].zero_()
+    return out
+
+
+class _Dispatch(torch.autograd.Function):
+    """`tokens[source]`: each (token, choice) row, sorted by expert. The backward sums each
+    token's k row gradients by a gather through the inverse permutation and a sum over k
+    (deterministic; autograd's indexing backward is an accumulating scatter)."""
+
+    @staticmethod
+    def forward(ctx, tokens: Tensor, source: Tensor, inverse: Tensor, top_k: int) -> Tensor:
+        ctx.save_for_backward(inverse)
+        ctx.top_k = top_k
+        return tokens.index_select(0, source)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: Tensor):
+        (inverse,) = ctx.saved_tensors
+        pairs = grad.index_select(0, inverse)
+        return pairs.view(-1, ctx.top_k, grad.shape[-1]).sum(1), None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    """`y[t] = sum_j weights[t, j] * out[row of (t, j)]`: the experts' outputs (sorted by
+    expert) weighted back into token order, with no (N*k, C) weighted copy kept."""
+
+    @staticmethod
+    def forward(ctx, out: Tensor, weights: Tensor, order: Tensor, inverse: Tensor) -> Tensor:
+        num_tokens, top_k = weights.shape
+        pairs = out.index_select(0, inverse).view(num_tokens, top_k, out.shape[-1])
+        ctx.save_for_backward(out, weights, order)
+        return torch.bmm(weights.unsqueeze(1), pairs).squeeze(1)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: Tensor):
+        out, weights, order = ctx.saved_tensors
+        top_k = weights.shape[1]
+        rows = grad.index_select(0, order // top_k)  # each sorted row's token's gradient
+        grad_weights = None
+        if ctx.needs_input_grad[1]:
+            by_row = torch.bmm(rows.unsqueeze(1), out.unsqueeze(2)).view(-1)
+            grad_weights = torch.empty_like(by_row).index_copy_(0, order, by_row)
+            grad_weights = grad_weights.view_as(weights)
+        grad_out = rows.mul_(weights.reshape(-1)[order].unsqueeze(1))
+        return grad_out, grad_weights, None, None
 
 
 class MoE(nn.Module):
@@ -155,14 +301,14 @@ class MoE(nn.Module):
         flat = ids.reshape(-1)  # (N * k,)
         order = flat.argsort(stable=True)  # the (token, choice) pairs sorted by expert
         counts = torch.bincount(flat, minlength=self.num_experts)
-        rows = tokens[order // self.top_k]  # (N * k, C)
+        inverse = torch.empty_like(order)  # each pair's row in the sorted order
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        rows = _Dispatch.apply(tokens, order // self.top_k, inverse, self.top_k)  # (N * k, C)
         if self.dispatcher is not None:
             out = self.dispatcher(rows, counts, self.experts)
         else:
             out = self.experts(rows, counts)
-        unsorted = torch.empty_like(out).index_copy_(0, order, out)  # back to (token, choice)
-        combined = unsorted.view(-1, self.top_k, shape[-1]) * weights.unsqueeze(-1).to(out.dtype)
-        y = combined.sum(dim=1)
+        y = _Combine.apply(out, weights.to(out.dtype), order, inverse)  # (N, C)
         if self.shared_experts is not None:
             y = y + self.shared_experts(tokens)
         y = y.view(shape)
@@ -227,6 +373,15 @@ def update_expert_bias(moe: MoE, load: Tensor, rate: float) -> None:
     each expert got over the step (summed over the data-parallel ranks)."""
     load = load.to(moe.router.expert_bias)
     moe.router.expert_bias.add_(rate * torch.sign(load.mean() - load))
+
+
+def _has_grouped_mm(dtype: torch.dtype) -> bool:
+    return HAS_GROUPED_MM and dtype in (torch.float32, torch.bfloat16)
+
+
+def _autocast_dtype(x: Tensor) -> torch.dtype | None:
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
 
 
 def _local(weight: Tensor) -> Tensor:
