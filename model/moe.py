@@ -226,8 +226,8 @@ def _weight_grad_per_expert(
 
 class _Dispatch(torch.autograd.Function):
     """`tokens[source]`: each (token, choice) row, sorted by expert. The backward sums each
-    token's k row gradients by a gather through the inverse permutation and a sum over k
-    (deterministic; autograd's indexing backward is an accumulating scatter)."""
+    token's k row gradients in one pass (`embedding_bag` over the inverse permutation;
+    deterministic, where autograd's indexing backward is an accumulating scatter)."""
 
     @staticmethod
     def forward(ctx, tokens: Tensor, source: Tensor, inverse: Tensor, top_k: int) -> Tensor:
@@ -239,33 +239,34 @@ class _Dispatch(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad: Tensor):
         (inverse,) = ctx.saved_tensors
-        pairs = grad.index_select(0, inverse)
-        return pairs.view(-1, ctx.top_k, grad.shape[-1]).sum(1), None, None, None
+        grad_tokens = F.embedding_bag(inverse.view(-1, ctx.top_k), grad, mode="sum")
+        return grad_tokens, None, None, None
 
 
 class _Combine(torch.autograd.Function):
     """`y[t] = sum_j weights[t, j] * out[row of (t, j)]`: the experts' outputs (sorted by
-    expert) weighted back into token order, with no (N*k, C) weighted copy kept."""
+    expert) weighted back into token order, with no weighted (N*k, C) copy. The backward
+    gathers each row's token gradient already scaled by its weight (`embedding_bag`, one
+    pass) and takes the weights' gradient from the rows in token order saved by the forward."""
 
     @staticmethod
     def forward(ctx, out: Tensor, weights: Tensor, order: Tensor, inverse: Tensor) -> Tensor:
         num_tokens, top_k = weights.shape
         pairs = out.index_select(0, inverse).view(num_tokens, top_k, out.shape[-1])
-        ctx.save_for_backward(out, weights, order)
+        ctx.save_for_backward(pairs, weights, order)
         return torch.bmm(weights.unsqueeze(1), pairs).squeeze(1)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad: Tensor):
-        out, weights, order = ctx.saved_tensors
-        top_k = weights.shape[1]
-        rows = grad.index_select(0, order // top_k)  # each sorted row's token's gradient
+        pairs, weights, order = ctx.saved_tensors
+        grad = grad.contiguous()
         grad_weights = None
         if ctx.needs_input_grad[1]:
-            by_row = torch.bmm(rows.unsqueeze(1), out.unsqueeze(2)).view(-1)
-            grad_weights = torch.empty_like(by_row).index_copy_(0, order, by_row)
-            grad_weights = grad_weights.view_as(weights)
-        grad_out = rows.mul_(weights.reshape(-1)[order].unsqueeze(1))
+            grad_weights = torch.bmm(pairs, grad.unsqueeze(2)).view_as(weights)
+        source = (order // weights.shape[1]).view(-1, 1)  # each sorted row's token
+        scale = weights.reshape(-1)[order].view(-1, 1)
+        grad_out = F.embedding_bag(source, grad, mode="sum", per_sample_weights=scale)
         return grad_out, grad_weights, None, None
 
 
