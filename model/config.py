@@ -352,11 +352,13 @@ PRESETS: dict[str, dict] = {
     ),
     # "debug" with a mixture of experts in every layer, at its active size: 8 experts of half
     # its SwiGLU width, 2 per token (the same 384 active width, plus a 8 x 128 router per
-    # layer); Mixtral's layout (exported as MixtralForCausalLM), balanced by the
-    # auxiliary-loss-free bias.
+    # layer); Mixtral's layout (exported as MixtralForCausalLM), balanced by the auxiliary
+    # loss as Mixtral and Qwen3-MoE are. DeepSeek-V3's auxiliary-loss-free bias
+    # (`router_bias_update_rate`) balances better but selects experts by a bias those classes
+    # do not have, so such a model does not export to them.
     "moe-debug": dict(
         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=192,
-        hf_model_type="mixtral", router_bias_update_rate=0.001,
+        hf_model_type="mixtral", router_aux_loss_coef=0.01,
     ),
     # Qwen3-30B-A3B's shapes (48 layers, 128 experts of width 768, 8 per token), for the planner.
     "30b-a3b": dict(

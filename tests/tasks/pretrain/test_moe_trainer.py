@@ -19,8 +19,9 @@ from llmflow.model.moe import load_balancing_loss, moe_layers, router_z_loss
 from llmflow.tasks.pretrain.callbacks import Callback
 
 SCRIPT = Path(__file__)
-# The tiny model with 8 experts of width 32, 2 per token, in both layers (moe-debug's layout).
-MOE_MODEL = {**TINY_MODEL, "moe_intermediate_size": 32}
+# The tiny model with 8 experts of width 32, 2 per token, in both layers (moe-debug's layout),
+# balanced by the aux-free bias alone (the tests that train the auxiliary loss set its weight).
+MOE_MODEL = {**TINY_MODEL, "moe_intermediate_size": 32, "router_aux_loss_coef": 0.0}
 MUON = {"name": "muon", "lr": 3e-3, "muon_lr": 0.02}
 ADAMW = {"name": "adamw", "lr": 3e-3}
 

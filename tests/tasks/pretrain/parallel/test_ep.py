@@ -33,8 +33,11 @@ def _helpers():
     return module
 
 
-MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
-"""moe-debug at the tiny model's width: 8 experts of width 32, 2 per token, every layer sparse."""
+MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+       "router_aux_loss_coef": 0.0, "router_bias_update_rate": 0.001}  # fmt: skip
+"""moe-debug at the tiny model's width: 8 experts of width 32, 2 per token, every layer sparse,
+balanced by the aux-free bias (the auxiliary loss is a function of each rank's micro-batch, so
+a layout that splits the rows differently would not compute one process's loss)."""
 
 
 def ep_config(parallel: dict, processes: int, **changes):
