@@ -66,7 +66,7 @@ def check_layout(
             the fields.
     """
     _check_combination(layout, compile, field)
-    _check_ep(layout, compile, optimizer, field)
+    _check_ep(layout, compile, field)
     if model is not None:
         _check_model(layout, model, field)
     for stage in stages:
@@ -90,7 +90,7 @@ def _check_combination(layout: Layout, compile: bool, field: str) -> None:
         )
 
 
-def _check_ep(layout: Layout, compile: bool, optimizer: str | None, field: str) -> None:
+def _check_ep(layout: Layout, compile: bool, field: str) -> None:
     """Expert parallelism (parallel/ep.py): carved from ``dp_shard``, with FSDP2 and nothing
     else yet."""
     ep = layout.ep
@@ -117,8 +117,6 @@ def _check_ep(layout: Layout, compile: bool, optimizer: str | None, field: str) 
             f"{field}.ep={ep} with pretrain.train.compile=true: compiled blocks are not tested "
             "with the expert all-to-all yet; set compile false or ep 1"
         )
-    if optimizer == "muon":
-        raise ConfigError(f"{field}.ep={ep} with optimizer muon is not supported yet; use adamw")
 
 
 def _check_model(layout: Layout, model: ModelConfig, field: str) -> None:
