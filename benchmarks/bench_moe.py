@@ -11,9 +11,10 @@ Parts (one JSON line each, the block's first):
   back to back in every round (which goes first swaps each round); the figure is the median of
   the per-round ratios (transformers' time / ours: above 1, ours faster) with their range.
   ``identical_work``: both outputs agree within 1e-4 (float32; bf16 within 2e-2 of the scale).
-  ``floor_ms``: the block's grouped-matmul FLOPs (forward, input and weight gradients) at the
-  rate torch's GEMM reaches on the first projection's shape, so ``max_ratio`` (transformers'
-  time / floor) is the most any block of these matmuls can reach.
+  ``floor_ms``: the block's matmuls alone (forward, input and weight gradients of every
+  expert, tokens spread evenly, into preallocated buffers: no routing, no elementwise work),
+  so ``max_ratio`` (transformers' time / floor) is the most any block of these matmuls can
+  reach with torch's GEMM; ``gemm_gflops`` is their FLOPs over that time.
 - ``moe_loop_vs_grouped_mm`` (d): our block with one ``mm`` per expert against
   ``torch._grouped_mm`` (``GroupedExperts.use_loop``), the same rounds; the ratio is the
   grouped_mm time / the loop time (above 1: the loop is faster, our CPU default).
@@ -129,18 +130,39 @@ def block_flops(shape: dict) -> int:
     return 3 * 2 * rows * 3 * shape["hidden"] * shape["width"]
 
 
-def gemm_rate(shape: dict, dtype: torch.dtype, repeat: int) -> float:
-    """FLOP/s of torch's GEMM on the first projection's shape (all rows, one matrix)."""
-    rows = shape["tokens"] * shape["top_k"]
-    a = torch.randn(rows, shape["hidden"], dtype=dtype)
-    b = torch.randn(2 * shape["width"], shape["hidden"], dtype=dtype)
-    a @ b.t()
+def matmul_floor(shape: dict, dtype: torch.dtype, repeat: int) -> float:
+    """Seconds of the block's matmuls alone at its shapes, tokens spread evenly over the
+    experts: per expert, the forward's gate, up and down products, the backward's input and
+    weight gradients, each written into a preallocated buffer (no allocation, no elementwise
+    work, no routing): what any block doing these matmuls with torch's GEMM needs at least."""
+    rows, hidden, width = shape["tokens"] * shape["top_k"], shape["hidden"], shape["width"]
+    experts = shape["experts"]
+    per = rows // experts
+    x, out = torch.randn(per, hidden, dtype=dtype), torch.empty(per, hidden, dtype=dtype)
+    gate, up = torch.randn(per, width, dtype=dtype), torch.randn(per, width, dtype=dtype)
+    gate_up = torch.randn(experts, 2 * width, hidden, dtype=dtype)
+    down = torch.randn(experts, hidden, width, dtype=dtype)
+    grad_gate_up, grad_down = torch.empty_like(gate_up), torch.empty_like(down)
+
+    def matmuls():
+        for e in range(experts):
+            g_w, u_w = gate_up[e, :width], gate_up[e, width:]
+            torch.mm(x, g_w.t(), out=gate)  # forward
+            torch.mm(x, u_w.t(), out=up)
+            torch.mm(gate, down[e].t(), out=out)
+            torch.mm(out, down[e], out=gate)  # backward: the down projection's input
+            torch.mm(out.t(), up, out=grad_down[e])  # and its weight
+            torch.mm(gate, g_w, out=out).addmm_(up, u_w)  # the gate/up input
+            torch.mm(gate.t(), x, out=grad_gate_up[e, :width])  # and their weights
+            torch.mm(up.t(), x, out=grad_gate_up[e, width:])
+
+    matmuls()
     times = []
     for _ in range(repeat):
         start = time.perf_counter()
-        a @ b.t()
+        matmuls()
         times.append(time.perf_counter() - start)
-    return 2 * rows * shape["hidden"] * 2 * shape["width"] / statistics.median(times)
+    return statistics.median(times)
 
 
 def bench_blocks(shapes: list[str], dtypes: list[torch.dtype], rounds: int) -> tuple[dict, dict]:
@@ -165,7 +187,7 @@ def bench_blocks(shapes: list[str], dtypes: list[torch.dtype], rounds: int) -> t
             facts[key] = dict(shape=shape, dtype=str(dtype), diff=agree(ours, peer, x),
                               loop_vs_grouped_diff=agree(ours, grouped, x),
                               peer=peer_implementation(peer, x),
-                              gemm=gemm_rate(shape, dtype, 5))  # fmt: skip
+                              floor=matmul_floor(shape, dtype, 5))  # fmt: skip
     for fn in fns.values():  # warm up: first calls allocate and pick kernels
         fn()
     pairs = [(f"ours|{k}", f"peer|{k}") for k in facts]
@@ -176,8 +198,8 @@ def bench_blocks(shapes: list[str], dtypes: list[torch.dtype], rounds: int) -> t
         vs_peer, vs_grouped = seconds[f"ours|{k}"], seconds[f"loop|{k}"]
         times = {"peer": seconds[f"peer|{k}"], "ours": vs_peer}
         ratios = per_round_ratios(times, "peer", "ours")
-        flops, rate = block_flops(fact["shape"]), fact["gemm"]
-        floor_ms = 1000 * flops / rate
+        flops, floor_ms = block_flops(fact["shape"]), 1000 * fact["floor"]
+        rate = flops / fact["floor"]
         tolerance = 1e-4 if fact["dtype"] == "torch.float32" else 2e-2
         block[k] = dict(
             ratio=ratios["median"], ratio_range=ratios["range"], round_ratios=ratios["rounds"],
@@ -269,13 +291,16 @@ def main() -> None:
             ratio=loop[headline]["ratio"],
             ratio_means="grouped_mm time / per-expert loop time (above 1: the loop is faster)",
             blocks=loop,
+            threads=args.threads,
             rounds=args.rounds,
             quick=args.quick,
         ),
     ]
     batch, seq = (2, 64) if args.quick else (8, 256)
     step = bench_train_step(args.rounds, batch, seq, 1 if args.quick else args.steps)
-    records.append(emit("moe_train_step", **step, rounds=args.rounds, quick=args.quick))
+    records.append(
+        emit("moe_train_step", **step, threads=args.threads, rounds=args.rounds, quick=args.quick)
+    )
     if args.results:
         with open(args.results, "a") as f:
             for record in records:
