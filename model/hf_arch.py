@@ -512,7 +512,7 @@ def _pad_id(cfg: ModelConfig) -> int | None:
 def _add_class_fields(config: dict, cfg: ModelConfig) -> None:
     """The keys only some of the transformers classes read (each class's own defaults)."""
     kind = cfg.hf_model_type
-    if cfg.explicit_head_dim is not None or kind in ("llama", "qwen3", "qwen3_moe"):
+    if cfg.explicit_head_dim is not None or kind in ("llama", "qwen3", "qwen3_moe", "mixtral"):
         config["head_dim"] = cfg.head_dim
     if kind not in ("qwen2", "mixtral"):
         config["attention_bias"] = False

@@ -182,6 +182,9 @@ def test_export_round_trip_is_the_original_class_in_the_hub_layout(name, tmp_pat
     skip = {"transformers_version", "_name_or_path"}
     original, exported = theirs.config.to_dict(), back.config.to_dict()
     differ = {k for k in original.keys() | exported.keys() if original.get(k) != exported.get(k)}
+    if original.get("head_dim") is None:  # Mixtral's default: hidden / heads, which we write
+        assert exported["head_dim"] == original["hidden_size"] // original["num_attention_heads"]
+        skip.add("head_dim")
     assert differ <= skip, {k: (original.get(k), exported.get(k)) for k in differ - skip}
     back_state, original_state = back.state_dict(), theirs.state_dict()
     assert back_state.keys() == original_state.keys()
@@ -552,3 +555,26 @@ def test_continued_pretraining_of_an_imported_qwen3_moe(tmp_path, monkeypatch):
     )
     with torch.no_grad():
         torch.testing.assert_close(back(ids).logits, ours(ids), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
+def test_a_yarn_extended_moe_export_builds_in_transformers(kind):
+    """The context-extended export (YaRN) writes head_dim: transformers' YaRN reads it from the
+    config, and MixtralConfig's default is None (the quickstart-moe's extended model failed to
+    load with "unsupported operand type(s) for *: 'NoneType' and 'float'")."""
+    import transformers
+
+    from llmflow.model.config import preset
+    from llmflow.model.hf_arch import hf_config
+
+    yarn = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 128,
+            "beta_fast": 32, "beta_slow": 1}  # fmt: skip
+    cfg = preset("moe-debug", vocab_size=256, max_seq_len=256, rope_scaling=yarn,
+                 hf_model_type=kind, qk_norm=kind == "qwen3_moe")  # fmt: skip
+    config = hf_config(cfg)
+    assert config["head_dim"] == cfg.head_dim
+    hf = transformers.AutoConfig.for_model(
+        **{k: v for k, v in config.items() if k != "architectures"}
+    )
+    model = transformers.AutoModelForCausalLM.from_config(hf)
+    assert type(model).__name__ == config["architectures"][0]
