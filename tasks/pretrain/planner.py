@@ -97,12 +97,13 @@ def memory_per_gpu(
     packed: bool = False,
     device_type: str = "cuda",
     eval_batches: int = 4,
+    ep: int = 1,
 ) -> MemoryEstimate:
     """`memory` from keywords, for the layout ``dp_replicate x dp_shard x cp x tp x pp =
-    num_gpus`` (``dp_shard`` defaults to the GPUs the other degrees leave)."""
+    num_gpus`` (``dp_shard`` defaults to the GPUs the other degrees leave; ``ep`` divides it)."""
     if dp_shard is None:
         dp_shard = max(1, num_gpus // (dp_replicate * tp * cp * pp))
-    layout = Layout(dp_replicate, dp_shard, tp, cp, pp, pp_schedule)
+    layout = Layout(dp_replicate, dp_shard, tp, cp, pp, pp_schedule, ep)
     shape = Shape(
         cfg, seq_len, micro_batch_size, param_dtype_bytes, optimizer, activation_checkpointing,
         every_k, micro_batches, fsdp, packed, device_type, eval_batches,

@@ -76,7 +76,7 @@ def _measure(rank: int, world: int, kind: str, init_file: str, out: str, packed:
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    cfg = preset("debug", **WIDTH)
+    cfg = _model(kind)
     model = Transformer(cfg)
     ids = torch.randint(
         0, cfg.vocab_size, (BATCH, SEQ_LEN), generator=torch.Generator().manual_seed(0)
@@ -93,6 +93,12 @@ def _measure(rank: int, world: int, kind: str, init_file: str, out: str, packed:
             from llmflow.tasks.pretrain.parallel.tp import apply_tp
 
             apply_tp(model, init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))["tp"])
+        elif kind == "ep":  # each rank its own rows (EP ranks are data-parallel ranks)
+            from torch.distributed.device_mesh import init_device_mesh
+
+            from llmflow.tasks.pretrain.parallel.ep import apply_ep
+
+            apply_ep(model, init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))["ep"])
         else:
             batch = shard_batch(batch, dist.group.WORLD)
             context, positions = batch["context"], batch.get("position_ids")
@@ -156,9 +162,21 @@ def _environ(**values: str) -> Iterator[None]:
                 os.environ[key] = value
 
 
+def _model(kind: str):
+    """The widened debug model, or (``moe``, ``ep``) its mixture of experts at equal active
+    width: 8 experts of half the SwiGLU width, 2 per token."""
+    if kind in ("moe", "ep"):
+        return preset(
+            "moe-debug", **{**WIDTH, "moe_intermediate_size": WIDTH["intermediate_size"] // 2}
+        )
+    return preset("debug", **WIDTH)
+
+
 def estimate(kind: str, world: int, packed: bool = False) -> float:
     degrees = {"tp": world} if kind == "tp" else {"cp": world} if kind == "cp" else {}
-    m = memory_per_gpu(preset("debug", **WIDTH), seq_len=SEQ_LEN, micro_batch_size=BATCH,
+    if kind == "ep":
+        degrees = {"ep": world, "dp_shard": world}
+    m = memory_per_gpu(_model(kind), seq_len=SEQ_LEN, micro_batch_size=BATCH,
                        num_gpus=world, param_dtype_bytes=4, optimizer="adamw", fsdp=False,
                        activation_checkpointing="none", device_type="cpu", packed=packed,
                        **degrees)  # fmt: skip
@@ -176,6 +194,19 @@ def test_activation_estimate_within_15_percent_of_peak_rss(kind, world, packed):
     predicted = estimate(kind, world, packed)
     for got in measured:
         print(f"{kind} packed={packed}: measured {got / 1e9:.3f} GB, planned {predicted / 1e9:.3f}")
+        assert abs(predicted - got) / got <= TOLERANCE, (kind, predicted / 1e9, got / 1e9)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind,world", [("moe", 1), ("ep", 2)])
+def test_moe_activation_estimate_within_15_percent_of_peak_rss(kind, world):
+    """A mixture of experts (`moe-debug` at the widened debug shape, every layer sparse, rows of
+    one document) in one process and at ep=2 (each rank its own rows; the experts split, the
+    rows dispatched by all-to-all): `ep.dispatch_bytes` against what the block keeps."""
+    measured = measure(kind, world)
+    predicted = estimate(kind, world)
+    for got in measured:
+        print(f"{kind}: measured {got / 1e9:.3f} GB, planned {predicted / 1e9:.3f}")
         assert abs(predicted - got) / got <= TOLERANCE, (kind, predicted / 1e9, got / 1e9)
 
 
