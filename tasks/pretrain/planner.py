@@ -60,6 +60,8 @@ class Plan:
     warnings: list[str] = field(default_factory=list)
     predicted_loss: float | None = None
     """Validation loss from the recipe's fitted scaling law (``llmflow ladder``), if one exists."""
+    num_active_parameters: int | None = None
+    """The parameters a token goes through (a mixture of experts' top-k); None when all are."""
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
@@ -176,6 +178,7 @@ def plan(
     result = Plan(
         num_parameters=params,
         num_non_embedding_parameters=model_cfg.num_parameters(non_embedding=True),
+        num_active_parameters=(model_cfg.active_parameters() if model_cfg.num_experts else None),
         flops_per_token=per_token,
         memory=memory,
         chinchilla_tokens=CHINCHILLA_TOKENS_PER_PARAM * params,
@@ -255,7 +258,12 @@ def format_plan(p: Plan) -> str:
     m = p.memory
     lines = [
         f"parameters           {p.num_parameters / 1e6:,.1f}M "
-        f"({p.num_non_embedding_parameters / 1e6:,.1f}M non-embedding)",
+        f"({p.num_non_embedding_parameters / 1e6:,.1f}M non-embedding"
+        + (
+            f"; {p.num_active_parameters / 1e6:,.1f}M active per token: a mixture of experts)"
+            if p.num_active_parameters is not None
+            else ")"
+        ),
         f"FLOPs per token      {p.flops_per_token:.3e}",
         f"tokens               {p.num_tokens:.3e} (Chinchilla-optimal "
         f"{p.chinchilla_tokens:.3e}, x{p.num_tokens / p.chinchilla_tokens:.2f})",

@@ -183,6 +183,17 @@ def test_format_plan_mentions_every_part():
         assert word in text
 
 
+def test_format_plan_states_active_parameters_of_a_mixture_only():
+    """30b-a3b: 30.5B parameters, 3.35B a token goes through (Qwen3-30B-A3B's own figures);
+    a dense plan's line is as it was."""
+    moe = format_plan(plan(preset("30b-a3b"), seq_len=4096, global_batch_tokens=2**22,
+                           num_tokens=10**12, num_gpus=64))  # fmt: skip
+    assert "parameters           30,532.1M (29,909.8M non-embedding; 3,353.0M active per " in moe
+    dense = format_plan(plan(preset("debug"), seq_len=256, global_batch_tokens=2**12,
+                             num_tokens=10**6))  # fmt: skip
+    assert f"parameters           {DEBUG_PARAMS / 1e6:,.1f}M (0.8M non-embedding)\n" in dense
+
+
 def test_muon_states_by_hand_and_against_the_real_optimizer_split():
     from llmflow.tasks.pretrain.optim import split_parameters
     from llmflow.tasks.pretrain.planner import hidden_matrix_parameters
