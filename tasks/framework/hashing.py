@@ -41,9 +41,15 @@ recipe's YAML): no hash covers it, and `recipe_dump` leaves it out at its defaul
 outputs keep their addresses."""
 
 
+ADDED = {"omit_default": True, "added": True}
+"""A field that defines outputs (it is hashed), added after recipes were dumped into outputs: at
+its default it is left out of the hash and of `recipe_dump`, so those outputs keep their
+addresses; any other value enters both."""
+
+
 def recipe_dump(model: BaseModel) -> dict[str, Any]:
-    """``model.model_dump(mode="json")`` without the ``ADDED_EXECUTION`` fields at their
-    default, at any depth."""
+    """``model.model_dump(mode="json")`` without the ``ADDED_EXECUTION`` and ``ADDED`` fields at
+    their default, at any depth."""
     return model.model_dump(mode="json", exclude=_added_at_default(model) or None)
 
 
@@ -52,7 +58,8 @@ def _added_at_default(model: BaseModel) -> dict[str, Any]:
     for name, info in type(model).model_fields.items():
         value = getattr(model, name)
         extra = info.json_schema_extra
-        if extra == ADDED_EXECUTION and value == info.get_default(call_default_factory=True):
+        added = extra == ADDED_EXECUTION or isinstance(extra, dict) and extra.get("added")
+        if added and value == info.get_default(call_default_factory=True):
             out[name] = True
         elif isinstance(value, BaseModel) and (inner := _added_at_default(value)):
             out[name] = inner

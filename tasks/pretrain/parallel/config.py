@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from llmflow.tasks.framework.errors import ConfigError
+from llmflow.tasks.framework.hashing import ADDED
 from llmflow.tasks.pretrain.parallel.support import PARALLEL_FIELD, StageShape, check_layout
 
 if TYPE_CHECKING:
@@ -45,6 +46,7 @@ class ParallelConfig(BaseModel):
         ge=1,
         description="Expert-parallel degree (mixture of experts): each sparse layer's experts "
         "split over ep ranks carved from dp_shard, which it must divide.",
+        json_schema_extra=ADDED,  # at 1, in no hash and no card's recipe: addresses stay
     )
 
     def resolve(

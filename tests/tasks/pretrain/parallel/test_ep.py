@@ -311,3 +311,21 @@ def worker(config_path: str, data_dir: str) -> None:
 
 if __name__ == "__main__":
     worker(*sys.argv[1:3])
+
+
+def test_ep_at_one_moves_no_address_and_any_other_degree_is_hashed():
+    """``ep`` came after recipes were embedded in cards: at 1 it is in neither the pretrain
+    config's hash nor a card's recipe (test_graph_addresses checks every quickstart address);
+    ep=2 enters both."""
+    from llmflow.tasks.config import load_config
+    from llmflow.tasks.framework.hashing import digest, recipe_dump, versioned_fields
+
+    plain = load_config(None, [])
+    ep2 = load_config(None, ["pretrain.train.model.preset=moe-debug", "pretrain.parallel.ep=2",
+                             "pretrain.num_processes=2"])  # fmt: skip
+    assert "ep" not in recipe_dump(plain)["pretrain"]["train"]["parallel"]
+    assert recipe_dump(ep2)["pretrain"]["train"]["parallel"]["ep"] == 2
+    parallel = ep2.pretrain.train.parallel
+    assert digest(versioned_fields(parallel)) != digest(
+        versioned_fields(parallel.model_copy(update={"ep": 1}))
+    )
