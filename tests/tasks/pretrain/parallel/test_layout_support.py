@@ -401,7 +401,7 @@ def _launch(root: Path, data: Path, runs: list[tuple[str, object]], world: int) 
 
 def _reference_name(combo: Combination) -> str:
     parts = ["one-process", combo.optimizer] + ["qk_norm"] * combo.qk_norm
-    return "-".join(parts + ["untied"] * (not combo.tied))
+    return "-".join(parts + ["untied"] * (not combo.tied) + ["moe"] * combo.moe)
 
 
 @pytest.fixture(scope="module")
