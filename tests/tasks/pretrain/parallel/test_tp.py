@@ -9,8 +9,6 @@ reference.
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -45,24 +43,15 @@ def tp_config(parallel: dict, model: dict | None = None, **changes):
 
 def run_worker(cfg, data_dir: Path, out_dir: Path, processes: int, timeout: float = 240) -> dict:
     """Train ``STEPS`` steps in ``processes`` ranks; rank 0's record (losses, weights, grads)."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    cfg.save(out_dir / "train_config.json")
-    command = [sys.executable, __file__, str(out_dir / "train_config.json"), str(data_dir)]
-    if processes > 1:
-        launcher = ["-m", "torch.distributed.run", "--standalone"]
-        command[1:1] = [*launcher, "--nproc_per_node", str(processes)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        command, cwd=out_dir, env=env, capture_output=True, text=True, timeout=timeout
-    )
-    if proc.returncode != 0:
-        raise AssertionError(f"worker failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
-    return torch.load(out_dir / "record.pt")
+    from tests.tasks.pretrain.parallel.ranks import run_record_worker
+
+    return run_record_worker(__file__, cfg, data_dir, out_dir, processes, timeout)
 
 
 def max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Largest difference relative to the reference's largest magnitude."""
-    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
+    from tests.tasks.pretrain.parallel.ranks import max_rel as relative
+
+    return relative(a, b)
 
 
 def compare(got: dict, expected: dict) -> dict[str, float]:
