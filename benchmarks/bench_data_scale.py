@@ -69,7 +69,7 @@ import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 from pydantic import BaseModel, Field  # noqa: E402
 
-from benchmarks.common import emit, load_average  # noqa: E402
+from benchmarks.common import append_results, emit, load_average  # noqa: E402
 from llmflow.tasks.curation.config import MinhashConfig  # noqa: E402
 from llmflow.tasks.framework.step import Metrics, step  # noqa: E402
 
@@ -697,10 +697,7 @@ def main() -> None:
                 flat_means="largest / smallest driver VmHWM over the scales",
             )
         )
-    if args.results:
-        with open(args.results, "a") as f:
-            for record in records:
-                f.write(json.dumps(record) + "\n")
+    append_results(args.results, records)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,6 @@ Parts (one JSON line each, the block's first):
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -38,7 +37,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 
 import torch  # noqa: E402
 
-from benchmarks.common import alternate, emit, paired_order, per_round_ratios  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    alternate,
+    append_results,
+    emit,
+    paired_order,
+    per_round_ratios,
+)
 from llmflow.model.config import ModelConfig, preset  # noqa: E402
 from llmflow.model.loss import IGNORE_INDEX  # noqa: E402
 from llmflow.model.moe import MoE  # noqa: E402
@@ -301,10 +306,7 @@ def main() -> None:
     records.append(
         emit("moe_train_step", **step, threads=args.threads, rounds=args.rounds, quick=args.quick)
     )
-    if args.results:
-        with open(args.results, "a") as f:
-            for record in records:
-                f.write(json.dumps(record) + "\n")
+    append_results(args.results, records)
 
 
 if __name__ == "__main__":

@@ -122,6 +122,14 @@ def emit(name: str, **fields) -> dict:
     return record
 
 
+def append_results(path: str | None, records: list[dict]) -> None:
+    """Append ``records`` (``emit``'s) to the JSON-lines results file ``path``, if given."""
+    if path:
+        with open(path, "a") as f:
+            for record in records:
+                f.write(json.dumps(record) + "\n")
+
+
 def _rounded(value):
     if isinstance(value, float):
         return round(value, 4)
