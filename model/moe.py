@@ -95,8 +95,8 @@ class Router(nn.Module):
         else:
             scores = logits.sigmoid()
         with torch.no_grad():
-            chooser = scores + self.expert_bias if self.expert_bias.any() else scores
-            ids = chooser.topk(self.top_k, dim=-1, sorted=True).indices
+            # NOTE: a zero bias adds exactly 0; testing it first would sync the host per layer
+            ids = (scores + self.expert_bias).topk(self.top_k, dim=-1, sorted=True).indices
         weights = scores.gather(1, ids)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
