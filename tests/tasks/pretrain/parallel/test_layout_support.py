@@ -128,6 +128,15 @@ RUN = ["run", "--until", "pretrain"]
             ["pretrain.num_processes=3", "pretrain.parallel.tp=2"],
             ["pretrain.train.parallel", "does not divide the world size 3"],
         ),
+        (
+            ["pretrain.num_processes=2", "pretrain.parallel.tp=2",
+             "pretrain.train.optimizer.name=adamw", "pretrain.train.model.preset=moe-debug"],
+            ["pretrain.train.parallel.tp=2 with model.num_experts=8"],
+        ),
+        (
+            ["pretrain.num_processes=2", "pretrain.parallel.ep=2"],
+            ["pretrain.train.parallel.ep=2 needs a mixture-of-experts model"],
+        ),
     ],
 )  # fmt: skip
 def test_run_refuses_an_unsupported_layout_before_any_step(tmp_path, capfd, overrides, needles):
